@@ -1,0 +1,71 @@
+"""The on-disk compile cache: miss, hit, corruption, concurrent builders, no-DSL loading."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from epilora_cute import compile_cache
+from epilora_cute.compile_cache import KernelUnavailable, dsl_version, entry_dir, get_artifact
+from kernels_dsl import fp8_quant
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG = fp8_quant.Config(threads=128, vectors_per_thread=1)
+pytestmark = pytest.mark.skipif(dsl_version() is None, reason="nvidia-cutlass-dsl is not installed")
+
+
+def test_miss_then_hit(isolated_cache, monkeypatch):
+    calls = []
+    real = fp8_quant.compile
+    monkeypatch.setattr(fp8_quant, "compile", lambda *a: calls.append(a) or real(*a))
+    a1 = get_artifact(fp8_quant, CFG, "sm_90a")
+    a2 = get_artifact(fp8_quant, CFG, "sm_90a")
+    assert len(calls) == 1 and a1.cubin == a2.cubin and a1.path == a2.path
+    assert a1.path.parent == entry_dir(fp8_quant, CFG, "sm_90a") and a1.dsl_version == dsl_version()
+
+
+def test_key_depends_on_config_and_arch(isolated_cache):
+    d = entry_dir(fp8_quant, CFG, "sm_90a")
+    assert d != entry_dir(fp8_quant, fp8_quant.Config(128, 2), "sm_90a")
+    assert d != entry_dir(fp8_quant, CFG, "sm_100a")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "meta"])
+def test_corrupt_entry_is_rebuilt(isolated_cache, damage):
+    art = get_artifact(fp8_quant, CFG, "sm_90a")
+    cubin = art.path / "kernel.cubin"
+    if damage == "truncate":
+        cubin.write_bytes(art.cubin[:100])
+    elif damage == "flip":
+        b = bytearray(art.cubin); b[len(b) // 2] ^= 0xFF; cubin.write_bytes(bytes(b))
+    else:
+        (art.path / "meta.json").write_text("{not json")
+    again = get_artifact(fp8_quant, CFG, "sm_90a")
+    assert again.cubin == art.cubin
+
+
+def test_two_processes_build_once_and_agree(isolated_cache):
+    code = ("import sys, json; sys.path.insert(0, %r);"
+            "from epilora_cute.compile_cache import get_artifact; from kernels_dsl import fp8_quant;"
+            "a = get_artifact(fp8_quant, fp8_quant.Config(128, 1), 'sm_90a');"
+            "print(json.dumps({'sha': __import__('hashlib').sha256(a.cubin).hexdigest(), 'path': str(a.path)}))") % str(ROOT)
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=os.environ.copy()) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    res = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
+    assert res[0] == res[1]
+    built = list(Path(isolated_cache).rglob("meta.json"))
+    assert len(built) == 1 and not list(Path(isolated_cache).rglob(".build-*"))
+
+
+def test_without_dsl_loads_any_prebuilt_version_or_explains(isolated_cache, monkeypatch):
+    art = get_artifact(fp8_quant, CFG, "sm_90a")
+    monkeypatch.setattr(compile_cache, "dsl_version", lambda: None)
+    assert get_artifact(fp8_quant, CFG, "sm_90a").cubin == art.cubin
+    with pytest.raises(KernelUnavailable, match="prebuild"):
+        get_artifact(fp8_quant, fp8_quant.Config(128, 2), "sm_90a")

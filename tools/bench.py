@@ -1,0 +1,175 @@
+"""Benchmarks, side by side with vLLM's kernels in one run (CUDA-graph replays, L2 flushed, median).
+
+    python tools/bench.py [--sections quant,launch,...] [--out DIR] [--quick]
+
+Sections:
+  quant   per-token FP8 quantization: ours vs vLLM's scaled_fp8_quant (issue 2's target: not slower)
+  launch  host time per launch of our cuda-python launcher vs vLLM's op, eager
+  layer   the decode path on one Qwen3-8B layer (when the K2 kernels are present)
+Prints a table, writes bench.json (+ bench.png when matplotlib is present) into --out.
+Without a GPU it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tools.gpu_timing import host_launch_us, read_bandwidth_gbs, time_eager, time_graph  # noqa: E402
+
+
+def vllm_ops():
+    """vLLM's custom ops module, or None (the anchors are then left out, and the table says so)."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    try:
+        from vllm import _custom_ops
+        return _custom_ops
+    except Exception as e:  # pragma: no cover
+        print(f"vllm is installed but its ops don't import: {e}", file=sys.stderr)
+        return None
+
+
+def bench_quant(quick: bool) -> list[dict]:
+    from epilora_cute import ops
+
+    vops = vllm_ops()
+    rows = []
+    ms = [1, 16, 255, 2048] if quick else [1, 3, 16, 255, 2048, 8192]
+    for k in [4096, 5120, 12288, 8208]:
+        for m in ms:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            codes = torch.empty(m, k, dtype=torch.float8_e4m3fn, device="cuda")
+            scales = torch.empty(m, 1, device="cuda")
+            ours = time_graph(lambda: ops.quantize_fp8_per_token(x, codes, scales))
+            row = {"section": "quant", "M": m, "K": k, "ours_us": ours,
+                   "floor_us": (m * k * 3 + m * 4) / 4.4e12 * 1e6}
+            if vops is not None:
+                vl = time_graph(lambda: vops.scaled_fp8_quant(x, use_per_token_if_dynamic=True))
+                row.update(vllm_us=vl, ratio=ours / vl)
+            rows.append(row)
+            print(f"quant M={m:5d} K={k:5d}: ours {ours:7.2f} us"
+                  + (f"  vLLM {row['vllm_us']:7.2f} us  ratio {row['ratio']:.2f}" if vops else "  (no vLLM)"),
+                  flush=True)
+    return rows
+
+
+def bench_launch(quick: bool) -> list[dict]:
+    from epilora_cute import ops
+
+    x = torch.randn(1, 4096, device="cuda").bfloat16()
+    codes = torch.empty(1, 4096, dtype=torch.float8_e4m3fn, device="cuda")
+    scales = torch.empty(1, 1, device="cuda")
+    rows = [{"section": "launch", "what": "ours quantize_fp8_per_token (validation + cuda-python launch)",
+             "host_us": host_launch_us(lambda: ops.quantize_fp8_per_token(x, codes, scales)),
+             "eager_gpu_us": time_eager(lambda: ops.quantize_fp8_per_token(x, codes, scales))}]
+    from kernels_dsl import fp8_quant
+    from epilora_cute.kernels import get_kernel
+    from epilora_cute.arch import arch_of
+    cfg = fp8_quant.config_for(4096)
+    k = get_kernel(fp8_quant, cfg, arch_of(x))
+    rows.append({"section": "launch", "what": "ours raw Kernel.__call__ (pack + cuLaunchKernelEx)",
+                 "host_us": host_launch_us(lambda: k(x, codes, scales, grid=(1, 1, 1), smem=cfg.smem_bytes))})
+    rows.append({"section": "launch", "what": "ours raw Kernel.__call__ with PDL attribute",
+                 "host_us": host_launch_us(lambda: k(x, codes, scales, grid=(1, 1, 1), smem=cfg.smem_bytes, pdl=True))})
+    vops = vllm_ops()
+    if vops is not None:
+        rows.append({"section": "launch", "what": "vLLM scaled_fp8_quant (torch custom op)",
+                     "host_us": host_launch_us(lambda: vops.scaled_fp8_quant(x, use_per_token_if_dynamic=True))})
+    for r in rows:
+        print(f"launch: {r['what']}: host {r['host_us']:.2f} us/launch", flush=True)
+    return rows
+
+
+SECTIONS = {"quant": bench_quant, "launch": bench_launch}
+
+
+def _optional_sections() -> None:
+    """Sections that exist once their kernels do (tools/bench_*.py modules with a ``SECTIONS`` dict)."""
+    for name in ("tools.bench_decode", "tools.bench_triton"):
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+        SECTIONS.update(getattr(mod, "SECTIONS", {}))
+
+
+def environment() -> dict:
+    env = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(), "torch": torch.__version__,
+           "python": platform.python_version()}
+    for pkg in ("vllm", "triton", "nvidia-cutlass-dsl", "cuda-bindings"):
+        try:
+            env[pkg] = importlib.metadata.version(pkg)
+        except Exception:
+            env[pkg] = None
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env.update(gpu=p.name, sms=p.multi_processor_count, cc=f"{p.major}.{p.minor}",
+                   driver=torch.version.cuda)
+    return env
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    q = [r for r in rows if r["section"] == "quant" and "vllm_us" in r]
+    if not q:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for k in sorted({r["K"] for r in q}):
+        rs = [r for r in q if r["K"] == k]
+        ax.plot([r["M"] for r in rs], [r["ratio"] for r in rs], marker="o", label=f"K={k}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("tokens (M)")
+    ax.set_ylabel("ours / vLLM scaled_fp8_quant (lower is better)")
+    ax.set_title("Per-token FP8 quantization, H200, CUDA graphs, L2 flushed")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    _optional_sections()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "build" / "bench")))
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench: no CUDA GPU here; nothing to time (the GPU record is produced by tools/gpu_record.py on the H200)")
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    env["read_bandwidth_gbs"] = read_bandwidth_gbs()
+    print(f"GPU {env.get('gpu')}  measured read bandwidth {env['read_bandwidth_gbs']:.0f} GB/s  vLLM {env['vllm']}")
+    rows = []
+    for name in args.sections.split(","):
+        if name not in SECTIONS:
+            print(f"unknown section {name}; have {sorted(SECTIONS)}")
+            return 2
+        rows += SECTIONS[name](args.quick)
+    (args.out / "bench.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    plot(rows, args.out / "bench.png")
+    print(f"wrote {args.out / 'bench.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

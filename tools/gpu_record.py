@@ -1,0 +1,127 @@
+"""The GPU record: every GPU test and the benchmark in one command, written up as a report.
+
+    python tools/gpu_record.py [--out DIR] [--quick] [--tests PATHS] [--bench-sections a,b]
+
+Writes DIR/gpu_report.md and DIR/gpu_report.json (GPU name, versions, date, each test's outcome,
+the benchmark rows). On the H200 this is run with DIR=$OUT and the files are committed under
+docs/gpu_record/ with the code they measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def run_tests(out: Path, paths: list[str]) -> dict:
+    junit = out / "gpu_tests.xml"
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *paths]
+    t0 = time.time()
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    (out / "gpu_tests.log").write_text(r.stdout + r.stderr)
+    cases = []
+    if junit.exists():
+        for tc in ET.parse(junit).getroot().iter("testcase"):
+            outcome = "passed"
+            msg = ""
+            for tag in ("failure", "error", "skipped"):
+                el = tc.find(tag)
+                if el is not None:
+                    outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+                    msg = (el.get("message") or "")[:300]
+            cases.append({"test": f"{tc.get('classname')}::{tc.get('name')}", "outcome": outcome,
+                          "seconds": float(tc.get("time", 0)), "message": msg})
+    counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error", "skipped")}
+    return {"command": " ".join(cmd[1:]), "exit_code": r.returncode, "seconds": time.time() - t0,
+            "counts": counts, "cases": cases, "tail": (r.stdout + r.stderr)[-4000:]}
+
+
+def run_bench(out: Path, sections: str | None, quick: bool) -> dict:
+    cmd = [sys.executable, str(ROOT / "tools" / "bench.py"), "--out", str(out)]
+    if sections:
+        cmd += ["--sections", sections]
+    if quick:
+        cmd.append("--quick")
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    (out / "bench.log").write_text(r.stdout + r.stderr)
+    data = json.loads((out / "bench.json").read_text()) if (out / "bench.json").exists() else {}
+    return {"command": " ".join(cmd[1:]), "exit_code": r.returncode, **data, "tail": (r.stdout + r.stderr)[-3000:]}
+
+
+def _fmt(v):
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
+def write_markdown(rep: dict, path: Path) -> None:
+    env = rep["bench"].get("env", {})
+    t = rep["tests"]
+    lines = [f"# GPU record — {rep['date']}", "",
+             f"- GPU: {env.get('gpu')} (cc {env.get('cc')}, {env.get('sms')} SMs), torch {env.get('torch')}, "
+             f"triton {env.get('triton')}, vLLM {env.get('vllm')}, nvidia-cutlass-dsl on the GPU machine: "
+             f"{env.get('nvidia-cutlass-dsl')}, kernels built by: {rep.get('kernel_builds')}",
+             f"- git commit: {rep['git']}",
+             f"- command: `python tools/gpu_record.py` ({rep['seconds']:.0f} s)",
+             f"- measured read bandwidth: {env.get('read_bandwidth_gbs', float('nan')):.0f} GB/s", "",
+             f"## Tests: {t['counts']['passed']} passed, {t['counts']['failed']} failed, "
+             f"{t['counts']['error']} errors, {t['counts']['skipped']} skipped (exit {t['exit_code']})", ""]
+    bad = [c for c in t["cases"] if c["outcome"] in ("failed", "error")]
+    for c in bad[:40]:
+        lines.append(f"- **{c['outcome']}** `{c['test']}`: {c['message']}")
+    skipped = [c for c in t["cases"] if c["outcome"] == "skipped"]
+    if skipped:
+        lines.append(f"- skipped: " + "; ".join(f"`{c['test'].split('::')[-1]}` ({c['message'][:80]})" for c in skipped[:10]))
+    lines += ["", "## Benchmark (CUDA-graph replays, L2 flushed before each, median)", ""]
+    rows = rep["bench"].get("rows", [])
+    for section in dict.fromkeys(r["section"] for r in rows):
+        rs = [r for r in rows if r["section"] == section]
+        keys = [k for k in rs[0] if k != "section"]
+        for r in rs[1:]:
+            keys += [k for k in r if k not in keys and k != "section"]
+        lines += [f"### {section}", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+        lines += ["| " + " | ".join(_fmt(r.get(k, "")) for k in keys) + " |" for r in rs]
+        lines.append("")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "build" / "gpu_record")))
+    ap.add_argument("--tests", nargs="*", default=["tests"])
+    ap.add_argument("--bench-sections", default=None)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        print("gpu_record: no CUDA GPU here; run this on the H200 (see README)")
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
+    tests = run_tests(args.out, args.tests)
+    print(f"tests: {tests['counts']}", flush=True)
+    bench = run_bench(args.out, args.bench_sections, args.quick)
+    print(bench.get("tail", "")[-2500:], flush=True)
+    metas = {json.loads(p.read_text())["dsl_version"] for p in Path(os.environ.get("EPILORA_CACHE_DIR", "/nonexistent")).rglob("meta.json")} \
+        if os.environ.get("EPILORA_CACHE_DIR") else set()
+    rep = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "git": git + (" (with local changes)" if dirty else ""),
+           "seconds": time.time() - t0, "tests": tests, "bench": bench,
+           "kernel_builds": "nvidia-cutlass-dsl " + ", ".join(sorted(metas)) if metas else "JIT here"}
+    (args.out / "gpu_report.json").write_text(json.dumps(rep, indent=1))
+    write_markdown(rep, args.out / "gpu_report.md")
+    print((args.out / "gpu_report.md").read_text()[:6000])
+    return 0 if tests["exit_code"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

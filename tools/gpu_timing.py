@@ -1,0 +1,85 @@
+"""Timing as the project reports it: CUDA-graph replays, L2 flushed before each, median.
+
+``time_graph(fn)`` captures ``fn`` once into a CUDA graph, then for every repetition zeroes a
+buffer larger than the L2 (outside the graph), records an event, replays, records an event; the
+median over repetitions is the reported time. ``time_eager`` times direct calls the same way,
+host launch cost included, and ``host_launch_us`` the host time per call alone.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+_FLUSH_BYTES = 256 * 1024 * 1024  # > 4x the H200's 60 MB L2
+_flush_buf: torch.Tensor | None = None
+
+
+def _flush() -> None:
+    global _flush_buf
+    if _flush_buf is None:
+        _flush_buf = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    _flush_buf.zero_()
+
+
+def _median_us(run: Callable[[], None], reps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        _flush()
+        run()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        _flush()
+        s.record()
+        run()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+
+
+def capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
+def time_graph(fn: Callable[[], None], reps: int = 50, warmup: int = 5) -> float:
+    """Median microseconds of one replay of ``fn`` captured as a CUDA graph, L2 flushed."""
+    g = capture(fn)
+    return _median_us(g.replay, reps, warmup)
+
+
+def time_eager(fn: Callable[[], None], reps: int = 50, warmup: int = 5) -> float:
+    return _median_us(fn, reps, warmup)
+
+
+def host_launch_us(fn: Callable[[], None], reps: int = 2000) -> float:
+    """Host microseconds per call (launch cost; the GPU work queues asynchronously)."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / reps * 1e6
+
+
+def read_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """Measured device read bandwidth (GB/s): a large reduction reads every byte once."""
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").uniform_()
+    us = time_graph(lambda: x.sum(dtype=torch.float32), reps=20, warmup=3)
+    return nbytes / (us * 1e-6) / 1e9
