@@ -1,0 +1,14 @@
+# The two commands of the README. Both set up everything they need on a fresh machine.
+.PHONY: run test prebuild gpu-record
+
+run:            ## the main job: prebuild the kernel set + reference demo (no GPU) or benchmark (GPU)
+	@tools/setup_env.sh
+	@.venv/bin/python -m epilora_cute.main
+
+test:           ## the test suite (GPU tests skip cleanly without a GPU)
+	@tools/setup_env.sh
+	@.venv/bin/python -m pytest -q
+
+prebuild:       ## compile every kernel for sm_90a into ./.epilora_cache (carried to the H200)
+	@tools/setup_env.sh
+	@EPILORA_CACHE_DIR=.epilora_cache .venv/bin/python -m epilora_cute.prebuild --arch sm_90a
