@@ -25,3 +25,10 @@ def isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("EPILORA_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("EPILORA_QUIET_BUILD", "1")
     return tmp_path / "cache"
+
+# The Triton path's tests (tests/test_triton_path.py) run its kernels under the Triton interpreter
+# when there is no GPU. Triton chooses interpreter or compiler as it decorates each @triton.jit
+# function -- its own standard library's too, when triton is first imported -- so the variable has
+# to be set here, before any test module imports triton.
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,0 +1,415 @@
+"""The portable Triton path (issue 6) against epilora_cute.reference.
+
+Without a GPU the kernels run on CPU tensors under the Triton interpreter. Triton chooses between
+interpreter and compiler when it decorates a kernel (its own library's when triton is first
+imported), so TRITON_INTERPRET=1 has to be set before anything imports triton: tests/conftest.py
+does that when there is no GPU, and this module sets it too when it is the first to import triton.
+
+Tolerance on y (relative Frobenius error against reference.lora_linear, which is fp32): the FP8
+codes and scales are bit-identical to the reference, so the base GEMM differs only in fp32
+summation order (~1e-6 relative). The LoRA term differs by summation order in h and by tf32
+rounding of h in the expand (2^-11 relative of the LoRA term). The dominant error is the bf16
+rounding of y: at most 2^-9 relative per element with round-to-nearest (GPU), 2^-8 with the
+interpreter's fp32->bf16 cast, which truncates. Bound = that bf16 unit + 2^-10 for the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+HAS_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if HAS_GPU else "cpu")
+if not HAS_GPU:
+    if "triton" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import triton.language.standard as _tl_standard
+    if type(_tl_standard.cdiv).__name__ != "InterpretedFunction":
+        pytest.skip("no GPU, and triton was imported before TRITON_INTERPRET=1 was set (see tests/conftest.py)",
+                    allow_module_level=True)
+
+from epilora_cute import reference as ref  # noqa: E402
+from epilora_cute.metadata import build_meta  # noqa: E402
+from vllm_adapter import triton_path as tp  # noqa: E402
+from vllm_adapter.triton_path import (  # noqa: E402
+    TritonLoraConfig, triton_gemm_lora, triton_lora_linear, triton_quant_shrink, validate_token_lora_mapping)
+
+BF16_UNIT = 2.0 ** -9 if HAS_GPU else 2.0 ** -8
+Y_TOL = BF16_UNIT + 2.0 ** -10
+H_TOL = 1e-5  # fp32 sums in another order
+FP8_NAN_BYTE = 0x7F  # never produced: the quantizer clamps to +-448 (0x7E / 0xFE)
+
+gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+
+
+# ----------------------------------------------------------------------------- problem builders
+
+def _gen(seed: int, device="cpu") -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def make_problem(M, K, widths, R, num_adapters, *, seed=0, slot_ranks=None, none_fraction=0.25,
+                 max_loras=None, device=DEVICE):
+    """Random layer + batch. Returns a dict; A/B beyond a slot's effective rank are zero in the
+    reference copies and NaN in the kernel copies (so reading them would show)."""
+    g = _gen(seed, device)
+    L = max_loras or max(num_adapters, 1)
+    randn = lambda *shape: torch.randn(*shape, generator=g, device=device)  # noqa: E731
+    x = (randn(M, K) * 2).to(torch.bfloat16)
+    w_q, w_scale = ref.quantize_fp8_per_tensor(randn(sum(widths), K) / K ** 0.5)
+    a_ref = [(randn(L, 1, R, K) / K ** 0.5).to(torch.bfloat16) for _ in widths]
+    b_ref = [(randn(L, 1, n, R) / R ** 0.5).to(torch.bfloat16) for n in widths]
+    g_cpu = _gen(seed)
+    slots = torch.randint(0, max(num_adapters, 1), (M,), generator=g_cpu, dtype=torch.int32)
+    if num_adapters == 0:
+        slots.fill_(-1)
+    else:
+        slots[torch.rand(M, generator=g_cpu) < none_fraction] = -1
+    a_dev, b_dev = a_ref, b_ref
+    if slot_ranks is not None:
+        slot_ranks = torch.tensor(slot_ranks, dtype=torch.int32)
+        a_ref = [t.clone() for t in a_ref]
+        b_ref = [t.clone() for t in b_ref]
+        a_dev = [t.clone() for t in a_ref]
+        b_dev = [t.clone() for t in b_ref]
+        for slot, r in enumerate(slot_ranks.tolist()):
+            for t in a_ref:
+                t[slot, :, r:] = 0
+            for t in b_ref:
+                t[slot, :, :, r:] = 0
+            for t in a_dev:
+                t[slot, :, r:] = float("nan")
+            for t in b_dev:
+                t[slot, :, :, r:] = float("nan")
+    return dict(x=x, w_q=w_q, w_scale=w_scale, slots=slots, L=L, a_ref=a_ref, b_ref=b_ref, a=a_dev, b=b_dev,
+                slot_ranks=None if slot_ranks is None else slot_ranks.to(device),
+                meta=build_meta(slots.to(device), L))
+
+
+def rel_err(y: torch.Tensor, y_ref: torch.Tensor) -> float:
+    y, y_ref = y.double(), y_ref.double()
+    return ((y - y_ref).norm() / y_ref.norm().clamp_min(1e-30)).item()
+
+
+def reference_h(p, chunk=256):
+    """reference.lora_shrink, chunked over tokens like reference_y."""
+    x, slots = p["x"], p["slots"].to(p["x"].device)
+    parts = [ref.lora_shrink(x[i:i + chunk], p["a_ref"], slots[i:i + chunk]) for i in range(0, x.shape[0], chunk)]
+    return [torch.cat([part[s] for part in parts]) for s in range(len(p["a_ref"]))]
+
+
+def reference_y(p, *, w8a16, chunk=256):
+    """reference.lora_linear, chunked over tokens (it is row-wise; chunks bound its memory)."""
+    outs = []
+    for i in range(0, p["x"].shape[0], chunk):
+        sl = slice(i, i + chunk)
+        outs.append(ref.lora_linear(p["x"][sl], p["w_q"], p["w_scale"], p["a_ref"], p["b_ref"],
+                                    p["slots"][sl].to(p["x"].device), quantize_activations=not w8a16))
+    return torch.cat(outs)
+
+
+def poisoned_k1_outputs(M, K, S, R, device=DEVICE):
+    codes = torch.full((M, K), FP8_NAN_BYTE, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+    scales = torch.full((M, 1), float("nan"), device=device)
+    h = torch.full((S, M, R), float("nan"), device=device)
+    return codes, scales, h
+
+
+def check_k1(p, *, quantize=True, config=None):
+    """Run K1 into poisoned buffers; codes/scales bit-exact, h close; returns (codes, scales, h)."""
+    x = p["x"]
+    M, K = x.shape
+    S, R = len(p["a"]), p["a"][0].shape[2]
+    codes, scales, h = poisoned_k1_outputs(M, K, S, R, x.device)
+    out = triton_quant_shrink(x, p["a"], p["meta"], quantize=quantize, slot_ranks=p["slot_ranks"], config=config,
+                              codes_out=codes if quantize else None, scales_out=scales if quantize else None,
+                              h_out=h)
+    assert out[2] is h
+    if quantize:
+        ref_codes, ref_scales = ref.quantize_fp8_per_token(x)
+        assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8)), "FP8 codes differ from reference"
+        assert torch.equal(scales.view(torch.int32), ref_scales.view(torch.int32)), "scales differ from reference"
+    h_ref = reference_h(p)
+    assert not h.isnan().any(), "h not fully written (or read NaN past a slot's rank)"
+    for s in range(S):
+        assert rel_err(h[s], h_ref[s]) <= H_TOL
+    none = p["slots"].to(x.device) < 0
+    assert torch.all(h[:, none] == 0), "tokens without adapter must have h = 0"
+    return codes, scales, h
+
+
+# ----------------------------------------------------------------------------- quantization, bit-exact
+
+def test_fp8_codes_for_every_bf16_value_at_unit_scale():
+    """Every bf16 value in [-448, 448] (this covers every e4m3 tie) with scale exactly 1."""
+    bits = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    vals = bits[(bits.float().abs() <= 448)]  # drops NaN and |v| > 448
+    K = 256
+    rows = -(-vals.numel() // (K - 1))
+    x = torch.zeros(rows * (K - 1), dtype=torch.bfloat16)
+    x[:vals.numel()] = vals
+    x = torch.cat([torch.full((rows, 1), 448.0, dtype=torch.bfloat16), x.reshape(rows, K - 1)], dim=1)
+    p = make_problem(1, K, [16], 8, 0)
+    p.update(x=x.to(DEVICE), meta=build_meta(torch.full((rows,), -1, dtype=torch.int32, device=DEVICE), 1),
+             slots=torch.full((rows,), -1, dtype=torch.int32))
+    cfg = TritonLoraConfig(k1_block_m=64, k1_block_k=128, k1_block_r=16, k1_split_k=1)
+    _, scales, _ = check_k1(p, config=cfg)
+    assert torch.all(scales == 1.0)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # inf / inf in the interpreter's numpy
+def test_fp8_codes_special_rows():
+    """NaN, +-inf, zeros, -0.0, tiny rows (MIN_SCALE), bf16's largest values, K with a tail."""
+    g = _gen(3)
+    K = 96
+    x = torch.randn(9, K, generator=g)
+    x[0, 5] = float("nan")
+    x[1, 7] = float("inf")
+    x[2, 3] = -float("inf")
+    x[2, 4] = float("nan")
+    x[3] = 0.0
+    x[4] = -0.0
+    x[5] *= 1e-9  # amax / 448 < MIN_SCALE
+    x[6] = torch.tensor(3.3895e38)  # bf16 max: amax / 448 is finite, big
+    x[6, ::2] *= -1
+    x[7] *= torch.logspace(-30, 30, K)
+    x[8, :] = float("nan")
+    p = make_problem(9, K, [16], 8, 0)  # no adapters: h of NaN / inf rows would be NaN in any order
+    p["x"] = x.to(torch.bfloat16).to(DEVICE)
+    check_k1(p)
+
+
+@pytest.mark.parametrize("M,K", [(1, 64), (3, 160), (16, 256), (33, 96)])
+def test_fp8_codes_random_scales(M, K):
+    g = _gen(M * K)
+    p = make_problem(M, K, [32], 16, 2, seed=M)
+    p["x"] = (torch.randn(M, K, generator=g) * torch.logspace(-3, 3, M)[:, None]).to(torch.bfloat16).to(DEVICE)
+    check_k1(p)
+
+
+# ----------------------------------------------------------------------------- the whole layer
+
+CASES = [
+    # id, M, K, widths, R, adapters, w8a16, slot_ranks, config
+    ("m1-r8", 1, 64, [32], 8, 1, False, None, None),
+    ("m3-qkv-r16", 3, 128, [48, 16, 16], 16, 2, False, None, None),
+    ("m16-gateup-r64-mixed", 16, 192, [40, 40], 64, 4, False, [64, 8, 16, 0], None),
+    ("m33-qkv-r16-split4", 33, 256, [64, 16, 16], 16, 3, False, None,
+     TritonLoraConfig(k1_split_k=4, k1_block_r=16, k2_block_n=32, k2_block_k=64, k2_block_r=16)),
+    ("m33-r8-w8a16", 33, 160, [48], 8, 4, True, None, None),
+    ("m16-r64-w8a16-mixed", 16, 64, [32, 24], 64, 2, True, [16, 64], None),
+    ("m3-no-adapter", 3, 96, [32, 16], 16, 0, False, None, None),
+    ("m33-one-adapter-r24", 33, 128, [24, 40], 24, 1, False, None,
+     TritonLoraConfig(k1_block_m=32, k2_block_m=32, k2_block_n=16, k2_block_r=16)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_lora_linear_against_reference(case):
+    _, M, K, widths, R, adapters, w8a16, slot_ranks, cfg = case
+    p = make_problem(M, K, widths, R, adapters, seed=M + K + R, slot_ranks=slot_ranks)
+    codes, scales, h = check_k1(p, quantize=not w8a16, config=cfg)
+    y = torch.full((M, sum(widths)), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    triton_gemm_lora(p["x"] if w8a16 else codes, None if w8a16 else scales, p["w_q"], p["w_scale"], h, p["b"],
+                     p["meta"], w8a16=w8a16, slot_ranks=p["slot_ranks"], config=cfg, out=y)
+    assert not y.isnan().any(), "y not fully written (or read NaN past a slot's rank)"
+    err = rel_err(y, reference_y(p, w8a16=w8a16))
+    assert err <= Y_TOL, f"relative Frobenius error {err:.2e} > {Y_TOL:.2e}"
+    # The one-call API composes the same two launches.
+    y2 = triton_lora_linear(p["x"], p["w_q"], p["w_scale"], p["a"], p["b"], p["meta"], w8a16=w8a16,
+                            slot_ranks=p["slot_ranks"], config=cfg)
+    assert torch.equal(y.view(torch.int16), y2.view(torch.int16))
+
+
+def test_bitwise_deterministic_with_split_k():
+    cfg = TritonLoraConfig(k1_split_k=3, k1_block_r=16, k2_block_n=32, k2_block_k=64, k2_block_r=16)
+    p = make_problem(17, 192, [32, 16, 16], 32, 4, seed=11, slot_ranks=[32, 16, 8, 32])
+    outs = [triton_lora_linear(p["x"], p["w_q"], p["w_scale"], p["a"], p["b"], p["meta"],
+                               slot_ranks=p["slot_ranks"], config=cfg) for _ in range(2)]
+    for y in outs[1:]:
+        assert torch.equal(y.view(torch.int16), outs[0].view(torch.int16))
+    hs = [triton_quant_shrink(p["x"], p["a"], p["meta"], slot_ranks=p["slot_ranks"], config=cfg)[2] for _ in range(2)]
+    assert torch.equal(hs[0].view(torch.int32), hs[1].view(torch.int32))
+    # Split-K only reorders fp32 sums, and the arrival counters are left at zero for the next launch.
+    h1 = triton_quant_shrink(p["x"], p["a"], p["meta"], slot_ranks=p["slot_ranks"],
+                             config=TritonLoraConfig(k1_split_k=1, k1_block_r=16))[2]
+    assert rel_err(hs[0], h1) <= H_TOL
+    assert int(tp._COUNTERS[str(DEVICE)].abs().sum()) == 0
+
+
+def test_token_order_and_adapter_groups_survive_shuffled_slots():
+    """Tokens of one adapter scattered through the batch: y must come back in token order."""
+    p = make_problem(17, 64, [32], 16, 3, seed=5, none_fraction=0.4)
+    y = triton_lora_linear(p["x"], p["w_q"], p["w_scale"], p["a"], p["b"], p["meta"])
+    y_ref = reference_y(p, w8a16=False)
+    per_row = ((y.double() - y_ref.double()).norm(dim=1) / y_ref.double().norm(dim=1))
+    assert per_row.max().item() <= 4 * Y_TOL
+
+
+def test_empty_batch():
+    p = make_problem(4, 64, [32], 16, 1)
+    x = p["x"][:0]
+    y = triton_lora_linear(x, p["w_q"], p["w_scale"], p["a"], p["b"], build_meta(p["slots"][:0].to(DEVICE), 1))
+    assert y.shape == (0, 32)
+
+
+# ----------------------------------------------------------------------------- input validation
+
+def _bad(p, **over):
+    args = dict(x=p["x"], w_q=p["w_q"], w_scale=p["w_scale"], lora_a_slices=p["a"], lora_b_slices=p["b"],
+                meta=p["meta"])
+    kw = {k: over.pop(k) for k in ("w8a16", "out", "slot_ranks", "config") if k in over}
+    args.update(over)
+    return lambda: triton_lora_linear(args["x"], args["w_q"], args["w_scale"], args["lora_a_slices"],
+                                      args["lora_b_slices"], args["meta"], **kw)
+
+
+BAD_INPUTS = [
+    ("x-dtype", TypeError, "x must be bfloat16", lambda p: dict(x=p["x"].float())),
+    ("x-3d", ValueError, "2-D", lambda p: dict(x=p["x"][None])),
+    ("x-stride", ValueError, "contiguous", lambda p: dict(x=p["x"].t().contiguous().t())),
+    ("w-dtype", TypeError, "float8_e4m3fn", lambda p: dict(w_q=p["w_q"].to(torch.bfloat16))),
+    ("w-k", ValueError, "K=64", lambda p: dict(w_q=p["w_q"][:, :32].contiguous())),
+    ("w-stride", ValueError, "contiguous", lambda p: dict(w_q=p["w_q"].t().contiguous().t())),
+    ("w-scale", TypeError, "one-element float32", lambda p: dict(w_scale=torch.ones(2, device=DEVICE))),
+    ("a-dtype", TypeError, "bfloat16", lambda p: dict(lora_a_slices=[t.float() for t in p["a"]])),
+    ("a-stride", ValueError, "contiguous", lambda p: dict(lora_a_slices=[t.transpose(2, 3).contiguous().transpose(2, 3)
+                                                                          for t in p["a"]])),
+    ("a-k", ValueError, "has K=32", lambda p: dict(lora_a_slices=[t[..., :32].contiguous() for t in p["a"]])),
+    ("a-rank", ValueError, "rank mismatch", lambda p: dict(lora_a_slices=[p["a"][0], p["a"][1][:, :, :8].contiguous()])),
+    ("b-rank", ValueError, "rank mismatch", lambda p: dict(lora_b_slices=[t[..., :8].contiguous() for t in p["b"]])),
+    ("b-count", ValueError, "one of each", lambda p: dict(lora_b_slices=p["b"][:1])),
+    ("b-widths", ValueError, "add up", lambda p: dict(lora_b_slices=[p["b"][0], p["b"][1][:, :, :8].contiguous()])),
+    ("a-slots", ValueError, "adapter slots", lambda p: dict(lora_a_slices=[t[:1].contiguous() for t in p["a"]])),
+    ("meta-tokens", ValueError, "describes 3 tokens",
+     lambda p: dict(meta=build_meta(torch.zeros(3, dtype=torch.int32, device=DEVICE), 2))),
+    ("meta-slots", ValueError, "slot ids out of range",
+     lambda p: dict(meta=build_meta(p["slots"].to(DEVICE), 7))),
+    ("meta-kind", TypeError, "build_meta", lambda p: dict(meta=object())),
+    ("slot-ranks-dtype", TypeError, "int32", lambda p: dict(slot_ranks=torch.ones(2, dtype=torch.int64, device=DEVICE))),
+    ("slot-ranks-shape", ValueError, "max_loras=2", lambda p: dict(slot_ranks=torch.ones(1, dtype=torch.int32, device=DEVICE))),
+    ("out-shape", ValueError, "out must be", lambda p: dict(out=torch.empty(5, 47, dtype=torch.bfloat16, device=DEVICE))),
+    ("out-dtype", ValueError, "out must be", lambda p: dict(out=torch.empty(5, 48, device=DEVICE))),
+    ("config", ValueError, "power of two", lambda p: dict(config=TritonLoraConfig(k2_block_n=48))),
+]
+
+
+@pytest.mark.parametrize("name,exc,msg,change", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_inputs_raise_clear_errors(name, exc, msg, change):
+    p = make_problem(5, 64, [32, 16], 16, 2, seed=1)
+    with pytest.raises(exc, match=msg):
+        _bad(p, **change(p))()
+
+
+def test_slot_id_validation():
+    validate_token_lora_mapping(torch.tensor([-1, 0, 3], dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match=r"slot ids out of range \[-1, 4\) at tokens \[1, 2\]"):
+        validate_token_lora_mapping(torch.tensor([0, 4, -2], dtype=torch.int32), 4)
+    with pytest.raises(TypeError):
+        validate_token_lora_mapping(torch.tensor([0.0]), 4)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="CPU-only check")
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    monkeypatch.setattr(tp, "_kernels_interpreted", lambda: False)
+    p = make_problem(2, 64, [32], 16, 1)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        _bad(p)()
+
+
+# ----------------------------------------------------------------------------- the plugin's switch
+
+def test_force_switch(monkeypatch):
+    monkeypatch.delenv(tp.ENV_FORCE_TRITON, raising=False)
+    assert not tp.triton_path_forced()
+    monkeypatch.setenv(tp.ENV_FORCE_TRITON, "1")
+    assert tp.triton_path_forced()
+    assert not tp.triton_path_applies("cpu")
+    monkeypatch.setenv(tp.ENV_FORCE_TRITON, "0")
+    assert not tp.triton_path_forced()
+
+
+@gpu
+def test_applies_on_gpu(monkeypatch):
+    monkeypatch.setenv(tp.ENV_FORCE_TRITON, "1")
+    assert tp.triton_path_applies("cuda")
+    monkeypatch.delenv(tp.ENV_FORCE_TRITON)
+    assert tp.triton_path_applies("cuda") == (torch.cuda.get_device_capability() == (8, 9))
+
+
+# ----------------------------------------------------------------------------- GPU, full shapes
+
+QWEN3_8B = {
+    "qkv": ([4096, 1024, 1024], 4096),
+    "o": ([4096], 4096),
+    "gate_up": ([12288, 12288], 4096),
+    "down": ([4096], 12288),
+}
+GPU_TOKENS = [1, 2, 3, 4, 7, 8, 16, 31, 32, 33, 64, 100, 256, 511, 2048]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", GPU_TOKENS)
+@pytest.mark.parametrize("shape", list(QWEN3_8B))
+def test_gpu_full_shapes(shape, M):
+    widths, K = QWEN3_8B[shape]
+    p = make_problem(M, K, widths, 64, min(4, M), seed=M, max_loras=4, slot_ranks=[64, 16, 32, 8])
+    for w8a16 in (False, True):
+        codes, scales, h = check_k1(p, quantize=not w8a16)
+        y = torch.full((M, sum(widths)), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        triton_lora_linear(p["x"], p["w_q"], p["w_scale"], p["a"], p["b"], p["meta"], w8a16=w8a16,
+                           slot_ranks=p["slot_ranks"], out=y)
+        assert not y.isnan().any()
+        err = rel_err(y, reference_y(p, w8a16=w8a16))
+        assert err <= Y_TOL, f"{shape} M={M} w8a16={w8a16}: relative error {err:.2e} > {Y_TOL:.2e}"
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [8, 16, 256])
+def test_gpu_ranks(R):
+    widths, K = QWEN3_8B["qkv"]
+    for M in (5, 300):
+        p = make_problem(M, K, widths, R, 3, seed=R + M, max_loras=4)
+        y = triton_lora_linear(p["x"], p["w_q"], p["w_scale"], p["a"], p["b"], p["meta"])
+        assert rel_err(y, reference_y(p, w8a16=False)) <= Y_TOL
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 33, 2048])
+def test_gpu_bitwise_deterministic(M):
+    widths, K = QWEN3_8B["qkv"]
+    p = make_problem(M, K, widths, 64, 4, seed=7, max_loras=4)
+    runs = [triton_lora_linear(p["x"], p["w_q"], p["w_scale"], p["a"], p["b"], p["meta"]) for _ in range(5)]
+    for y in runs[1:]:
+        assert torch.equal(y.view(torch.int16), runs[0].view(torch.int16))
+    assert int(tp._COUNTERS[str(DEVICE)].abs().sum()) == 0
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay():
+    """Capture once, then refresh x and the metadata in place: replays match eager runs."""
+    widths, K = QWEN3_8B["qkv"]
+    M = 24
+    p = make_problem(M, K, widths, 64, 4, seed=9, max_loras=4)
+    x, meta = p["x"].clone(), p["meta"]
+    run = lambda: triton_lora_linear(x, p["w_q"], p["w_scale"], p["a"], p["b"], meta)  # noqa: E731
+    run()  # builds the cached tables outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_graph = run()
+    for seed in range(3):
+        g = _gen(100 + seed)
+        x.copy_((torch.randn(M, K, generator=g) * 2).to(torch.bfloat16))
+        slots = torch.randint(-1, 4, (M,), generator=g, dtype=torch.int32)
+        meta.prepare(slots.to(DEVICE))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y_graph.view(torch.int16), run().view(torch.int16))
