@@ -85,7 +85,8 @@ class Config:
 
     @property
     def rank_chunk(self) -> int:
-        return min(self.rank, 64)
+        # bf16 WGMMA needs K >= 16: rank 8 uses a 16-wide chunk, TMA zero-fills columns 8..15.
+        return max(16, min(self.rank, 64))
 
     @property
     def name(self) -> str:
@@ -458,7 +459,7 @@ class _K2Kernel:
                             j = e // RC
                             rr = e - j * RC
                             v = cutlass.Float32(0.0)
-                            if j < M:
+                            if j < M and c * RC + rr < R:
                                 if mTok[j] == lid:
                                     v = mH[sl, j, c * RC + rr]
                             sH[j, rr, 0] = v.to(cutlass.BFloat16)
@@ -530,7 +531,7 @@ def params(config: Config) -> list[Param]:
         Param("n_quant", "i32"),
     ]
     if config.lora:
-        sw = {8: "NONE", 16: "32B", 32: "64B", 64: "128B"}[rc]
+        sw = {16: "32B", 32: "64B", 64: "128B"}[rc]
         # The tuple (tma atoms..., coord tensors...) flattens atoms first, then coords.
         for s in range(config.num_slices):
             p.append(Param(f"tma_b{s}", "tensormap",
