@@ -25,7 +25,9 @@ def families(include_optional: bool = True) -> list[ModuleType]:
                 mod = importlib.import_module(m)
             except ModuleNotFoundError:
                 continue
-            if hasattr(mod, "prebuild_configs") and hasattr(mod, "FAMILY"):
+            # A family joins the prebuild set once it declares the runtime contract (FAMILY,
+            # Config.name(), Config.block, params(config) or PARAMS, prebuild_configs()).
+            if getattr(mod, "RUNTIME_CONTRACT", False):
                 mods.append(mod)
     return mods
 
