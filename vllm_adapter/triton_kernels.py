@@ -101,18 +101,18 @@ def _quantize_rows(x_ptr, stride_xm, codes_ptr, scales_ptr, M, K, row0, k_lo, k_
     """Codes for rows [row0, row0 + BLOCK_M) and columns [k_lo, k_hi); scales when asked.
 
     The amax needs the whole row, so the row is read once for it and the chunk once more for the
-    codes (that second read is an L2 hit in practice).
+    codes (that second read is an L2 hit in practice). BLOCK_K is wide: these loops are
+    latency bound, one load in flight per iteration.
     """
     rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-    amax_tile = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         xf = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K), other=0.0).to(tl.float32)
-        # fmaxf from 0: NaN never wins, +inf does.
-        amax_tile = tl.maximum(amax_tile, tl.where(xf != xf, 0.0, tl.abs(xf)))
-    amax = tl.max(amax_tile, axis=1)
+        # fmaxf from 0: NaN never wins, +inf does; max is exact, so any order gives the same bits.
+        amax = tl.maximum(amax, tl.max(tl.where(xf != xf, 0.0, tl.abs(xf)), axis=1))
     scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), FP8_MIN_SCALE)  # IEEE division, as CUDA's '/'
     if write_scales:
         tl.store(scales_ptr + rows, scale, mask=row_ok)
@@ -191,7 +191,7 @@ def quant_shrink_kernel(
         M, K, R, k_per_split,
         NUM_SLICES: tl.constexpr, NUM_RANK_BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr,
         QUANTIZE: tl.constexpr, HAS_SLOT_RANKS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, QUANT_BLOCK_K: tl.constexpr,
         BF16_DOT_VIA_FP32: tl.constexpr):
     """K1. Grid: (roles, SPLIT_K, row tiles); roles = slices x rank blocks (+1 quantizer).
 
@@ -207,7 +207,7 @@ def quant_shrink_kernel(
     if role == num_shrink_roles:  # only launched when QUANTIZE
         if QUANTIZE:
             _quantize_rows(x_ptr, stride_xm, codes_ptr, scales_ptr, M, K, row0, k_lo, k_hi, split == 0,
-                           BLOCK_M, BLOCK_K)
+                           BLOCK_M, QUANT_BLOCK_K)
     else:
         s = role // NUM_RANK_BLOCKS
         rank_lo = (role % NUM_RANK_BLOCKS) * BLOCK_R

@@ -89,36 +89,48 @@ def _num_sms(device: torch.device) -> int:
     return _SM_COUNT[key]
 
 
-def pick_config(M: int, K: int, R: int, num_slices: int, device, *, w8a16: bool = False) -> TritonLoraConfig:
-    """Heuristic tiles by batch size. Decode (small M) is bandwidth bound: small row tiles, split-K
-    in K1 to spread the A reads over the SMs, narrow K2 column tiles for more programs."""
+def pick_config(M: int, K: int, R: int, num_slices: int, device, *, w8a16: bool = False,
+                N: Optional[int] = None) -> TritonLoraConfig:
+    """Heuristic tiles by batch size (measured on an H200 with Triton 3.6; Ada untested).
+
+    Decode (small M) is bandwidth bound: split-K in K1 spreads the A reads over the SMs, and K2
+    takes 16-row tiles with deep K steps. Larger batches take the largest K2 tile that still
+    gives every two SMs a program."""
     device = torch.device(device)
     r_pad = _pow2_at_least(R)
     if device.type != "cuda":  # interpreter: small tiles so small test shapes still span several
         split = 2 if K >= 128 else 1
         return TritonLoraConfig(k1_block_m=16, k1_block_k=64, k1_block_r=min(r_pad, 32), k1_split_k=split,
                                 k2_block_m=16, k2_block_n=32, k2_block_k=64, k2_block_r=min(r_pad, 32))
+    sms = _num_sms(device)
     hopper = torch.cuda.get_device_capability(device)[0] >= 9
-    k1_bm = 16 if M <= 32 else 32 if M <= 128 else 64
+    k1_bm = 16 if M <= 256 else 32
     k1_bk = 128 if M <= 64 else 64
     k1_br = min(r_pad, 64)
-    base_programs = -(-M // k1_bm) * num_slices * -(-R // k1_br)
-    split = max(1, min(2 * _num_sms(device) // base_programs, K // (4 * k1_bk)))
+    base_programs = max(1, -(-M // k1_bm) * num_slices * -(-R // k1_br))
+    split = max(1, min(2 * sms // base_programs, K // (2 * k1_bk)))
+    bm, bn, bk, warps, stages = _k2_tiles(M, N or 4096, sms, w8a16, hopper)
+    if not hopper:
+        stages = min(stages, 3)
+    return TritonLoraConfig(k1_block_m=k1_bm, k1_block_k=k1_bk, k1_block_r=k1_br, k1_split_k=split,
+                            k2_block_m=bm, k2_block_n=bn, k2_block_k=bk, k2_num_warps=warps, k2_num_stages=stages,
+                            k2_block_r=min(r_pad, 32 if bm >= 128 else 64))
+
+
+def _k2_tiles(M: int, N: int, sms: int, w8a16: bool, hopper: bool) -> tuple[int, int, int, int, int]:
+    """(block_m, block_n, block_k, warps, stages) for K2. Shared memory per stage stays under
+    ~24 KB, so three stages fit Ada's ~100 KB per block."""
     if M <= 16:
-        k2 = dict(k2_block_m=16, k2_block_n=64, k2_num_warps=4, k2_num_stages=4)
-    elif M <= 32:
-        k2 = dict(k2_block_m=32, k2_block_n=64, k2_num_warps=4, k2_num_stages=4)
-    elif M <= 128:
-        k2 = dict(k2_block_m=64, k2_block_n=64, k2_num_warps=4, k2_num_stages=4)
-    elif M <= 512:
-        k2 = dict(k2_block_m=64, k2_block_n=128, k2_num_warps=4, k2_num_stages=4 if hopper else 3)
-    else:
-        k2 = dict(k2_block_m=128, k2_block_n=128, k2_num_warps=8, k2_num_stages=4 if hopper else 3)
-    big_tile = k2["k2_block_m"] >= 128
-    # Ada has ~100 KB of shared memory per block: keep the pipelined stages inside it.
-    k2["k2_block_k"] = 64 if (w8a16 or (big_tile and not hopper)) else 128
-    k2["k2_block_r"] = min(r_pad, 32 if big_tile else 64)
-    return TritonLoraConfig(k1_block_m=k1_bm, k1_block_k=k1_bk, k1_block_r=k1_br, k1_split_k=split, **k2)
+        if w8a16:
+            return 16, 32, 128, 4, 4
+        return (16, 32, 256, 4, 4) if N < 16384 else (16, 64, 256, 4, 3)
+    if M <= 64:
+        return (32 if M <= 32 else 64), 64, 128, 4, 4
+    if M <= 512:
+        if -(-M // 128) * -(-N // 128) * 2 >= sms:
+            return 128, 128, 128 if hopper else 64, 8, 4 if hopper else 3
+        return 64, 64, 128, 4, 4
+    return (256, 128, 64, 8, 3) if hopper else (128, 128, 64, 8, 3)
 
 
 def _check_config(cfg: TritonLoraConfig) -> None:
@@ -342,6 +354,12 @@ def _kernels():
     return triton_kernels
 
 
+def _quant_block_k(K: int, cfg: TritonLoraConfig) -> int:
+    """Columns per step of K1's quantizer: ~8K elements a tile (its loops are latency bound),
+    no wider than K needs."""
+    return max(16, min(8192 // cfg.k1_block_m, _pow2_at_least(K)))
+
+
 def _k1_split(K: int, cfg: TritonLoraConfig) -> tuple[int, int]:
     """(splits, columns per split): chunks are whole k1_block_k tiles and none is empty."""
     per_split = -(-K // cfg.k1_split_k)
@@ -400,7 +418,7 @@ def _launch_k1(x, a, R, meta, quantize, slot_ranks, cfg, codes_out=None, scales_
         NUM_SLICES=S, NUM_RANK_BLOCKS=rank_blocks, SPLIT_K=splits, QUANTIZE=quantize,
         HAS_SLOT_RANKS=slot_ranks is not None,
         BLOCK_M=cfg.k1_block_m, BLOCK_K=cfg.k1_block_k, BLOCK_R=cfg.k1_block_r,
-        BF16_DOT_VIA_FP32=_kernels_interpreted(), num_warps=cfg.k1_num_warps)
+        QUANT_BLOCK_K=_quant_block_k(K, cfg), BF16_DOT_VIA_FP32=_kernels_interpreted(), num_warps=cfg.k1_num_warps)
     return codes, scales, h
 
 
@@ -450,7 +468,7 @@ def triton_gemm_lora(act: torch.Tensor, scales: Optional[torch.Tensor], w_q: tor
     _check_meta(meta, M, L, device)
     _check_slot_ranks(slot_ranks, L, device)
     _check_out("out", out, (M, N), torch.bfloat16, device)
-    cfg = config or pick_config(M, K, R, S, device, w8a16=w8a16)
+    cfg = config or pick_config(M, K, R, S, device, w8a16=w8a16, N=N)
     _check_config(cfg)
     y = out if out is not None else torch.empty((M, N), dtype=torch.bfloat16, device=device)
     if M == 0:
@@ -483,7 +501,7 @@ def triton_lora_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor
     _check_meta(meta, M, L, device)
     _check_slot_ranks(slot_ranks, L, device)
     _check_out("out", out, (M, N), torch.bfloat16, device)
-    cfg = config or pick_config(M, K, R, len(a), device, w8a16=w8a16)
+    cfg = config or pick_config(M, K, R, len(a), device, w8a16=w8a16, N=N)
     _check_config(cfg)
     y = out if out is not None else torch.empty((M, N), dtype=torch.bfloat16, device=device)
     if M == 0:
