@@ -31,6 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import cuda.bindings.driver as cuda
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils as utils
@@ -121,7 +123,12 @@ class _K2Kernel:
     # the cubin itself; this function only has to produce the same kernel.
     @cute.jit
     def __call__(self, w: cute.Tensor, xq: cute.Tensor, sx: cute.Tensor, sw: cute.Tensor,
-                 y: cute.Tensor, sync: cute.Tensor, n_quant: cutlass.Int32, lora_args, stream):
+                 y: cute.Tensor, sync: cute.Tensor, n_quant: cutlass.Int32, stream: cuda.CUstream,
+                 h: cute.Tensor = None, tok_lora: cute.Tensor = None, active_ids: cute.Tensor = None,
+                 num_active: cute.Tensor = None, slot_ranks: cute.Tensor = None,
+                 slice_start: cute.Tensor = None, b0: cute.Tensor = None, b1: cute.Tensor = None,
+                 b2: cute.Tensor = None, b3: cute.Tensor = None):
+        # Flat arguments (no tuples): export_to_c, used by tools/capture, only takes flat ones.
         cfg = self.cfg
         fp8 = w.element_type
         a_layout = utils.LayoutEnum.from_tensor(w)
@@ -136,7 +143,8 @@ class _K2Kernel:
             op, xq, cute.slice_(sX_layout, (None, None, 0)), (self.bn, self.bk))
 
         if cutlass.const_expr(cfg.lora):
-            bufs_b, h, tok_lora, active_ids, num_active, slot_ranks, slice_start = lora_args
+            bufs_b = tuple(b for b in (b0, b1, b2, b3) if b is not None)
+            assert len(bufs_b) == cfg.num_slices
             bf16 = bufs_b[0].element_type
             l_tile = (self.bm, self.bn, self.rc)
             sB_layout = sm90_utils.make_smem_layout_a(
@@ -194,6 +202,7 @@ class _K2Kernel:
             self.storage = StorageLora
         else:
             self.storage = Storage
+        self.smem_size = self.storage.size_in_bytes()
 
         n_tiles = cute.size(w, mode=[0]) // self.bm
         self.kernel(
@@ -505,15 +514,21 @@ def _fake_args(cfg: Config):
         num_active = C.fake_rowmajor(i32, (1,), align=4)
         slot_ranks = C.fake_rowmajor(i32, (C.sym(1),), align=4)
         slice_start = C.fake_rowmajor(i32, (cfg.num_slices + 1,), align=4)
-        lora_args = (bufs, h, tok, active, num_active, slot_ranks, slice_start)
-    else:
-        lora_args = None
-    return (w, xq, sx, sw, y, sync, cutlass.Int32(0), lora_args, C.fake_stream())
+        return (w, xq, sx, sw, y, sync, cutlass.Int32(0), C.fake_stream(), h, tok, active, num_active,
+                slot_ranks, slice_start, *bufs)
+    return (w, xq, sx, sw, y, sync, cutlass.Int32(0), C.fake_stream())
 
 
 def compile(config: Config, options: str = "--gpu-arch sm_90a"):
-    """cute.compile of one configuration with fake tensors (no GPU needed)."""
-    return cute.compile(_K2Kernel(config), *_fake_args(config), options=options)
+    """cute.compile of one configuration with fake tensors (no GPU needed). The result carries
+    `epilora_smem_bytes`: the dynamic shared memory the launch needs."""
+    k = _K2Kernel(config)
+    f = cute.compile(k, *_fake_args(config), options=options)
+    try:
+        f.epilora_smem_bytes = int(k.smem_size)
+    except AttributeError:  # a compiled object that refuses new attributes: keep it reachable
+        pass
+    return f
 
 
 def params(config: Config) -> list[Param]:

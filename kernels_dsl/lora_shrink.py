@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import cuda.bindings.driver as cuda
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils as utils
@@ -96,10 +98,13 @@ class _ShrinkKernel:
         self.cfg = cfg
 
     @cute.jit
-    def __call__(self, x: cute.Tensor, a_bufs: tuple, h: cute.Tensor, xq16: cute.Tensor, sx: cute.Tensor,
+    def __call__(self, x: cute.Tensor, h: cute.Tensor, xq16: cute.Tensor, sx: cute.Tensor,
                  sync: cute.Tensor, tok: cute.Tensor, active: cute.Tensor, num_active: cute.Tensor,
-                 slot_ranks: cute.Tensor, stream):
+                 slot_ranks: cute.Tensor, stream: cuda.CUstream, a0: cute.Tensor, a1: cute.Tensor = None,
+                 a2: cute.Tensor = None, a3: cute.Tensor = None):
         cfg = self.cfg
+        a_bufs = tuple(a for a in (a0, a1, a2, a3) if a is not None)
+        assert len(a_bufs) == cfg.num_slices
         bf16 = x.element_type
         lay = utils.LayoutEnum.from_tensor(x)
         tile = (64, cfg.bn, cfg.bk)
@@ -131,6 +136,7 @@ class _ShrinkKernel:
             sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, red_cosize], 16]
 
         self.storage = Storage
+        self.smem_size = self.storage.size_in_bytes()
         # Launch geometry for the JIT path only (the runtime launches the cubin itself):
         # S = 1, Y = slices * chunks, Z = 1 + groups (as many as the batch could have).
         ny = cfg.num_slices * cfg.n_chunks
@@ -322,11 +328,18 @@ def _fake_args(cfg: Config):
     active = C.fake_rowmajor(i32, (C.sym(1),), align=4)
     num_active = C.fake_rowmajor(i32, (1,), align=4)
     slot_ranks = C.fake_rowmajor(i32, (C.sym(1),), align=4)
-    return (x, a_bufs, h, xq16, sx, sync, tok, active, num_active, slot_ranks, C.fake_stream())
+    return (x, h, xq16, sx, sync, tok, active, num_active, slot_ranks, C.fake_stream(), *a_bufs)
 
 
 def compile(config: Config, options: str = "--gpu-arch sm_90a"):
-    return cute.compile(_ShrinkKernel(config), *_fake_args(config), options=options)
+    """cute.compile with fake tensors; the result carries `epilora_smem_bytes`."""
+    k = _ShrinkKernel(config)
+    f = cute.compile(k, *_fake_args(config), options=options)
+    try:
+        f.epilora_smem_bytes = int(k.smem_size)
+    except AttributeError:
+        pass
+    return f
 
 
 def params(config: Config) -> list[Param]:

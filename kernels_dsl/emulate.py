@@ -1,0 +1,142 @@
+"""Pure-torch emulation of the decode path's two kernels, CTA by CTA (CPU, no GPU).
+
+It follows the kernels' decomposition exactly: the shrink grid's (split, slice*chunk, group)
+CTAs and the quantization plane; K2's (split, tile) CTAs, each CTA's K range, the round-robin
+assignment of (adapter group, rank chunk) items to the CTAs of a cluster, the bf16 masked h
+chunks, the per-split partial partial = acc * s_x * s_w + acc_lora and the fixed-order split sum.
+Inside one k-block the math is a plain fp32 matmul (WGMMA's internal order is the hardware's),
+so the emulation checks the decomposition, the grouping and the bookkeeping, and that the
+result does not depend on the order in which CTAs run, not the GPU's bits.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from epilora_cute.reference import quantize_fp8_per_token
+
+
+def k_range(split: int, nsplit: int, nk: int) -> tuple[int, int]:
+    """k-blocks [lo, hi) of cluster rank `split` (same integer formula as the kernels)."""
+    return split * nk // nsplit, (split + 1) * nk // nsplit
+
+
+def lora_items(active_ids: list[int], num_active: int, slot_ranks: list[int], rank: int, chunk: int):
+    """The epilogue's items in enumeration order: (adapter slot, rank chunk index)."""
+    items = []
+    for g in range(num_active):
+        lid = active_ids[g]
+        if lid < 0:
+            continue
+        reff = max(min(slot_ranks[lid], rank), 0)
+        for c in range(-(-reff // chunk)):
+            items.append((lid, c))
+    return items
+
+
+def _squeeze(buf):
+    return buf[:, 0] if buf.dim() == 4 else buf
+
+
+def emulate_shrink(x, lora_a, token_lora, active_ids, num_active, slot_ranks, rank, split, bk=64,
+                   order_seed=None):
+    """h [slices, M, R] fp32 (rows of tokens without adapter left NaN = never written),
+    x_q [M, K] e4m3, s_x [M] fp32."""
+    M, K = x.shape
+    ns = len(lora_a)
+    n_chunks = -(-rank // 64)
+    h = torch.full((ns, M, rank), float("nan"), dtype=torch.float32)
+    xq, sx = quantize_fp8_per_token(x)  # the quantization plane is bit-exact by construction
+    nk = -(-K // bk)
+    xf = x.float()
+    ctas = [(sl, c, g) for sl in range(ns) for c in range(n_chunks) for g in range(min(M, len(active_ids)))]
+    if order_seed is not None:
+        random.Random(order_seed).shuffle(ctas)
+    for sl, c, g in ctas:
+        lid = active_ids[g] if g < num_active else -1
+        reff = max(min(slot_ranks[lid], rank), 0) if lid >= 0 else 0
+        if c * 64 >= reff:
+            continue
+        a = _squeeze(lora_a[sl])[lid].float()  # [R, K]
+        rows = slice(c * 64, min(c * 64 + 64, rank))
+        partials = []
+        for s in range(split):
+            lo, hi = k_range(s, split, nk)
+            k0, k1 = lo * bk, min(hi * bk, K)
+            acc = torch.zeros(rows.stop - rows.start, M)
+            for kb in range(lo, hi):  # one WGMMA k-block at a time
+                ka, kb_end = kb * bk, min((kb + 1) * bk, K)
+                acc += a[rows, ka:kb_end] @ xf[:, ka:kb_end].t()
+            partials.append(acc)
+        tot = torch.zeros_like(partials[0])
+        for p in partials:  # fixed order 0..S-1
+            tot = tot + p
+        for j in range(M):
+            if int(token_lora[j]) == lid:
+                h[sl, j, rows] = tot[:, j]
+    return h, xq, sx.reshape(-1)
+
+
+def emulate_k2(xq, sx, w_codes, w_scale, h, lora_b, token_lora, active_ids, num_active, slot_ranks,
+               rank, bm, bn, split, bk=128, lora=True, order_seed=None):
+    """y [M, N] bf16 as K2 computes it (M <= bn)."""
+    M, K = xq.shape
+    N = w_codes.shape[0]
+    assert M <= bn and N % bm == 0
+    widths = [_squeeze(b).shape[1] for b in lora_b] if lora else [N]
+    starts = [0]
+    for wd in widths:
+        starts.append(starts[-1] + wd)
+    assert starts[-1] == N and all(wd % bm == 0 for wd in widths)
+    chunk = max(16, min(rank, 64))
+    items = lora_items(active_ids, num_active, slot_ranks, rank, chunk) if lora else []
+    nk = -(-K // bk)
+    wf = w_codes.float()
+    xf = xq.float()
+    y = torch.full((M, N), float("nan"), dtype=torch.bfloat16)
+    scale = sx.reshape(-1)[:, None].t() * w_scale.reshape(())  # [1, M]
+    tiles = list(range(N // bm))
+    if order_seed is not None:
+        random.Random(order_seed).shuffle(tiles)
+    for t in tiles:
+        n0 = t * bm
+        sl = max(i for i in range(len(widths)) if starts[i] <= n0)
+        partials = [None] * split
+        order = list(range(split))
+        if order_seed is not None:
+            random.Random(order_seed + t).shuffle(order)
+        for s in order:  # CTAs of the cluster, in any order
+            lo, hi = k_range(s, split, nk)
+            acc = torch.zeros(bm, M)
+            for kb in range(lo, hi):
+                ka, ke = kb * bk, min((kb + 1) * bk, K)
+                acc += wf[n0:n0 + bm, ka:ke] @ xf[:, ka:ke].t()
+            acc_l = torch.zeros(bm, M)
+            for idx, (lid, c) in enumerate(items):
+                if idx % split != s:
+                    continue
+                b = _squeeze(lora_b[sl])[lid].float()  # [n_s, R]
+                cols = range(c * chunk, c * chunk + chunk)
+                bchunk = torch.zeros(bm, chunk)
+                hm = torch.zeros(M, chunk)
+                for i, col in enumerate(cols):
+                    if col < rank:
+                        bchunk[:, i] = b[n0 - starts[sl]:n0 - starts[sl] + bm, col]
+                        for j in range(M):
+                            if int(token_lora[j]) == lid:
+                                hm[j, i] = h[sl, j, col]
+                hm = hm.to(torch.bfloat16).float()  # WGMMA B operand is bf16
+                reff = max(min(slot_ranks[lid], rank), 0)
+                n_steps = (min(reff - c * chunk, chunk) + 15) // 16
+                acc_l += bchunk[:, :16 * n_steps] @ hm[:, :16 * n_steps].t()
+            part = acc * scale
+            if lora:
+                part = part + acc_l
+            partials[s] = part
+        tot = torch.zeros(bm, M)
+        for s in range(split):  # fixed order, whoever finished first
+            tot = tot + partials[s]
+        y[:, n0:n0 + bm] = tot.t().to(torch.bfloat16)
+    return y
