@@ -105,9 +105,11 @@ def main(argv=None) -> int:
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
+    # The GPU machine gets the working tree without .git: the caller passes the commit it measured.
+    git = os.environ.get("EPILORA_GIT_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
+    dirty = os.environ.get("EPILORA_GIT_DIRTY", "") or subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     tests = run_tests(args.out, args.tests)
     print(f"tests: {tests['counts']}", flush=True)
     bench = run_bench(args.out, args.bench_sections, args.quick)
