@@ -1,0 +1,78 @@
+"""``torch.ops.epilora_vllm.lora_linear_fp8``: the fused op as a torch custom op.
+
+Registered like vLLM's ``direct_register_custom_op`` does (``torch.library.Library`` define +
+impl, cheaper to dispatch than ``torch.library.custom_op``) but without importing vLLM, so it
+is also tested without it. The op is functional (returns a new tensor, mutates nothing), so
+torch.compile needs no auto-functionalization, and its fake implementation only allocates the
+output, so Dynamo traces it without a graph break. ``LoRABatchMeta`` is passed as its tensors:
+a dataclass cannot cross the op boundary, and its host ``num_tokens`` must not, or compiled
+graphs would specialize on it. Nothing in the call reads a device value on the host.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from epilora_cute.metadata import LoRABatchMeta
+
+from . import fused
+
+NAMESPACE = "epilora_vllm"
+OP_NAME = "lora_linear_fp8"
+META_FIELDS = ("token_lora_mapping", "token_indices_sorted_by_lora_ids", "active_lora_ids",
+               "num_tokens_per_lora", "lora_token_start_loc", "sorted_lora_ids", "row_group",
+               "num_active")
+SCHEMA = (
+    "(Tensor x, Tensor w_q, Tensor w_scale, Tensor[] lora_a, Tensor[] lora_b, "
+    + ", ".join(f"Tensor {f}" for f in META_FIELDS)
+    + ", Tensor? bias=None) -> Tensor"
+)
+
+_lib: torch.library.Library | None = None
+
+
+def _meta_from_tensors(x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> LoRABatchMeta:
+    f = dict(zip(META_FIELDS, tensors))
+    cap = f["token_lora_mapping"].shape[0]
+    # num_tokens is only a host hint: the kernels read the device fields, rows past the
+    # mapped tokens carry no adapter.
+    return LoRABatchMeta(max_loras=f["active_lora_ids"].shape[0] - 1, max_num_tokens=cap,
+                         num_tokens=min(x.shape[0], cap), **f)
+
+
+def _impl(x, w_q, w_scale, lora_a, lora_b, token_lora_mapping, token_indices_sorted_by_lora_ids,
+          active_lora_ids, num_tokens_per_lora, lora_token_start_loc, sorted_lora_ids, row_group,
+          num_active, bias=None):
+    meta = _meta_from_tensors(x, (token_lora_mapping, token_indices_sorted_by_lora_ids,
+                                  active_lora_ids, num_tokens_per_lora, lora_token_start_loc,
+                                  sorted_lora_ids, row_group, num_active))
+    return fused.lora_linear_fp8(x, w_q, w_scale, lora_a, lora_b, meta, bias)
+
+
+def _fake(x, w_q, w_scale, lora_a, lora_b, *meta_and_bias, **kw):
+    return x.new_empty((x.shape[0], w_q.shape[0]))
+
+
+def register() -> None:
+    """Define the op once per process (vLLM loads plugins in every process, maybe twice)."""
+    global _lib
+    if _lib is not None or hasattr(getattr(torch.ops, NAMESPACE), OP_NAME):
+        return
+    lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+    lib.define(OP_NAME + SCHEMA)
+    for key in ("CUDA", "CPU"):
+        lib.impl(OP_NAME, _impl, key)
+    torch.library.register_fake(f"{NAMESPACE}::{OP_NAME}", _fake, lib=lib)
+    _lib = lib  # the registration lives as long as this object
+
+
+def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                    lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
+                    meta: LoRABatchMeta, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Call the registered op with ``meta`` flattened into its tensors."""
+    register()
+    op = getattr(torch.ops, NAMESPACE).lora_linear_fp8
+    return op(x, w_q, w_scale, list(lora_a), list(lora_b),
+              *(getattr(meta, f) for f in META_FIELDS), bias)
