@@ -1,4 +1,4 @@
-"""``torch.ops.epilora_vllm.lora_linear_fp8``: the fused op as a torch custom op.
+"""``torch.ops.epilora_vllm.lora_linear_fp8`` (the fused op) and ``prepare_meta`` as torch custom ops.
 
 Registered like vLLM's ``direct_register_custom_op`` does (``torch.library.Library`` define +
 impl, cheaper to dispatch than ``torch.library.custom_op``) but without importing vLLM, so it
@@ -7,6 +7,10 @@ torch.compile needs no auto-functionalization, and its fake implementation only 
 output, so Dynamo traces it without a graph break. ``LoRABatchMeta`` is passed as its tensors:
 a dataclass cannot cross the op boundary, and its host ``num_tokens`` must not, or compiled
 graphs would specialize on it. Nothing in the call reads a device value on the host.
+
+``prepare_meta`` refreshes the metadata buffers in place from a mapping (mutates them, returns
+nothing): as one opaque op it is captured into CUDA graphs as it is, and torch.compile does not
+trace ``LoRABatchMeta.prepare``'s sorts and scatters.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from . import fused
 
 NAMESPACE = "epilora_vllm"
 OP_NAME = "lora_linear_fp8"
+PREPARE_NAME = "prepare_meta"
 META_FIELDS = ("token_lora_mapping", "token_indices_sorted_by_lora_ids", "active_lora_ids",
                "num_tokens_per_lora", "lora_token_start_loc", "sorted_lora_ids", "row_group",
                "num_active")
@@ -28,6 +33,11 @@ SCHEMA = (
     "(Tensor x, Tensor w_q, Tensor w_scale, Tensor[] lora_a, Tensor[] lora_b, "
     + ", ".join(f"Tensor {f}" for f in META_FIELDS)
     + ", Tensor? bias=None) -> Tensor"
+)
+PREPARE_SCHEMA = (
+    "(Tensor mapping, "
+    + ", ".join(f"Tensor(a{i}!) {f}" for i, f in enumerate(META_FIELDS))
+    + ") -> ()"
 )
 
 _lib: torch.library.Library | None = None
@@ -55,6 +65,15 @@ def _fake(x, w_q, w_scale, lora_a, lora_b, *meta_and_bias, **kw):
     return x.new_empty((x.shape[0], w_q.shape[0]))
 
 
+def _prepare_impl(mapping, *fields):
+    meta = _meta_from_tensors(mapping, fields)
+    meta.prepare(mapping)
+
+
+def _prepare_fake(mapping, *fields):
+    return None
+
+
 def register() -> None:
     """Define the op once per process (vLLM loads plugins in every process, maybe twice)."""
     global _lib
@@ -62,9 +81,12 @@ def register() -> None:
         return
     lib = torch.library.Library(NAMESPACE, "FRAGMENT")
     lib.define(OP_NAME + SCHEMA)
+    lib.define(PREPARE_NAME + PREPARE_SCHEMA)
     for key in ("CUDA", "CPU"):
         lib.impl(OP_NAME, _impl, key)
+        lib.impl(PREPARE_NAME, _prepare_impl, key)
     torch.library.register_fake(f"{NAMESPACE}::{OP_NAME}", _fake, lib=lib)
+    torch.library.register_fake(f"{NAMESPACE}::{PREPARE_NAME}", _prepare_fake, lib=lib)
     _lib = lib  # the registration lives as long as this object
 
 
@@ -76,3 +98,9 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     op = getattr(torch.ops, NAMESPACE).lora_linear_fp8
     return op(x, w_q, w_scale, list(lora_a), list(lora_b),
               *(getattr(meta, f) for f in META_FIELDS), bias)
+
+
+def prepare_meta(mapping: torch.Tensor, meta: LoRABatchMeta) -> None:
+    """``meta.prepare(mapping)`` through the registered op (in place, no host sync)."""
+    register()
+    getattr(torch.ops, NAMESPACE).prepare_meta(mapping, *(getattr(meta, f) for f in META_FIELDS))

@@ -141,7 +141,7 @@ class EpiLoRALinearMixin:
 
     _stock_cls: type
     _epilora_active: bool = False
-    _epilora_meta = None
+    _epilora_state = None  # meta_bridge.MetaState shared through the punica wrapper
 
     @classmethod
     def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None,
@@ -165,16 +165,17 @@ class EpiLoRALinearMixin:
     def set_mapping(self, punica_wrapper) -> None:
         super().set_mapping(punica_wrapper)
         if self._epilora_active:
-            self._epilora_meta = meta_bridge.attach(punica_wrapper, self.lora_a_stacked[0].shape[0])
+            self._epilora_state = meta_bridge.attach(punica_wrapper, self, self.lora_a_stacked[0].shape[0])
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if not self._epilora_active or self._epilora_meta is None:
+        if not self._epilora_active or self._epilora_state is None:
             return super().apply(x, bias)
         base = self.base_layer
         # Transformers-backend inputs are [1, seq, hidden]; the op takes [tokens, hidden].
         x2 = x.flatten(0, -2) if x.dim() > 2 else x
+        meta = meta_bridge.meta_for(self.punica_wrapper, self._epilora_state, self, x2.shape[0])
         y = custom_op.lora_linear_fp8(x2, base.weight.t(), base.weight_scale, self.lora_a_stacked,
-                                      self.lora_b_stacked, self._epilora_meta, bias)
+                                      self.lora_b_stacked, meta, bias)
         return y.view(*x.shape[:-1], y.shape[-1]) if x.dim() > 2 else y
 
 
