@@ -1,13 +1,24 @@
-"""The one place the plugin calls the fused FP8 LoRA op (rewire here when its API moves).
+"""The one place the plugin calls the fused FP8 LoRA kernels (rewire here when their API moves).
 
-``lora_linear_fp8`` runs ``epilora_cute.ops.lora_linear_fp8`` on CUDA and the reference math
-(``epilora_cute.reference.lora_linear``) everywhere else, so CPU tests exercise the same layer
-code path. ``device_ok`` is what the layer selection asks before taking a layer over.
+``lora_linear_fp8`` picks, per call:
+
+1. ``epilora_cute.ops.lora_linear_fp8`` (CuTe-DSL, Hopper) on a CUDA device of capability
+   >= 9.0, when that function exists;
+2. the portable Triton path (``vllm_adapter.triton_path.triton_lora_linear``) where
+   ``triton_path_applies(device)`` (Ada, or any GPU with EPILORA_FORCE_TRITON=1);
+3. the reference math (``epilora_cute.reference.lora_linear``) otherwise: CPU tests, and
+   EPILORA_REFERENCE=1 debugging runs.
+
+``device_ok`` is what the layer selection asks before taking a layer over: it accepts only
+devices where 1 or 2 applies, so vLLM's kernels are never replaced by the slow reference unless
+asked.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import os
 from typing import Sequence
 
 import torch
@@ -31,19 +42,46 @@ def fused_op():
     return getattr(mod, "lora_linear_fp8", None) if mod is not None else None
 
 
+def _cute_applies(device: torch.device) -> bool:
+    if device.type != "cuda" or fused_op() is None:
+        return False
+    supports = getattr(_ops_module(), "supports_device", None)
+    if supports is not None:
+        return bool(supports(device))
+    return torch.cuda.get_device_capability(device) >= MIN_CAPABILITY
+
+
+def _triton_applies(device: torch.device) -> bool:
+    try:
+        from . import triton_path
+    except ImportError:  # triton missing
+        return False
+    return triton_path.triton_path_applies(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_path(device: torch.device, force_triton: str) -> str:
+    if device.type != "cuda":
+        return "reference"
+    if _cute_applies(device):
+        return "cute"
+    return "triton" if _triton_applies(device) else "reference"
+
+
+def kernel_path(device) -> str:
+    """'cute', 'triton' or 'reference' for tensors on ``device`` (cached: called per layer)."""
+    return _kernel_path(torch.device(device), os.environ.get("EPILORA_FORCE_TRITON", ""))
+
+
 def device_ok(device: torch.device) -> tuple[bool, str]:
     device = torch.device(device)
     if device.type != "cuda":
-        return False, f"weights are on {device.type}; the fused op runs on CUDA (EPILORA_REFERENCE=1 overrides)"
-    if fused_op() is None:
-        return False, "epilora_cute.ops.lora_linear_fp8 is not available"
-    supports = getattr(_ops_module(), "supports_device", None)
-    if supports is not None:
-        return (True, "") if supports(device) else (False, f"fused op does not support {device}")
+        return False, f"weights are on {device.type}; the fused kernels run on CUDA (EPILORA_REFERENCE=1 overrides)"
+    if kernel_path(device) != "reference":
+        return True, ""
     cap = torch.cuda.get_device_capability(device)
-    if cap < MIN_CAPABILITY:
-        return False, f"GPU capability sm_{cap[0]}{cap[1]} < sm_{MIN_CAPABILITY[0]}{MIN_CAPABILITY[1]}"
-    return True, ""
+    return False, (f"no fused kernel for sm_{cap[0]}{cap[1]} (CuTe op: sm_90+ when "
+                   "epilora_cute.ops.lora_linear_fp8 exists; Triton path: sm_89 or EPILORA_FORCE_TRITON=1)")
 
 
 def _reference(x, w_q, w_scale, lora_a, lora_b, meta: LoRABatchMeta) -> torch.Tensor:
@@ -66,9 +104,13 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     stacked per-slice buffers ([max_loras, 1, r, K] / [max_loras, 1, n_s, r]); meta describes
     at least the first M rows (rows past its tokens carry no adapter).
     """
-    op = fused_op() if x.is_cuda else None
-    if op is not None:
-        y = op(x, w_q, w_scale.reshape(1), list(lora_a), list(lora_b), meta)
+    path = kernel_path(x.device)
+    if path == "cute":
+        y = fused_op()(x, w_q, w_scale.reshape(1), list(lora_a), list(lora_b), meta)
+    elif path == "triton":
+        from .triton_path import triton_lora_linear
+
+        y = triton_lora_linear(x, w_q, w_scale.reshape(1), list(lora_a), list(lora_b), meta)
     else:
         y = _reference(x, w_q, w_scale, lora_a, lora_b, meta)
     if bias is not None:

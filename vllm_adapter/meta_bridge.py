@@ -39,7 +39,6 @@ class MetaState:
     def __init__(self, meta: LoRABatchMeta, leader) -> None:
         self.meta = meta
         self.leader = weakref.ref(leader)
-        self.prepared_rows = -1  # host record, kept only outside torch.compile
 
 
 def capacity(punica_wrapper) -> int:
@@ -63,13 +62,13 @@ def prepare(punica_wrapper, state: MetaState, rows: int) -> None:
     """Fill ``state.meta`` for the first ``rows`` rows of this step, in place, with no host sync."""
     mapping = punica_wrapper._token_lora_indices[:rows]
     custom_op.prepare_meta(mapping, state.meta)
-    if not torch.compiler.is_compiling():
-        state.prepared_rows = rows
+    if not torch.compiler.is_compiling():  # host record for eager followers; no SymInt stores
+        state.meta.num_tokens = rows
 
 
 def meta_for(punica_wrapper, state: MetaState, layer, rows: int) -> LoRABatchMeta:
     """The metadata for a layer about to run on ``rows`` rows (prepares it when the layer leads)."""
     leads = state.leader() is layer
-    if leads or (not torch.compiler.is_compiling() and state.prepared_rows != rows):
+    if leads or (not torch.compiler.is_compiling() and state.meta.num_tokens != rows):
         prepare(punica_wrapper, state, rows)
     return state.meta
