@@ -194,7 +194,7 @@ if __name__ == "__main__":
 # the DSL leaves bytes 64..127 uninitialised). Fields identified by varying one input at a time:
 #   q0 = global address; q1 bits 0..27 = flags (bits 8..11 dtype code, 13..14 swizzle enum,
 #   bit 21 set when the tensor spans >= 128 KiB), q1 bits 32..63 = (stride of dim 1) >> 4;
-#   q4 = (dim0 - 1) | (dim1 - 1) << 32; bytes 56, 57 = box0 - 1, box1 - 1.
+#   q4 = (dim0 - 1) | (dim1 - 1) << 32; bytes 55, 56 = box0 - 1, box1 - 1.
 # ---------------------------------------------------------------------------------------------
 
 DSL_DTYPE_CODE = {"UINT8": 0, "BFLOAT16": 5}
@@ -211,5 +211,5 @@ def decode_tensormap2d(hexstr: str) -> dict:
         swizzle_code=(q[1] >> 13) & 0x3,
         stride1_bytes=((q[1] >> 32) & 0xFFFFFFFF) << 4,
         dims=((q[4] & 0xFFFFFFFF) + 1, (q[4] >> 32) + 1),
-        box=(b[56] + 1, b[57] + 1),
+        box=(b[55] + 1, b[56] + 1),
     )

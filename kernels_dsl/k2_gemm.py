@@ -28,20 +28,25 @@ partial = acc * s_x[token] * s_w + acc_lora, then the cluster reduction above.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-import cuda.bindings.driver as cuda
+import torch
 
-import cutlass
-import cutlass.cute as cute
-import cutlass.utils as utils
-import cutlass.utils.hopper_helpers as sm90_utils
+from ._abi import SM_COUNT_H100, CoordParam, ScalarParam, TensorParam, TmaParam, TmaSpec, struct_size
 
-from . import _common as C
-from ._common import Param, TmaSpec, tensor_param
+try:  # the DSL is needed to compile, not to launch a cached build
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils as utils
+    import cutlass.utils.hopper_helpers as sm90_utils
+
+    from . import _dsl as D
+except ImportError:  # pragma: no cover - GPU machines without nvidia-cutlass-dsl
+    cutlass = cute = None
 
 FAMILY = "k2_fp8_swapab"
+RUNTIME_CONTRACT = True
 
 THREADS = 256  # warpgroup 0: producer, warpgroup 1: consumer
 PRODUCER_REGS = 40
@@ -90,7 +95,6 @@ class Config:
         # bf16 WGMMA needs K >= 16: rank 8 uses a 16-wide chunk, TMA zero-fills columns 8..15.
         return max(16, min(self.rank, 64))
 
-    @property
     def name(self) -> str:
         s = f"bm{self.bm}_bn{self.bn}_bk{self.bk}_st{self.stages}"
         if self.lora:
@@ -99,396 +103,406 @@ class Config:
             s += "_nolora"
         return s
 
-    # Shared memory, bytes (mbarriers + 1 KiB alignment slack each buffer).
+    @property
+    def block(self) -> tuple[int, int, int]:
+        return (THREADS, 1, 1)
+
     def smem_bytes(self) -> int:
-        b = self.stages * (self.bm * self.bk + self.bn * self.bk)
-        b += (self.bm + RED_PAD) * self.bn * 4
+        """Dynamic shared memory of a launch: the kernel's smem struct, field by field."""
+        st, nb, bn = self.stages, self.b_bufs, self.bn
+        f = [(8 * st, 8), (8 * st, 8), (8, 8), (4 * bn, 4), (8 * nb, 8), (8 * nb, 8),
+             (self.bm * self.bk * st, 1024), (bn * self.bk * st, 1024), ((self.bm + RED_PAD) * bn * 4, 16)]
         if self.lora:
-            b += self.b_bufs * self.bm * self.rank_chunk * 2 + self.bn * self.rank_chunk * 2
-        return b + 6 * 1024
+            f += [(nb * self.bm * self.rank_chunk * 2, 1024), (bn * self.rank_chunk * 2, 1024)]
+        return struct_size(f)
+
 
 
 # ---------------------------------------------------------------------------------------------
+# The kernel (defined only where the DSL is importable)
+# ---------------------------------------------------------------------------------------------
 
+if cute is not None:
 
-class _K2Kernel:
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self.bm, self.bn, self.bk = cfg.bm, cfg.bn, cfg.bk
-        self.stages = cfg.stages
-        self.rc = cfg.rank_chunk
-        self.nb = cfg.b_bufs
+    class _K2Kernel:
+        def __init__(self, cfg: Config):
+            self.cfg = cfg
+            self.bm, self.bn, self.bk = cfg.bm, cfg.bn, cfg.bk
+            self.stages = cfg.stages
+            self.rc = cfg.rank_chunk
+            self.nb = cfg.b_bufs
 
-    # Host-side JIT function: builds TMA atoms and launches. At run time the runtime launches
-    # the cubin itself; this function only has to produce the same kernel.
-    @cute.jit
-    def __call__(self, w: cute.Tensor, xq: cute.Tensor, sx: cute.Tensor, sw: cute.Tensor,
-                 y: cute.Tensor, sync: cute.Tensor, n_quant: cutlass.Int32, stream: cuda.CUstream,
-                 h: cute.Tensor = None, tok_lora: cute.Tensor = None, active_ids: cute.Tensor = None,
-                 num_active: cute.Tensor = None, slot_ranks: cute.Tensor = None,
-                 slice_start: cute.Tensor = None, b0: cute.Tensor = None, b1: cute.Tensor = None,
-                 b2: cute.Tensor = None, b3: cute.Tensor = None):
-        # Flat arguments (no tuples): export_to_c, used by tools/capture, only takes flat ones.
-        cfg = self.cfg
-        fp8 = w.element_type
-        a_layout = utils.LayoutEnum.from_tensor(w)
-        b_layout = utils.LayoutEnum.from_tensor(xq)
-        tile_mnk = (self.bm, self.bn, self.bk)
-        sW_layout = sm90_utils.make_smem_layout_a(a_layout, tile_mnk, fp8, self.stages)
-        sX_layout = sm90_utils.make_smem_layout_b(b_layout, tile_mnk, xq.element_type, self.stages)
-        op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-        tma_w, mW = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            op, w, cute.slice_(sW_layout, (None, None, 0)), (self.bm, self.bk))
-        tma_x, mX = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            op, xq, cute.slice_(sX_layout, (None, None, 0)), (self.bn, self.bk))
+        # Host-side JIT function: builds TMA atoms and launches. At run time the runtime launches
+        # the cubin itself; this function only has to produce the same kernel.
+        @cute.jit
+        def __call__(self, w: cute.Tensor, xq: cute.Tensor, sx: cute.Tensor, sw: cute.Tensor,
+                     y: cute.Tensor, sync: cute.Tensor, n_quant: cutlass.Int32, stream: cuda.CUstream,
+                     h: cute.Tensor = None, tok_lora: cute.Tensor = None, active_ids: cute.Tensor = None,
+                     num_active: cute.Tensor = None, slot_ranks: cute.Tensor = None,
+                     slice_start: cute.Tensor = None, b0: cute.Tensor = None, b1: cute.Tensor = None,
+                     b2: cute.Tensor = None, b3: cute.Tensor = None):
+            # Flat arguments (no tuples): export_to_c, used by tools/capture, only takes flat ones.
+            cfg = self.cfg
+            fp8 = w.element_type
+            a_layout = utils.LayoutEnum.from_tensor(w)
+            b_layout = utils.LayoutEnum.from_tensor(xq)
+            tile_mnk = (self.bm, self.bn, self.bk)
+            sW_layout = sm90_utils.make_smem_layout_a(a_layout, tile_mnk, fp8, self.stages)
+            sX_layout = sm90_utils.make_smem_layout_b(b_layout, tile_mnk, xq.element_type, self.stages)
+            op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+            tma_w, mW = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                op, w, cute.slice_(sW_layout, (None, None, 0)), (self.bm, self.bk))
+            tma_x, mX = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                op, xq, cute.slice_(sX_layout, (None, None, 0)), (self.bn, self.bk))
 
-        if cutlass.const_expr(cfg.lora):
-            bufs_b = tuple(b for b in (b0, b1, b2, b3) if b is not None)
-            assert len(bufs_b) == cfg.num_slices
-            bf16 = bufs_b[0].element_type
-            l_tile = (self.bm, self.bn, self.rc)
-            sB_layout = sm90_utils.make_smem_layout_a(
-                utils.LayoutEnum.from_tensor(bufs_b[0]), l_tile, bf16, self.nb)
-            sH_layout = sm90_utils.make_smem_layout_b(
-                utils.LayoutEnum.from_tensor(bufs_b[0]), l_tile, bf16, 1)
-            tma_bs = []
-            mBs = []
-            for i in cutlass.range_constexpr(cfg.num_slices):
-                ta, tt = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                    op, bufs_b[i], cute.slice_(sB_layout, (None, None, 0)), (self.bm, self.rc))
-                tma_bs.append(ta)
-                mBs.append(tt)
-            lora_pack = (tuple(tma_bs), tuple(mBs), h, tok_lora, active_ids, num_active, slot_ranks,
-                         slice_start)
-        else:
-            # None, not an empty tuple: an empty tuple would still become a 1-byte parameter.
-            lora_pack = None
-            sB_layout = sW_layout
-            sH_layout = sX_layout
-
-        red_cosize = (self.bm + RED_PAD) * self.bn
-        bn = self.bn
-        nb = self.nb
-        stages = self.stages
-        lora = cfg.lora
-
-        @cute.struct
-        class Storage:
-            full: cute.struct.MemRange[cutlass.Int64, stages]
-            empty: cute.struct.MemRange[cutlass.Int64, stages]
-            sx_ready: cute.struct.MemRange[cutlass.Int64, 1]
-            sSx: cute.struct.MemRange[cutlass.Float32, bn]
-            bfull: cute.struct.MemRange[cutlass.Int64, nb]
-            bempty: cute.struct.MemRange[cutlass.Int64, nb]
-            sW: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sW_layout)], 1024]
-            sX: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sX_layout)], 1024]
-            sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, red_cosize], 16]
-
-        @cute.struct
-        class StorageLora:
-            full: cute.struct.MemRange[cutlass.Int64, stages]
-            empty: cute.struct.MemRange[cutlass.Int64, stages]
-            sx_ready: cute.struct.MemRange[cutlass.Int64, 1]
-            sSx: cute.struct.MemRange[cutlass.Float32, bn]
-            bfull: cute.struct.MemRange[cutlass.Int64, nb]
-            bempty: cute.struct.MemRange[cutlass.Int64, nb]
-            sW: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sW_layout)], 1024]
-            sX: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sX_layout)], 1024]
-            sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, red_cosize], 16]
-            sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sB_layout)], 1024]
-            sH: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sH_layout)], 1024]
-
-        if cutlass.const_expr(lora):
-            self.storage = StorageLora
-        else:
-            self.storage = Storage
-        self.smem_size = self.storage.size_in_bytes()
-
-        n_tiles = cute.size(w, mode=[0]) // self.bm
-        self.kernel(
-            tma_w, mW, tma_x, mX, sx, sw, y, sync, n_quant, lora_pack, sW_layout, sX_layout, sB_layout, sH_layout,
-        ).launch(grid=(1, n_tiles, 1), block=(THREADS, 1, 1), cluster=(1, 1, 1), stream=stream)
-
-    # -----------------------------------------------------------------------------------------
-    @cute.kernel
-    def kernel(self, tma_w: cute.CopyAtom, mW: cute.Tensor, tma_x: cute.CopyAtom, mX: cute.Tensor,
-               mSx: cute.Tensor, mSw: cute.Tensor, mY: cute.Tensor, mSync: cute.Tensor,
-               n_quant: cutlass.Int32, lora_pack, sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout,
-               sB_layout: cute.ComposedLayout, sH_layout: cute.ComposedLayout):
-        cfg = self.cfg
-        BM, BN, BK, RC, NB, STAGES = self.bm, self.bn, self.bk, self.rc, self.nb, self.stages
-        R = cfg.rank
-        if cutlass.const_expr(cfg.lora):
-            tma_bs, mBs, mH, mTok, mActive, mNumActive, mSlotRanks, mSliceStart = lora_pack
-        # Built here, not passed: a TiledMma kernel argument becomes a 1-byte dummy parameter.
-        kmaj = cute.nvgpu.warpgroup.OperandMajorMode.K
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, kmaj, kmaj, cutlass.Float32, (1, 1, 1),
-            tiler_mn=(64, BN))
-        tiled_mma_l = sm90_utils.make_trivial_tiled_mma(
-            cutlass.BFloat16, cutlass.BFloat16, kmaj, kmaj, cutlass.Float32, (1, 1, 1), tiler_mn=(64, BN))
-
-        tidx, _, _ = cute.arch.thread_idx()
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        wg = warp_idx // 4
-        _, tile, _ = cute.arch.block_idx()
-        split = cute.arch.make_warp_uniform(cute.arch.block_in_cluster_idx()[0])
-        nsplit = cute.arch.make_warp_uniform(cute.arch.block_in_cluster_dim()[0])
-        n0 = tile * BM
-
-        K = cute.size(mW, mode=[1])
-        M = cute.size(mX, mode=[0])
-        nk = (K + BK - 1) // BK
-        kb_lo = split * nk // nsplit
-        kb_hi = (split + 1) * nk // nsplit
-        nloc = kb_hi - kb_lo
-
-        smem = cutlass.utils.SmemAllocator()
-        st = smem.allocate(self.storage)
-        full = st.full.data_ptr()
-        empty = st.empty.data_ptr()
-        sx_ready = st.sx_ready.data_ptr()
-        sSx = st.sSx.get_tensor(cute.make_layout(BN))
-        bfull = st.bfull.data_ptr()
-        bempty = st.bempty.data_ptr()
-        sW = st.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)
-        sX = st.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
-        sRed = st.sRed.get_tensor(cute.make_layout((BM, BN), stride=(1, BM + RED_PAD)))
-
-        if tidx == 0:
-            for i in cutlass.range_constexpr(STAGES):
-                cute.arch.mbarrier_init(full + i, 1)
-                cute.arch.mbarrier_init(empty + i, 128)
-            cute.arch.mbarrier_init(sx_ready, 1)
-            for i in cutlass.range_constexpr(NB):
-                cute.arch.mbarrier_init(bfull + i, 1)
-                cute.arch.mbarrier_init(bempty + i, 128)
-            cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
-
-        # TMA views: (tile, k-block) of W, (0, k-block) of x_q.
-        gW = cute.local_tile(mW, (BM, BK), (tile, None))
-        gX = cute.local_tile(mX, (BN, BK), (0, None))
-        tWs, tWg = cute.nvgpu.cpasync.tma_partition(
-            tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
-        tXs, tXg = cute.nvgpu.cpasync.tma_partition(
-            tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
-        stage_bytes = BM * BK + BN * BK
-
-        # Which slice this tile belongs to (lora only): tiles never straddle slices.
-        sl = cutlass.Int32(0)
-        row_in_slice = n0
-        n_s = cute.size(mW, mode=[0])
-        if cutlass.const_expr(cfg.lora):
-            for i in cutlass.range_constexpr(1, cfg.num_slices):
-                if n0 >= mSliceStart[i]:
-                    sl = cutlass.Int32(i)
-            row_in_slice = n0 - mSliceStart[sl]
-            n_s = mSliceStart[sl + 1] - mSliceStart[sl]
-
-        if wg == 0:
-            # ===================================== producer ====================================
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            if warp_idx == 0:
-                if cute.arch.lane_idx() == 0:
-                    cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
-                    cute.nvgpu.cpasync.prefetch_descriptor(tma_x)
-                    npre = cutlass.min(nloc, STAGES)
-                    # 1. weights of the first stages: they do not depend on the previous kernel.
-                    for i in cutlass.range(npre, unroll=1):
-                        cute.arch.mbarrier_arrive_and_expect_tx(full + i, stage_bytes)
-                        cute.copy(tma_w, tWg[(None, kb_lo + i)], tWs[(None, i)], tma_bar_ptr=full + i)
-                    # 2. wait until the quantization CTAs have published x_q / s_x.
-                    sync_addr = mSync.iterator.toint()
-                    while C.ld_acquire_gpu_s32(sync_addr) < n_quant:
-                        C.nanosleep(32)
-                    C.fence_proxy_async_global()
-                    # s_x goes to the consumer through smem + an mbarrier, so that its reads are
-                    # ordered after this thread's acquire (the consumer never saw the flag).
-                    for j in cutlass.range(cutlass.min(M, BN), unroll=1):
-                        sSx[j] = mSx[j]
-                    cute.arch.mbarrier_arrive(sx_ready)
-                    gdim = cute.arch.grid_dim()
-                    total = gdim[0] * gdim[1] * gdim[2]
-                    old = C.atom_add_acqrel_gpu_s32(sync_addr + 4, 1)
-                    if old == total - 1:
-                        # Every CTA of this grid is past the spin: re-arm for the next call.
-                        C.st_relaxed_gpu_s32(sync_addr, 0)
-                        C.st_relaxed_gpu_s32(sync_addr + 4, 0)
-                    for i in cutlass.range(npre, unroll=1):
-                        cute.copy(tma_x, tXg[(None, kb_lo + i)], tXs[(None, i)], tma_bar_ptr=full + i)
-                    # 3. adapter B chunks that fit the ring: prefetched long before they are needed.
-                    if cutlass.const_expr(cfg.lora):
-                        self._issue_b(0, NB, tma_bs, mBs, st, sB_layout, bfull, bempty, mActive,
-                                      mNumActive, mSlotRanks, sl, row_in_slice, n_s, split, nsplit)
-                    # 4. steady state.
-                    for i in cutlass.range(npre, nloc, unroll=1):
-                        s = i % STAGES
-                        cute.arch.mbarrier_wait(empty + s, ((i // STAGES) + 1) % 2)
-                        cute.arch.mbarrier_arrive_and_expect_tx(full + s, stage_bytes)
-                        cute.copy(tma_w, tWg[(None, kb_lo + i)], tWs[(None, s)], tma_bar_ptr=full + s)
-                        cute.copy(tma_x, tXg[(None, kb_lo + i)], tXs[(None, s)], tma_bar_ptr=full + s)
-                    # 5. the rest of the B chunks, as the consumer frees buffers.
-                    if cutlass.const_expr(cfg.lora):
-                        self._issue_b(NB, 1 << 30, tma_bs, mBs, st, sB_layout, bfull, bempty, mActive,
-                                      mNumActive, mSlotRanks, sl, row_in_slice, n_s, split, nsplit)
-        else:
-            # ===================================== consumer ====================================
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            ctid = tidx - 128
-            thr_mma = tiled_mma.get_slice(ctid)
-            tCsW = thr_mma.partition_A(sW)
-            tCsX = thr_mma.partition_B(sX)
-            tCrW = tiled_mma.make_fragment_A(tCsW)
-            tCrX = tiled_mma.make_fragment_B(tCsX)
-            cC = cute.make_identity_tensor((BM, BN))
-            tCcC = thr_mma.partition_C(cC)
-            acc = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
-            acc.fill(0.0)
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            num_kk = cute.size(tCrW, mode=[2])
-
-            for i in cutlass.range(nloc, unroll=1):
-                s = i % STAGES
-                cute.arch.mbarrier_wait(full + s, (i // STAGES) % 2)
-                cute.nvgpu.warpgroup.fence()
-                for kk in cutlass.range_constexpr(num_kk):
-                    cute.gemm(tiled_mma, acc, tCrW[(None, None, kk, s)], tCrX[(None, None, kk, s)], acc)
-                cute.nvgpu.warpgroup.commit_group()
-                cute.nvgpu.warpgroup.wait_group(0)
-                cute.arch.mbarrier_arrive(empty + s)
-
-            acc_l = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
-            acc_l.fill(0.0)
             if cutlass.const_expr(cfg.lora):
-                # h comes from the shrink kernel: wait for it here, after the main loop, and not
-                # a moment earlier.
-                cute.arch.griddepcontrol_wait()
-                self._lora_epilogue(ctid, acc_l, tiled_mma_l, st, sB_layout, sH_layout, bfull, bempty,
-                                    mH, mTok, mActive, mNumActive, mSlotRanks, sl, M, split, nsplit)
+                bufs_b = tuple(b for b in (b0, b1, b2, b3) if b is not None)
+                assert len(bufs_b) == cfg.num_slices
+                bf16 = bufs_b[0].element_type
+                l_tile = (self.bm, self.bn, self.rc)
+                sB_layout = sm90_utils.make_smem_layout_a(
+                    utils.LayoutEnum.from_tensor(bufs_b[0]), l_tile, bf16, self.nb)
+                sH_layout = sm90_utils.make_smem_layout_b(
+                    utils.LayoutEnum.from_tensor(bufs_b[0]), l_tile, bf16, 1)
+                tma_bs = []
+                mBs = []
+                for i in cutlass.range_constexpr(cfg.num_slices):
+                    ta, tt = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                        op, bufs_b[i], cute.slice_(sB_layout, (None, None, 0)), (self.bm, self.rc))
+                    tma_bs.append(ta)
+                    mBs.append(tt)
+                lora_pack = (tuple(tma_bs), tuple(mBs), h, tok_lora, active_ids, num_active, slot_ranks,
+                             slice_start)
+            else:
+                # None, not an empty tuple: an empty tuple would still become a 1-byte parameter.
+                lora_pack = None
+                sB_layout = sW_layout
+                sH_layout = sX_layout
 
-            # partial = acc * s_x[token] * s_w (+ adapter), into this CTA's reduction buffer.
-            s_w = mSw[0]
-            cute.arch.mbarrier_wait(sx_ready, 0)
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                r, j = tCcC[i]
-                v = cutlass.Float32(0.0)
-                if j < M:
-                    v = acc[i] * (sSx[j] * s_w)
-                    if cutlass.const_expr(cfg.lora):
-                        v = v + acc_l[i]
-                sRed[r, j] = v
+            red_cosize = (self.bm + RED_PAD) * self.bn
+            bn = self.bn
+            nb = self.nb
+            stages = self.stages
+            lora = cfg.lora
 
-        # Cluster-wide: every partial is in smem (release/acquire at cluster scope).
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
+            @cute.struct
+            class Storage:
+                full: cute.struct.MemRange[cutlass.Int64, stages]
+                empty: cute.struct.MemRange[cutlass.Int64, stages]
+                sx_ready: cute.struct.MemRange[cutlass.Int64, 1]
+                sSx: cute.struct.MemRange[cutlass.Float32, bn]
+                bfull: cute.struct.MemRange[cutlass.Int64, nb]
+                bempty: cute.struct.MemRange[cutlass.Int64, nb]
+                sW: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sW_layout)], 1024]
+                sX: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sX_layout)], 1024]
+                sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, red_cosize], 16]
 
-        if wg == 1:
-            # Fixed-order reduction of this CTA's share of the valid elements; y written once.
-            ctid = tidx - 128
-            mvalid = cutlass.min(M, BN)
-            n_el = BM * mvalid
-            lo = split * n_el // nsplit
-            hi = (split + 1) * n_el // nsplit
-            red_base = sRed.iterator.toint()
-            for e in cutlass.range(lo + ctid, hi, 128, unroll=1):
-                j = e // BM
-                r = e - j * BM
-                off = red_base + (r + j * (BM + RED_PAD)) * 4
-                v = cutlass.Float32(0.0)
-                for q in cutlass.range(nsplit, unroll=1):
-                    v = v + C.ld_dsmem_f32(off, q)
-                mY[j, n0 + r] = v.to(cutlass.BFloat16)
+            @cute.struct
+            class StorageLora:
+                full: cute.struct.MemRange[cutlass.Int64, stages]
+                empty: cute.struct.MemRange[cutlass.Int64, stages]
+                sx_ready: cute.struct.MemRange[cutlass.Int64, 1]
+                sSx: cute.struct.MemRange[cutlass.Float32, bn]
+                bfull: cute.struct.MemRange[cutlass.Int64, nb]
+                bempty: cute.struct.MemRange[cutlass.Int64, nb]
+                sW: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sW_layout)], 1024]
+                sX: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sX_layout)], 1024]
+                sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, red_cosize], 16]
+                sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sB_layout)], 1024]
+                sH: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sH_layout)], 1024]
 
-        # Keep this CTA's smem alive until every CTA of the cluster has read it.
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
+            if cutlass.const_expr(lora):
+                self.storage = StorageLora
+            else:
+                self.storage = Storage
+            self.smem_size = self.storage.size_in_bytes()
 
-    # -----------------------------------------------------------------------------------------
-    @cute.jit
-    def _issue_b(self, q_lo, q_hi, tma_bs: tuple, mBs: tuple, st, sB_layout, bfull, bempty,
-                 mActive, mNumActive, mSlotRanks, sl, row_in_slice, n_s, split, nsplit):
-        """Producer: TMA the B chunks of this CTA's items with ordinals in [q_lo, q_hi)."""
-        cfg = self.cfg
-        BM, RC, NB, R = self.bm, self.rc, self.nb, cfg.rank
-        sB = st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
-        t = cutlass.Int32(0)  # global item index (all CTAs of the cluster)
-        q = cutlass.Int32(0)  # this CTA's item ordinal
-        num_active = mNumActive[0]
-        for g in cutlass.range(num_active, unroll=1):
-            lid = mActive[g]
-            if lid >= 0:
-                reff = cutlass.max(cutlass.min(mSlotRanks[lid], R), 0)
-                nch = (reff + RC - 1) // RC
-                for c in cutlass.range(nch, unroll=1):
-                    if t % nsplit == split:
-                        if q >= q_lo and q < q_hi:
+            n_tiles = cute.size(w, mode=[0]) // self.bm
+            self.kernel(
+                tma_w, mW, tma_x, mX, sx, sw, y, sync, n_quant, lora_pack, sW_layout, sX_layout, sB_layout, sH_layout,
+            ).launch(grid=(1, n_tiles, 1), block=(THREADS, 1, 1), cluster=(1, 1, 1), stream=stream)
+
+        # -----------------------------------------------------------------------------------------
+        @cute.kernel
+        def kernel(self, tma_w: cute.CopyAtom, mW: cute.Tensor, tma_x: cute.CopyAtom, mX: cute.Tensor,
+                   mSx: cute.Tensor, mSw: cute.Tensor, mY: cute.Tensor, mSync: cute.Tensor,
+                   n_quant: cutlass.Int32, lora_pack, sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout,
+                   sB_layout: cute.ComposedLayout, sH_layout: cute.ComposedLayout):
+            cfg = self.cfg
+            BM, BN, BK, RC, NB, STAGES = self.bm, self.bn, self.bk, self.rc, self.nb, self.stages
+            R = cfg.rank
+            if cutlass.const_expr(cfg.lora):
+                tma_bs, mBs, mH, mTok, mActive, mNumActive, mSlotRanks, mSliceStart = lora_pack
+            # Built here, not passed: a TiledMma kernel argument becomes a 1-byte dummy parameter.
+            kmaj = cute.nvgpu.warpgroup.OperandMajorMode.K
+            tiled_mma = sm90_utils.make_trivial_tiled_mma(
+                cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, kmaj, kmaj, cutlass.Float32, (1, 1, 1),
+                tiler_mn=(64, BN))
+            tiled_mma_l = sm90_utils.make_trivial_tiled_mma(
+                cutlass.BFloat16, cutlass.BFloat16, kmaj, kmaj, cutlass.Float32, (1, 1, 1), tiler_mn=(64, BN))
+
+            tidx, _, _ = cute.arch.thread_idx()
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            wg = warp_idx // 4
+            _, tile, _ = cute.arch.block_idx()
+            split = cute.arch.make_warp_uniform(cute.arch.block_in_cluster_idx()[0])
+            nsplit = cute.arch.make_warp_uniform(cute.arch.block_in_cluster_dim()[0])
+            n0 = tile * BM
+
+            K = cute.size(mW, mode=[1])
+            M = cute.size(mX, mode=[0])
+            nk = (K + BK - 1) // BK
+            kb_lo = split * nk // nsplit
+            kb_hi = (split + 1) * nk // nsplit
+            nloc = kb_hi - kb_lo
+
+            smem = cutlass.utils.SmemAllocator()
+            st = smem.allocate(self.storage)
+            full = st.full.data_ptr()
+            empty = st.empty.data_ptr()
+            sx_ready = st.sx_ready.data_ptr()
+            sSx = st.sSx.get_tensor(cute.make_layout(BN))
+            bfull = st.bfull.data_ptr()
+            bempty = st.bempty.data_ptr()
+            sW = st.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)
+            sX = st.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
+            sRed = st.sRed.get_tensor(cute.make_layout((BM, BN), stride=(1, BM + RED_PAD)))
+
+            if tidx == 0:
+                for i in cutlass.range_constexpr(STAGES):
+                    cute.arch.mbarrier_init(full + i, 1)
+                    cute.arch.mbarrier_init(empty + i, 128)
+                cute.arch.mbarrier_init(sx_ready, 1)
+                for i in cutlass.range_constexpr(NB):
+                    cute.arch.mbarrier_init(bfull + i, 1)
+                    cute.arch.mbarrier_init(bempty + i, 128)
+                cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+
+            # TMA views: (tile, k-block) of W, (0, k-block) of x_q.
+            gW = cute.local_tile(mW, (BM, BK), (tile, None))
+            gX = cute.local_tile(mX, (BN, BK), (0, None))
+            tWs, tWg = cute.nvgpu.cpasync.tma_partition(
+                tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
+            tXs, tXg = cute.nvgpu.cpasync.tma_partition(
+                tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+            stage_bytes = BM * BK + BN * BK
+
+            # Which slice this tile belongs to (lora only): tiles never straddle slices.
+            sl = cutlass.Int32(0)
+            row_in_slice = n0
+            n_s = cute.size(mW, mode=[0])
+            if cutlass.const_expr(cfg.lora):
+                for i in cutlass.range_constexpr(1, cfg.num_slices):
+                    if n0 >= mSliceStart[i]:
+                        sl = cutlass.Int32(i)
+                row_in_slice = n0 - mSliceStart[sl]
+                n_s = mSliceStart[sl + 1] - mSliceStart[sl]
+
+            if wg == 0:
+                # ===================================== producer ====================================
+                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+                if warp_idx == 0:
+                    if cute.arch.lane_idx() == 0:
+                        cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
+                        cute.nvgpu.cpasync.prefetch_descriptor(tma_x)
+                        npre = cutlass.min(nloc, STAGES)
+                        # 1. weights of the first stages: they do not depend on the previous kernel.
+                        for i in cutlass.range(npre, unroll=1):
+                            cute.arch.mbarrier_arrive_and_expect_tx(full + i, stage_bytes)
+                            cute.copy(tma_w, tWg[(None, kb_lo + i)], tWs[(None, i)], tma_bar_ptr=full + i)
+                        # 2. wait until the quantization CTAs have published x_q / s_x.
+                        sync_addr = mSync.iterator.toint()
+                        while D.ld_acquire_gpu_s32(sync_addr) < n_quant:
+                            D.nanosleep(32)
+                        D.fence_proxy_async_global()
+                        # s_x goes to the consumer through smem + an mbarrier, so that its reads are
+                        # ordered after this thread's acquire (the consumer never saw the flag).
+                        for j in cutlass.range(cutlass.min(M, BN), unroll=1):
+                            sSx[j] = mSx[j]
+                        cute.arch.mbarrier_arrive(sx_ready)
+                        gdim = cute.arch.grid_dim()
+                        total = gdim[0] * gdim[1] * gdim[2]
+                        old = D.atom_add_acqrel_gpu_s32(sync_addr + 4, 1)
+                        if old == total - 1:
+                            # Every CTA of this grid is past the spin: re-arm for the next call.
+                            D.st_relaxed_gpu_s32(sync_addr, 0)
+                            D.st_relaxed_gpu_s32(sync_addr + 4, 0)
+                        for i in cutlass.range(npre, unroll=1):
+                            cute.copy(tma_x, tXg[(None, kb_lo + i)], tXs[(None, i)], tma_bar_ptr=full + i)
+                        # 3. adapter B chunks that fit the ring: prefetched long before they are needed.
+                        if cutlass.const_expr(cfg.lora):
+                            self._issue_b(0, NB, tma_bs, mBs, st, sB_layout, bfull, bempty, mActive,
+                                          mNumActive, mSlotRanks, sl, row_in_slice, n_s, split, nsplit)
+                        # 4. steady state.
+                        for i in cutlass.range(npre, nloc, unroll=1):
+                            s = i % STAGES
+                            cute.arch.mbarrier_wait(empty + s, ((i // STAGES) + 1) % 2)
+                            cute.arch.mbarrier_arrive_and_expect_tx(full + s, stage_bytes)
+                            cute.copy(tma_w, tWg[(None, kb_lo + i)], tWs[(None, s)], tma_bar_ptr=full + s)
+                            cute.copy(tma_x, tXg[(None, kb_lo + i)], tXs[(None, s)], tma_bar_ptr=full + s)
+                        # 5. the rest of the B chunks, as the consumer frees buffers.
+                        if cutlass.const_expr(cfg.lora):
+                            self._issue_b(NB, 1 << 30, tma_bs, mBs, st, sB_layout, bfull, bempty, mActive,
+                                          mNumActive, mSlotRanks, sl, row_in_slice, n_s, split, nsplit)
+            else:
+                # ===================================== consumer ====================================
+                cute.arch.setmaxregister_increase(CONSUMER_REGS)
+                ctid = tidx - 128
+                thr_mma = tiled_mma.get_slice(ctid)
+                tCsW = thr_mma.partition_A(sW)
+                tCsX = thr_mma.partition_B(sX)
+                tCrW = tiled_mma.make_fragment_A(tCsW)
+                tCrX = tiled_mma.make_fragment_B(tCsX)
+                cC = cute.make_identity_tensor((BM, BN))
+                tCcC = thr_mma.partition_C(cC)
+                acc = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
+                acc.fill(0.0)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                num_kk = cute.size(tCrW, mode=[2])
+
+                for i in cutlass.range(nloc, unroll=1):
+                    s = i % STAGES
+                    cute.arch.mbarrier_wait(full + s, (i // STAGES) % 2)
+                    cute.nvgpu.warpgroup.fence()
+                    for kk in cutlass.range_constexpr(num_kk):
+                        cute.gemm(tiled_mma, acc, tCrW[(None, None, kk, s)], tCrX[(None, None, kk, s)], acc)
+                    cute.nvgpu.warpgroup.commit_group()
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    cute.arch.mbarrier_arrive(empty + s)
+
+                acc_l = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
+                acc_l.fill(0.0)
+                if cutlass.const_expr(cfg.lora):
+                    # h comes from the shrink kernel: wait for it here, after the main loop, and not
+                    # a moment earlier.
+                    cute.arch.griddepcontrol_wait()
+                    self._lora_epilogue(ctid, acc_l, tiled_mma_l, st, sB_layout, sH_layout, bfull, bempty,
+                                        mH, mTok, mActive, mNumActive, mSlotRanks, sl, M, split, nsplit)
+
+                # partial = acc * s_x[token] * s_w (+ adapter), into this CTA's reduction buffer.
+                s_w = mSw[0]
+                cute.arch.mbarrier_wait(sx_ready, 0)
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    r, j = tCcC[i]
+                    v = cutlass.Float32(0.0)
+                    if j < M:
+                        v = acc[i] * (sSx[j] * s_w)
+                        if cutlass.const_expr(cfg.lora):
+                            v = v + acc_l[i]
+                    sRed[r, j] = v
+
+            # Cluster-wide: every partial is in smem (release/acquire at cluster scope).
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+            if wg == 1:
+                # Fixed-order reduction of this CTA's share of the valid elements; y written once.
+                ctid = tidx - 128
+                mvalid = cutlass.min(M, BN)
+                n_el = BM * mvalid
+                lo = split * n_el // nsplit
+                hi = (split + 1) * n_el // nsplit
+                red_base = sRed.iterator.toint()
+                for e in cutlass.range(lo + ctid, hi, 128, unroll=1):
+                    j = e // BM
+                    r = e - j * BM
+                    off = red_base + (r + j * (BM + RED_PAD)) * 4
+                    v = cutlass.Float32(0.0)
+                    for q in cutlass.range(nsplit, unroll=1):
+                        v = v + D.ld_dsmem_f32(off, q)
+                    mY[j, n0 + r] = v.to(cutlass.BFloat16)
+
+            # Keep this CTA's smem alive until every CTA of the cluster has read it.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+        # -----------------------------------------------------------------------------------------
+        @cute.jit
+        def _issue_b(self, q_lo, q_hi, tma_bs: tuple, mBs: tuple, st, sB_layout, bfull, bempty,
+                     mActive, mNumActive, mSlotRanks, sl, row_in_slice, n_s, split, nsplit):
+            """Producer: TMA the B chunks of this CTA's items with ordinals in [q_lo, q_hi)."""
+            cfg = self.cfg
+            BM, RC, NB, R = self.bm, self.rc, self.nb, cfg.rank
+            sB = st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+            t = cutlass.Int32(0)  # global item index (all CTAs of the cluster)
+            q = cutlass.Int32(0)  # this CTA's item ordinal
+            num_active = mNumActive[0]
+            for g in cutlass.range(num_active, unroll=1):
+                lid = mActive[g]
+                if lid >= 0:
+                    reff = cutlass.max(cutlass.min(mSlotRanks[lid], R), 0)
+                    nch = (reff + RC - 1) // RC
+                    for c in cutlass.range(nch, unroll=1):
+                        if t % nsplit == split:
+                            if q >= q_lo and q < q_hi:
+                                b = q % NB
+                                if q >= NB:
+                                    cute.arch.mbarrier_wait(bempty + b, ((q // NB) + 1) % 2)
+                                cute.arch.mbarrier_arrive_and_expect_tx(bfull + b, BM * RC * 2)
+                                row_blk = (lid * n_s + row_in_slice) // BM
+                                for i in cutlass.range_constexpr(cfg.num_slices):
+                                    if sl == i:
+                                        gB = cute.local_tile(mBs[i], (BM, RC), (None, None))
+                                        tBs, tBg = cute.nvgpu.cpasync.tma_partition(
+                                            tma_bs[i], 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+                                            cute.group_modes(gB, 0, 2))
+                                        cute.copy(tma_bs[i], tBg[(None, row_blk, c)], tBs[(None, b)],
+                                                  tma_bar_ptr=bfull + b)
+                            q = q + 1
+                        t = t + 1
+
+        @cute.jit
+        def _lora_epilogue(self, ctid, acc_l, tiled_mma_l, st, sB_layout, sH_layout, bfull, bempty,
+                           mH, mTok, mActive, mNumActive, mSlotRanks, sl, M, split, nsplit):
+            """Consumer: acc_l += B_chunk . hmask^T for this CTA's items, in item order."""
+            cfg = self.cfg
+            BN, RC, NB, R = self.bn, self.rc, self.nb, cfg.rank
+            sB = st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+            sH = st.sH.get_tensor(sH_layout.outer, swizzle=sH_layout.inner)
+            thr = tiled_mma_l.get_slice(ctid)
+            tLrB = tiled_mma_l.make_fragment_A(thr.partition_A(sB))
+            tLrH = tiled_mma_l.make_fragment_B(thr.partition_B(sH))
+            tiled_mma_l.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            n_kk = cute.size(tLrB, mode=[2])
+            t = cutlass.Int32(0)
+            q = cutlass.Int32(0)
+            num_active = mNumActive[0]
+            for g in cutlass.range(num_active, unroll=1):
+                lid = mActive[g]
+                if lid >= 0:
+                    reff = cutlass.max(cutlass.min(mSlotRanks[lid], R), 0)
+                    nch = (reff + RC - 1) // RC
+                    for c in cutlass.range(nch, unroll=1):
+                        if t % nsplit == split:
                             b = q % NB
-                            if q >= NB:
-                                cute.arch.mbarrier_wait(bempty + b, ((q // NB) + 1) % 2)
-                            cute.arch.mbarrier_arrive_and_expect_tx(bfull + b, BM * RC * 2)
-                            row_blk = (lid * n_s + row_in_slice) // BM
-                            for i in cutlass.range_constexpr(cfg.num_slices):
-                                if sl == i:
-                                    gB = cute.local_tile(mBs[i], (BM, RC), (None, None))
-                                    tBs, tBg = cute.nvgpu.cpasync.tma_partition(
-                                        tma_bs[i], 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
-                                        cute.group_modes(gB, 0, 2))
-                                    cute.copy(tma_bs[i], tBg[(None, row_blk, c)], tBs[(None, b)],
-                                              tma_bar_ptr=bfull + b)
-                        q = q + 1
-                    t = t + 1
+                            # hmask chunk: bf16(h) of this group's tokens, 0 elsewhere.
+                            for e in cutlass.range(ctid, BN * RC, 128, unroll=1):
+                                j = e // RC
+                                rr = e - j * RC
+                                v = cutlass.Float32(0.0)
+                                if j < M and c * RC + rr < R:
+                                    if mTok[j] == lid:
+                                        v = mH[sl, j, c * RC + rr]
+                                sH[j, rr, 0] = v.to(cutlass.BFloat16)
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                            cute.arch.barrier(barrier_id=1, number_of_threads=128)
+                            cute.arch.mbarrier_wait(bfull + b, (q // NB) % 2)
+                            # k16 steps past the slot's effective rank multiply zeros: skip them.
+                            n_steps = (cutlass.min(reff - c * RC, RC) + 15) // 16
+                            cute.nvgpu.warpgroup.fence()
+                            for kk in cutlass.range_constexpr(n_kk):
+                                if kk < n_steps:
+                                    cute.gemm(tiled_mma_l, acc_l, tLrB[(None, None, kk, b)],
+                                              tLrH[(None, None, kk, 0)], acc_l)
+                            cute.nvgpu.warpgroup.commit_group()
+                            cute.nvgpu.warpgroup.wait_group(0)
+                            cute.arch.mbarrier_arrive(bempty + b)
+                            # sH is rewritten by the next item: everyone must be past this WGMMA.
+                            cute.arch.barrier(barrier_id=1, number_of_threads=128)
+                            q = q + 1
+                        t = t + 1
 
-    @cute.jit
-    def _lora_epilogue(self, ctid, acc_l, tiled_mma_l, st, sB_layout, sH_layout, bfull, bempty,
-                       mH, mTok, mActive, mNumActive, mSlotRanks, sl, M, split, nsplit):
-        """Consumer: acc_l += B_chunk . hmask^T for this CTA's items, in item order."""
-        cfg = self.cfg
-        BN, RC, NB, R = self.bn, self.rc, self.nb, cfg.rank
-        sB = st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
-        sH = st.sH.get_tensor(sH_layout.outer, swizzle=sH_layout.inner)
-        thr = tiled_mma_l.get_slice(ctid)
-        tLrB = tiled_mma_l.make_fragment_A(thr.partition_A(sB))
-        tLrH = tiled_mma_l.make_fragment_B(thr.partition_B(sH))
-        tiled_mma_l.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-        n_kk = cute.size(tLrB, mode=[2])
-        t = cutlass.Int32(0)
-        q = cutlass.Int32(0)
-        num_active = mNumActive[0]
-        for g in cutlass.range(num_active, unroll=1):
-            lid = mActive[g]
-            if lid >= 0:
-                reff = cutlass.max(cutlass.min(mSlotRanks[lid], R), 0)
-                nch = (reff + RC - 1) // RC
-                for c in cutlass.range(nch, unroll=1):
-                    if t % nsplit == split:
-                        b = q % NB
-                        # hmask chunk: bf16(h) of this group's tokens, 0 elsewhere.
-                        for e in cutlass.range(ctid, BN * RC, 128, unroll=1):
-                            j = e // RC
-                            rr = e - j * RC
-                            v = cutlass.Float32(0.0)
-                            if j < M and c * RC + rr < R:
-                                if mTok[j] == lid:
-                                    v = mH[sl, j, c * RC + rr]
-                            sH[j, rr, 0] = v.to(cutlass.BFloat16)
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        cute.arch.barrier(barrier_id=1, number_of_threads=128)
-                        cute.arch.mbarrier_wait(bfull + b, (q // NB) % 2)
-                        # k16 steps past the slot's effective rank multiply zeros: skip them.
-                        n_steps = (cutlass.min(reff - c * RC, RC) + 15) // 16
-                        cute.nvgpu.warpgroup.fence()
-                        for kk in cutlass.range_constexpr(n_kk):
-                            if kk < n_steps:
-                                cute.gemm(tiled_mma_l, acc_l, tLrB[(None, None, kk, b)],
-                                          tLrH[(None, None, kk, 0)], acc_l)
-                        cute.nvgpu.warpgroup.commit_group()
-                        cute.nvgpu.warpgroup.wait_group(0)
-                        cute.arch.mbarrier_arrive(bempty + b)
-                        # sH is rewritten by the next item: everyone must be past this WGMMA.
-                        cute.arch.barrier(barrier_id=1, number_of_threads=128)
-                        q = q + 1
-                    t = t + 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -499,24 +513,24 @@ class _K2Kernel:
 def _fake_args(cfg: Config):
     """Fake tensors with symbolic sizes, in the __call__ order."""
     f8, bf16, f32, i32 = cutlass.Float8E4M3FN, cutlass.BFloat16, cutlass.Float32, cutlass.Int32
-    N, K, M = C.sym(cfg.bm), C.sym(16), C.sym(1)
-    w = C.fake_rowmajor(f8, (N, K))
-    xq = C.fake_rowmajor(f8, (C.sym(1), C.sym(16)))
-    sx = C.fake_rowmajor(f32, (C.sym(1),), align=4)
-    sw = C.fake_rowmajor(f32, (1,), align=4)
-    y = C.fake_rowmajor(bf16, (C.sym(1), C.sym(8)))
-    sync = C.fake_rowmajor(i32, (2,), align=8)
+    N, K, M = D.sym(cfg.bm), D.sym(16), D.sym(1)
+    w = D.fake_rowmajor(f8, (N, K))
+    xq = D.fake_rowmajor(f8, (D.sym(1), D.sym(16)))
+    sx = D.fake_rowmajor(f32, (D.sym(1),), align=4)
+    sw = D.fake_rowmajor(f32, (1,), align=4)
+    y = D.fake_rowmajor(bf16, (D.sym(1), D.sym(8)))
+    sync = D.fake_rowmajor(i32, (2,), align=8)
     if cfg.lora:
-        bufs = tuple(C.fake_rowmajor(bf16, (C.sym(cfg.bm), cfg.rank)) for _ in range(cfg.num_slices))
-        h = C.fake_rowmajor(f32, (cfg.num_slices, C.sym(1), cfg.rank))
-        tok = C.fake_rowmajor(i32, (C.sym(1),), align=4)
-        active = C.fake_rowmajor(i32, (C.sym(1),), align=4)
-        num_active = C.fake_rowmajor(i32, (1,), align=4)
-        slot_ranks = C.fake_rowmajor(i32, (C.sym(1),), align=4)
-        slice_start = C.fake_rowmajor(i32, (cfg.num_slices + 1,), align=4)
-        return (w, xq, sx, sw, y, sync, cutlass.Int32(0), C.fake_stream(), h, tok, active, num_active,
+        bufs = tuple(D.fake_rowmajor(bf16, (D.sym(cfg.bm), cfg.rank)) for _ in range(cfg.num_slices))
+        h = D.fake_rowmajor(f32, (cfg.num_slices, D.sym(1), cfg.rank))
+        tok = D.fake_rowmajor(i32, (D.sym(1),), align=4)
+        active = D.fake_rowmajor(i32, (D.sym(1),), align=4)
+        num_active = D.fake_rowmajor(i32, (1,), align=4)
+        slot_ranks = D.fake_rowmajor(i32, (D.sym(1),), align=4)
+        slice_start = D.fake_rowmajor(i32, (cfg.num_slices + 1,), align=4)
+        return (w, xq, sx, sw, y, sync, cutlass.Int32(0), D.fake_stream(), h, tok, active, num_active,
                 slot_ranks, slice_start, *bufs)
-    return (w, xq, sx, sw, y, sync, cutlass.Int32(0), C.fake_stream())
+    return (w, xq, sx, sw, y, sync, cutlass.Int32(0), D.fake_stream())
 
 
 def compile(config: Config, options: str = "--gpu-arch sm_90a"):
@@ -531,52 +545,84 @@ def compile(config: Config, options: str = "--gpu-arch sm_90a"):
     return f
 
 
-def params(config: Config) -> list[Param]:
-    """The kernel's parameters in launch order (see docs/k2_design.md for the TMA specs)."""
+def params(config: Config) -> list:
+    """The kernel's by-value parameters in launch order (epilora_cute.kernel_abi protocol).
+
+    TMA parameters pack a 2-D torch view (encoded with cuTensorMapEncodeTiled from the TmaSpec)
+    or prebuilt 128 bytes; coordinate parameters pack a tuple of int32 dims.
+    """
     bm, bn, bk, rc = config.bm, config.bn, config.bk, config.rank_chunk
+    f8, bf16, f32, i32 = torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.int32
     p = [
-        Param("tma_w", "tensormap", tma=TmaSpec("UINT8", ("K", "N"), ("K",), (bk, bm), (1, 1))),
-        Param("w_coord", "coord", ("N", "K")),
-        Param("tma_xq", "tensormap", tma=TmaSpec("UINT8", ("K", "M"), ("K",), (bk, bn), (1, 1))),
-        Param("xq_coord", "coord", ("M", "K")),
-        tensor_param("s_x", ("M",)),
-        tensor_param("s_w"),
-        tensor_param("y", ("M", "N"), ("y.stride(0)",)),
-        tensor_param("sync"),
-        Param("n_quant", "i32"),
+        TmaParam("tma_w", TmaSpec(f8, (bk, bm)), "W_q [N, K] e4m3"),
+        CoordParam("w_dims", 2),  # (N, K)
+        TmaParam("tma_xq", TmaSpec(f8, (bk, bn)), "x_q [M, K] e4m3 (M <= bn; rows >= M are never stored)"),
+        CoordParam("xq_dims", 2),  # (M, K)
+        TensorParam("s_x", f32, 1, dynamic_shape=(0,), align=4),  # [M] (x_scale.view(-1))
+        TensorParam("s_w", f32, 1, align=4),  # [1]
+        TensorParam("y", bf16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16),  # [M, N]
+        TensorParam("sync", i32, 1, align=8),  # [2], shared with the shrink kernel, zeroed once
+        ScalarParam("n_quant", "i"),
     ]
     if config.lora:
         sw = {16: "32B", 32: "64B", 64: "128B"}[rc]
-        # The tuple (tma atoms..., coord tensors...) flattens atoms first, then coords.
+        # (tma atoms..., coordinate tensors...) flatten atoms first, then coordinates.
         for s in range(config.num_slices):
-            p.append(Param(f"tma_b{s}", "tensormap",
-                           tma=TmaSpec("BFLOAT16", ("R", f"L*n_{s}"), ("2*R",), (rc, bm), (1, 1), swizzle=sw),
-                           note=f"B_{s} [max_loras, 1, n_{s}, R] viewed as [max_loras*n_{s}, R]"))
+            p.append(TmaParam(f"tma_b{s}", TmaSpec(bf16, (rc, bm), swizzle=sw),
+                              f"B_{s} [max_loras, 1, n_{s}, R] viewed as [max_loras*n_{s}, R]"))
         for s in range(config.num_slices):
-            p.append(Param(f"b{s}_coord", "coord", (f"L*n_{s}",)))
+            p.append(CoordParam(f"b{s}_dims", 1))  # (max_loras*n_s,)
         p += [
-            tensor_param("h", ("M",), ("M*R",), note="fp32 [num_slices, M, R] contiguous"),
-            tensor_param("token_lora", ("M",)),
-            tensor_param("active_lora_ids", ("L+1",)),
-            tensor_param("num_active"),
-            tensor_param("slot_ranks", ("L",)),
-            tensor_param("slice_start", note=f"int32 [{config.num_slices + 1}]: 0, n_0, n_0+n_1, ..., N"),
+            TensorParam("h", f32, 3, dynamic_shape=(1,), dynamic_stride=(0,), align=16),  # [slices, M, R]
+            TensorParam("token_lora", i32, 1, dynamic_shape=(0,), align=4),  # [M]
+            TensorParam("active_lora_ids", i32, 1, dynamic_shape=(0,), align=4),  # [max_loras+1]
+            TensorParam("num_active", i32, 1, align=4),  # [1]
+            TensorParam("slot_ranks", i32, 1, dynamic_shape=(0,), align=4),  # [max_loras]
+            TensorParam("slice_start", i32, 1, align=4),  # [num_slices+1]: 0, n_0, n_0+n_1, ..., N
         ]
     return p
 
 
-def launch_dims(config: Config, n_out: int, split: int):
-    """grid, block, cluster, dynamic smem bytes of one launch."""
-    if n_out % config.bm:
-        raise ValueError(f"N={n_out} is not a multiple of bm={config.bm}")
-    return dict(grid=(split, n_out // config.bm, 1), block=(THREADS, 1, 1), cluster=(split, 1, 1),
-                smem=None)
+def launch(config: Config, *, w_q, w_scale, x_q, x_scale, y, sync, n_quant: int, split: int,
+           h=None, token_lora=None, active_lora_ids=None, num_active=None, slot_ranks=None,
+           slice_start=None, lora_b=None) -> dict:
+    """Arguments (in params() order) and launch geometry for one K2 call.
+
+    Returns dict(args, grid, block, cluster, smem, pdl). Launch with cluster dims (split, 1, 1)
+    and, for the adapter variant, PDL (programmatic stream serialization) as the dependent of the
+    shrink kernel.
+    """
+    M, K = x_q.shape
+    N = w_q.shape[0]
+    if M > config.bn:
+        raise ValueError(f"{M} tokens exceed the token tile {config.bn}")
+    if N % config.bm:
+        raise ValueError(f"N={N} is not a multiple of bm={config.bm}")
+    if not 1 <= split <= 16:
+        raise ValueError("split must be 1..16 (cluster size; > 8 needs the non-portable attribute)")
+    args = [w_q, (N, K), x_q, (M, K), x_scale.reshape(-1), w_scale.reshape(-1), y, sync, int(n_quant)]
+    if config.lora:
+        bufs = list(lora_b)
+        if len(bufs) != config.num_slices:
+            raise ValueError(f"{config.num_slices} B buffers expected")
+        views = []
+        for b in bufs:
+            b3 = b[:, 0] if b.dim() == 4 else b
+            if b3.shape[2] != config.rank:
+                raise ValueError(f"B buffer rank {b3.shape[2]} != config rank {config.rank}")
+            if b3.shape[1] % config.bm:
+                raise ValueError(f"slice width {b3.shape[1]} is not a multiple of bm={config.bm}")
+            views.append(b3.reshape(-1, config.rank))
+        args += views + [(v.shape[0],) for v in views]
+        args += [h, token_lora, active_lora_ids, num_active, slot_ranks, slice_start]
+    return dict(args=tuple(args), grid=(split, N // config.bm, 1), block=config.block, cluster=(split, 1, 1),
+                smem=config.smem_bytes(), pdl=config.lora)
 
 
-def choose_split(n_out: int, k: int, bm: int = 128, bk: int = 128, sms: int = C.SM_COUNT_H100,
+def choose_split(n_out: int, k: int, bm: int = 128, bk: int = 128, sms: int = SM_COUNT_H100,
                  max_split: int = 8) -> int:
-    """Split-K factor: the largest S <= max_split with tiles*S <= sms and >= 2 k-blocks per split;
-    when one wave cannot be filled that way (many tiles), S=1 or 2 whichever wastes less."""
+    """Split-K (cluster size) so that every SM streams weights: the largest S <= max_split with
+    tiles * S <= sms and at least 2 k-blocks per split; 1 when the tiles alone fill the GPU."""
     tiles = n_out // bm
     nk = -(-k // bk)
     best = 1
@@ -584,6 +630,24 @@ def choose_split(n_out: int, k: int, bm: int = 128, bk: int = 128, sms: int = C.
         if tiles * s <= sms and nk // s >= 2:
             best = s
     return best
+
+
+def token_tile(m: int) -> int:
+    if not 1 <= m <= 32:
+        raise ValueError(f"the decode path takes 1..32 tokens, got {m}")
+    return 8 if m <= 8 else 16 if m <= 16 else 32
+
+
+def select(widths, m: int, rank: int | None = None):
+    """(adapter config or None, no-adapter config) for a projection with these slice widths."""
+    bm, bn = bm_for(widths), token_tile(m)
+    lora = Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=rank) if rank else None
+    return lora, Config(bn=bn, bm=bm, lora=False)
+
+
+def configs_for(widths) -> list[Config]:
+    return sorted({c for bn in TOKEN_TILES for r in RANKS for c in select(widths, bn, r)},
+                  key=lambda c: (c.lora, c.bn, c.rank))
 
 
 # Decode-path shapes: (name, N slices, K) per projection, full model and 2-way TP shard.

@@ -24,20 +24,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
-import cuda.bindings.driver as cuda
+from ._abi import CoordParam, TensorParam, TmaParam, TmaSpec, struct_size
 
-import cutlass
-import cutlass.cute as cute
-import cutlass.utils as utils
-import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+try:  # the DSL is needed to compile, not to launch a cached build
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils as utils
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T, dsl_user_op
 
-from . import _common as C
-from ._common import Param, TmaSpec, tensor_param
+    from . import _dsl as D
+except ImportError:  # pragma: no cover - GPU machines without nvidia-cutlass-dsl
+    cutlass = cute = None
 
 FAMILY = "lora_shrink_quant"
+RUNTIME_CONTRACT = True
 
 THREADS = 128
 FP8_MAX = 448.0
@@ -77,238 +82,247 @@ class Config:
     def n_chunks(self) -> int:
         return -(-self.rank // 64)
 
-    @property
     def name(self) -> str:
         return f"bn{self.bn}_r{self.rank}_s{self.num_slices}_bk{self.bk}_st{self.stages}" + ("" if self.quant else "_noq")
 
+    @property
+    def block(self) -> tuple[int, int, int]:
+        return (THREADS, 1, 1)
+
     def smem_bytes(self) -> int:
-        return self.stages * (64 * self.bk + self.bn * self.bk) * 2 + (64 + RED_PAD) * self.bn * 4 + 4096
+        """Dynamic shared memory of a launch: the kernel's smem struct, field by field."""
+        st, bn, bk = self.stages, self.bn, self.bk
+        return struct_size([(8 * st, 8), (16, 4), (64 * bk * st * 2, 1024), (bn * bk * st * 2, 1024),
+                            ((64 + RED_PAD) * bn * 4, 16)])
 
 
-@dsl_user_op
-def shfl_bfly_f32(v, lane_mask, *, loc=None, ip=None):
-    return cutlass.Float32(llvm.inline_asm(
-        T.f32(), [cutlass.Float32(v).ir_value(loc=loc, ip=ip), cutlass.Int32(lane_mask).ir_value(loc=loc, ip=ip)],
-        "shfl.sync.bfly.b32 $0, $1, $2, 31, -1;", "=f,f,r", has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT))
+if cute is not None:
+
+    @dsl_user_op
+    def shfl_bfly_f32(v, lane_mask, *, loc=None, ip=None):
+        return cutlass.Float32(llvm.inline_asm(
+            T.f32(), [cutlass.Float32(v).ir_value(loc=loc, ip=ip), cutlass.Int32(lane_mask).ir_value(loc=loc, ip=ip)],
+            "shfl.sync.bfly.b32 $0, $1, $2, 31, -1;", "=f,f,r", has_side_effects=True, is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
-class _ShrinkKernel:
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
+    class _ShrinkKernel:
+        def __init__(self, cfg: Config):
+            self.cfg = cfg
 
-    @cute.jit
-    def __call__(self, x: cute.Tensor, h: cute.Tensor, xq16: cute.Tensor, sx: cute.Tensor,
-                 sync: cute.Tensor, tok: cute.Tensor, active: cute.Tensor, num_active: cute.Tensor,
-                 slot_ranks: cute.Tensor, stream: cuda.CUstream, a0: cute.Tensor, a1: cute.Tensor = None,
-                 a2: cute.Tensor = None, a3: cute.Tensor = None):
-        cfg = self.cfg
-        a_bufs = tuple(a for a in (a0, a1, a2, a3) if a is not None)
-        assert len(a_bufs) == cfg.num_slices
-        bf16 = x.element_type
-        lay = utils.LayoutEnum.from_tensor(x)
-        tile = (64, cfg.bn, cfg.bk)
-        sA_layout = sm90_utils.make_smem_layout_a(lay, tile, bf16, cfg.stages)
-        # The TMA box holds rows_box (= min(R, 64)) rows; it lands in the first rows of a stage of sA
-        # (K-major atoms are 8 rows tall and stack along M, so those rows form the same layout).
-        sAt_layout = sm90_utils.make_smem_layout_a(lay, (cfg.rows_box, cfg.bn, cfg.bk), bf16, 1)
-        sX_layout = sm90_utils.make_smem_layout_b(lay, tile, bf16, cfg.stages)
-        op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-        tma_as = []
-        mAs = []
-        for i in cutlass.range_constexpr(cfg.num_slices):
-            ta, tt = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                op, a_bufs[i], cute.slice_(sAt_layout, (None, None, 0)), (cfg.rows_box, cfg.bk))
-            tma_as.append(ta)
-            mAs.append(tt)
-        tma_x, mX = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            op, x, cute.slice_(sX_layout, (None, None, 0)), (cfg.bn, cfg.bk))
+        @cute.jit
+        def __call__(self, x: cute.Tensor, h: cute.Tensor, xq16: cute.Tensor, sx: cute.Tensor,
+                     sync: cute.Tensor, tok: cute.Tensor, active: cute.Tensor, num_active: cute.Tensor,
+                     slot_ranks: cute.Tensor, stream: cuda.CUstream, a0: cute.Tensor, a1: cute.Tensor = None,
+                     a2: cute.Tensor = None, a3: cute.Tensor = None):
+            cfg = self.cfg
+            a_bufs = tuple(a for a in (a0, a1, a2, a3) if a is not None)
+            assert len(a_bufs) == cfg.num_slices
+            bf16 = x.element_type
+            lay = utils.LayoutEnum.from_tensor(x)
+            tile = (64, cfg.bn, cfg.bk)
+            sA_layout = sm90_utils.make_smem_layout_a(lay, tile, bf16, cfg.stages)
+            # The TMA box holds rows_box (= min(R, 64)) rows; it lands in the first rows of a stage of sA
+            # (K-major atoms are 8 rows tall and stack along M, so those rows form the same layout).
+            sAt_layout = sm90_utils.make_smem_layout_a(lay, (cfg.rows_box, cfg.bn, cfg.bk), bf16, 1)
+            sX_layout = sm90_utils.make_smem_layout_b(lay, tile, bf16, cfg.stages)
+            op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+            tma_as = []
+            mAs = []
+            for i in cutlass.range_constexpr(cfg.num_slices):
+                ta, tt = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                    op, a_bufs[i], cute.slice_(sAt_layout, (None, None, 0)), (cfg.rows_box, cfg.bk))
+                tma_as.append(ta)
+                mAs.append(tt)
+            tma_x, mX = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                op, x, cute.slice_(sX_layout, (None, None, 0)), (cfg.bn, cfg.bk))
 
-        stages = cfg.stages
-        red_cosize = (64 + RED_PAD) * cfg.bn
+            stages = cfg.stages
+            red_cosize = (64 + RED_PAD) * cfg.bn
 
-        @cute.struct
-        class Storage:
-            full: cute.struct.MemRange[cutlass.Int64, stages]
-            red_max: cute.struct.MemRange[cutlass.Float32, 4]
-            sA: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sA_layout)], 1024]
-            sX: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sX_layout)], 1024]
-            sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, red_cosize], 16]
+            @cute.struct
+            class Storage:
+                full: cute.struct.MemRange[cutlass.Int64, stages]
+                red_max: cute.struct.MemRange[cutlass.Float32, 4]
+                sA: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sA_layout)], 1024]
+                sX: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sX_layout)], 1024]
+                sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, red_cosize], 16]
 
-        self.storage = Storage
-        self.smem_size = self.storage.size_in_bytes()
-        # Launch geometry for the JIT path only (the runtime launches the cubin itself):
-        # S = 1, Y = slices * chunks, Z = 1 + groups (as many as the batch could have).
-        ny = cfg.num_slices * cfg.n_chunks
-        self.kernel(x, mX, tma_x, tuple(tma_as), tuple(mAs), h, xq16, sx, sync, tok, active, num_active,
-                    slot_ranks, sA_layout, sAt_layout, sX_layout).launch(
-            grid=(1, ny, 1 + cute.size(tok)), block=(THREADS, 1, 1), cluster=(1, 1, 1), stream=stream)
+            self.storage = Storage
+            self.smem_size = self.storage.size_in_bytes()
+            # Launch geometry for the JIT path only (the runtime launches the cubin itself):
+            # S = 1, Y = slices * chunks, Z = 1 + groups (as many as the batch could have).
+            ny = cfg.num_slices * cfg.n_chunks
+            self.kernel(x, mX, tma_x, tuple(tma_as), tuple(mAs), h, xq16, sx, sync, tok, active, num_active,
+                        slot_ranks, sA_layout, sAt_layout, sX_layout).launch(
+                grid=(1, ny, 1 + cute.size(tok)), block=(THREADS, 1, 1), cluster=(1, 1, 1), stream=stream)
 
-    @cute.kernel
-    def kernel(self, mXg: cute.Tensor, mX: cute.Tensor, tma_x: cute.CopyAtom, tma_as: tuple, mAs: tuple,
-               mH: cute.Tensor, mXq16: cute.Tensor, mSx: cute.Tensor, mSync: cute.Tensor, mTok: cute.Tensor,
-               mActive: cute.Tensor, mNumActive: cute.Tensor, mSlotRanks: cute.Tensor,
-               sA_layout: cute.ComposedLayout, sAt_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout):
-        cfg = self.cfg
-        BN, BK, STAGES, R = cfg.bn, cfg.bk, cfg.stages, cfg.rank
-        RB = cfg.rows_box
-        NCH = cfg.n_chunks
+        @cute.kernel
+        def kernel(self, mXg: cute.Tensor, mX: cute.Tensor, tma_x: cute.CopyAtom, tma_as: tuple, mAs: tuple,
+                   mH: cute.Tensor, mXq16: cute.Tensor, mSx: cute.Tensor, mSync: cute.Tensor, mTok: cute.Tensor,
+                   mActive: cute.Tensor, mNumActive: cute.Tensor, mSlotRanks: cute.Tensor,
+                   sA_layout: cute.ComposedLayout, sAt_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout):
+            cfg = self.cfg
+            BN, BK, STAGES, R = cfg.bn, cfg.bk, cfg.stages, cfg.rank
+            RB = cfg.rows_box
+            NCH = cfg.n_chunks
 
-        # Let K2 (our PDL dependent) be scheduled right away: it only needs x_q (flag) before its
-        # main loop and h (griddepcontrol.wait) before its epilogue.
-        cute.arch.griddepcontrol_launch_dependents()
+            # Let K2 (our PDL dependent) be scheduled right away: it only needs x_q (flag) before its
+            # main loop and h (griddepcontrol.wait) before its epilogue.
+            cute.arch.griddepcontrol_launch_dependents()
 
-        tidx, _, _ = cute.arch.thread_idx()
-        bx, by, bz = cute.arch.block_idx()
-        split = cute.arch.make_warp_uniform(cute.arch.block_in_cluster_idx()[0])
-        nsplit = cute.arch.make_warp_uniform(cute.arch.block_in_cluster_dim()[0])
-        M = cute.size(mXg, mode=[0])
-        K = cute.size(mXg, mode=[1])
+            tidx, _, _ = cute.arch.thread_idx()
+            bx, by, bz = cute.arch.block_idx()
+            split = cute.arch.make_warp_uniform(cute.arch.block_in_cluster_idx()[0])
+            nsplit = cute.arch.make_warp_uniform(cute.arch.block_in_cluster_dim()[0])
+            M = cute.size(mXg, mode=[0])
+            K = cute.size(mXg, mode=[1])
 
-        smem = cutlass.utils.SmemAllocator()
-        st = smem.allocate(self.storage)
+            smem = cutlass.utils.SmemAllocator()
+            st = smem.allocate(self.storage)
 
-        if bz == 0:
-            # ============================ FP8 per-token quantization ============================
-            if cutlass.const_expr(cfg.quant):
-                gd = cute.arch.grid_dim()
-                nq = gd[0] * gd[1]
-                qid = by * gd[0] + bx
-                red = st.red_max.get_tensor(cute.make_layout(4))
-                lane = cute.arch.lane_idx()
-                warp = tidx // 32
-                for m in cutlass.range(qid, M, nq, unroll=1):
-                    # amax: fmaxf from 0 over |x| (NaN never wins: max.f32 returns the other operand).
-                    amax = cutlass.Float32(0.0)
-                    for k in cutlass.range(tidx, K, THREADS, unroll=4):
-                        amax = C.fmax_f32(amax, C.abs_f32(mXg[m, k].to(cutlass.Float32)))
-                    for sh in cutlass.range_constexpr(5):
-                        amax = C.fmax_f32(amax, shfl_bfly_f32(amax, 1 << (4 - sh)))
-                    if lane == 0:
-                        red[warp] = amax
-                    cute.arch.barrier()
-                    amax = C.fmax_f32(C.fmax_f32(red[0], red[1]), C.fmax_f32(red[2], red[3]))
-                    scale = C.fmax_f32(C.div_rn_f32(amax, cutlass.Float32(FP8_MAX)), cutlass.Float32(MIN_SCALE))
-                    if tidx == 0:
-                        mSx[m] = scale
-                    for k2 in cutlass.range(tidx, K // 2, THREADS, unroll=4):
-                        q0 = C.div_rn_f32(mXg[m, 2 * k2].to(cutlass.Float32), scale)
-                        q1 = C.div_rn_f32(mXg[m, 2 * k2 + 1].to(cutlass.Float32), scale)
-                        q0 = C.fmax_f32(cutlass.Float32(-FP8_MAX), C.fmin_f32(q0, cutlass.Float32(FP8_MAX)))
-                        q1 = C.fmax_f32(cutlass.Float32(-FP8_MAX), C.fmin_f32(q1, cutlass.Float32(FP8_MAX)))
-                        mXq16[m, k2] = C.cvt_e4m3x2_f32(q0, q1)
-                    cute.arch.barrier()  # red[] is reused by the next token
-            # Publish: all of this CTA's stores, then one release increment.
-            cute.arch.barrier()
-            if tidx == 0:
-                cute.arch.fence_acq_rel_gpu()
-                C.red_release_gpu_add_s32(mSync.iterator.toint(), 1)
-        else:
-            # ================================ down-projection ==================================
-            g = bz - 1
-            n_active = mNumActive[0]
-            lid = cutlass.Int32(-1)
-            if g < n_active:
-                lid = mActive[g]
-            sl = by // NCH
-            c = by - sl * NCH
-            reff = cutlass.Int32(0)
-            if lid >= 0:
-                reff = cutlass.max(cutlass.min(mSlotRanks[lid], R), 0)
-            # Uniform over the cluster (same y, z): whole clusters leave together.
-            if c * 64 < reff:
-                full = st.full.data_ptr()
-                sA = st.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
-                sX = st.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
-                sRed = st.sRed.get_tensor(cute.make_layout((64, BN), stride=(1, 64 + RED_PAD)))
-                if tidx == 0:
-                    for i in cutlass.range_constexpr(STAGES):
-                        cute.arch.mbarrier_init(full + i, 1)
-                    cute.arch.mbarrier_init_fence()
+            if bz == 0:
+                # ============================ FP8 per-token quantization ============================
+                if cutlass.const_expr(cfg.quant):
+                    gd = cute.arch.grid_dim()
+                    nq = gd[0] * gd[1]
+                    qid = by * gd[0] + bx
+                    red = st.red_max.get_tensor(cute.make_layout(4))
+                    lane = cute.arch.lane_idx()
+                    warp = tidx // 32
+                    for m in cutlass.range(qid, M, nq, unroll=1):
+                        # amax: fmaxf from 0 over |x| (NaN never wins: max.f32 returns the other operand).
+                        amax = cutlass.Float32(0.0)
+                        for k in cutlass.range(tidx, K, THREADS, unroll=4):
+                            amax = D.fmax_f32(amax, D.abs_f32(mXg[m, k].to(cutlass.Float32)))
+                        for sh in cutlass.range_constexpr(5):
+                            amax = D.fmax_f32(amax, shfl_bfly_f32(amax, 1 << (4 - sh)))
+                        if lane == 0:
+                            red[warp] = amax
+                        cute.arch.barrier()
+                        amax = D.fmax_f32(D.fmax_f32(red[0], red[1]), D.fmax_f32(red[2], red[3]))
+                        scale = D.fmax_f32(D.div_rn_f32(amax, cutlass.Float32(FP8_MAX)), cutlass.Float32(MIN_SCALE))
+                        if tidx == 0:
+                            mSx[m] = scale
+                        for k2 in cutlass.range(tidx, K // 2, THREADS, unroll=4):
+                            q0 = D.div_rn_f32(mXg[m, 2 * k2].to(cutlass.Float32), scale)
+                            q1 = D.div_rn_f32(mXg[m, 2 * k2 + 1].to(cutlass.Float32), scale)
+                            q0 = D.fmax_f32(cutlass.Float32(-FP8_MAX), D.fmin_f32(q0, cutlass.Float32(FP8_MAX)))
+                            q1 = D.fmax_f32(cutlass.Float32(-FP8_MAX), D.fmin_f32(q1, cutlass.Float32(FP8_MAX)))
+                            mXq16[m, k2] = D.cvt_e4m3x2_f32(q0, q1)
+                        cute.arch.barrier()  # red[] is reused by the next token
+                # Publish: all of this CTA's stores, then one release increment.
                 cute.arch.barrier()
-
-                nk = (K + BK - 1) // BK
-                kb_lo = split * nk // nsplit
-                kb_hi = (split + 1) * nk // nsplit
-                nloc = kb_hi - kb_lo
-                # A rows of (slot, chunk) start at lid*R + c*64: a multiple of the box height.
-                a_blk = (lid * R + c * 64) // RB
-                gX = cute.local_tile(mX, (BN, BK), (0, None))
-                tXs, tXg = cute.nvgpu.cpasync.tma_partition(
-                    tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
-                stage_bytes = (RB * BK + BN * BK) * 2
-
-                kmaj = cute.nvgpu.warpgroup.OperandMajorMode.K
-                tiled_mma = sm90_utils.make_trivial_tiled_mma(
-                    cutlass.BFloat16, cutlass.BFloat16, kmaj, kmaj, cutlass.Float32, (1, 1, 1), tiler_mn=(64, BN))
-                thr = tiled_mma.get_slice(tidx)
-                tCrA = tiled_mma.make_fragment_A(thr.partition_A(sA))
-                tCrX = tiled_mma.make_fragment_B(thr.partition_B(sX))
-                cC = cute.make_identity_tensor((64, BN))
-                tCcC = thr.partition_C(cC)
-                acc = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
-                acc.fill(0.0)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                n_kk = cute.size(tCrA, mode=[2])
-
                 if tidx == 0:
-                    for i in cutlass.range(cutlass.min(nloc, STAGES), unroll=1):
-                        self._load(i, kb_lo + i, full, stage_bytes, tma_as, mAs, sA, sAt_layout, sl, a_blk, tma_x, tXg, tXs)
-                for i in cutlass.range(nloc, unroll=1):
-                    s = i % STAGES
-                    cute.arch.mbarrier_wait(full + s, (i // STAGES) % 2)
-                    cute.nvgpu.warpgroup.fence()
-                    for kk in cutlass.range_constexpr(n_kk):
-                        cute.gemm(tiled_mma, acc, tCrA[(None, None, kk, s)], tCrX[(None, None, kk, s)], acc)
-                    cute.nvgpu.warpgroup.commit_group()
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    # Everyone is done with stage s: refill it.
+                    cute.arch.fence_acq_rel_gpu()
+                    D.red_release_gpu_add_s32(mSync.iterator.toint(), 1)
+            else:
+                # ================================ down-projection ==================================
+                g = bz - 1
+                n_active = mNumActive[0]
+                lid = cutlass.Int32(-1)
+                if g < n_active:
+                    lid = mActive[g]
+                sl = by // NCH
+                c = by - sl * NCH
+                reff = cutlass.Int32(0)
+                if lid >= 0:
+                    reff = cutlass.max(cutlass.min(mSlotRanks[lid], R), 0)
+                # Uniform over the cluster (same y, z): whole clusters leave together.
+                if c * 64 < reff:
+                    full = st.full.data_ptr()
+                    sA = st.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+                    sX = st.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
+                    sRed = st.sRed.get_tensor(cute.make_layout((64, BN), stride=(1, 64 + RED_PAD)))
+                    if tidx == 0:
+                        for i in cutlass.range_constexpr(STAGES):
+                            cute.arch.mbarrier_init(full + i, 1)
+                        cute.arch.mbarrier_init_fence()
                     cute.arch.barrier()
-                    if tidx == 0 and i + STAGES < nloc:
-                        self._load(s, kb_lo + i + STAGES, full, stage_bytes, tma_as, mAs, sA, sAt_layout, sl,
-                                   a_blk, tma_x, tXg, tXs)
 
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    r, j = tCcC[i]
-                    sRed[r, j] = acc[i]
-                cute.arch.cluster_arrive()
-                cute.arch.cluster_wait()
+                    nk = (K + BK - 1) // BK
+                    kb_lo = split * nk // nsplit
+                    kb_hi = (split + 1) * nk // nsplit
+                    nloc = kb_hi - kb_lo
+                    # A rows of (slot, chunk) start at lid*R + c*64: a multiple of the box height.
+                    a_blk = (lid * R + c * 64) // RB
+                    gX = cute.local_tile(mX, (BN, BK), (0, None))
+                    tXs, tXg = cute.nvgpu.cpasync.tma_partition(
+                        tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+                    stage_bytes = (RB * BK + BN * BK) * 2
 
-                # Fixed-order split-K sum; this CTA writes its share of (rank row, token) pairs.
-                mvalid = cutlass.min(M, BN)
-                rows = cutlass.min(RB, R - c * 64)
-                n_el = rows * mvalid
-                lo = split * n_el // nsplit
-                hi = (split + 1) * n_el // nsplit
-                base = sRed.iterator.toint()
-                for e in cutlass.range(lo + tidx, hi, THREADS, unroll=1):
-                    j = e // rows
-                    r = e - j * rows
-                    if mTok[j] == lid:
-                        off = base + (r + j * (64 + RED_PAD)) * 4
-                        v = cutlass.Float32(0.0)
-                        for q in cutlass.range(nsplit, unroll=1):
-                            v = v + C.ld_dsmem_f32(off, q)
-                        mH[sl, j, c * 64 + r] = v
-                cute.arch.cluster_arrive()
-                cute.arch.cluster_wait()
+                    kmaj = cute.nvgpu.warpgroup.OperandMajorMode.K
+                    tiled_mma = sm90_utils.make_trivial_tiled_mma(
+                        cutlass.BFloat16, cutlass.BFloat16, kmaj, kmaj, cutlass.Float32, (1, 1, 1), tiler_mn=(64, BN))
+                    thr = tiled_mma.get_slice(tidx)
+                    tCrA = tiled_mma.make_fragment_A(thr.partition_A(sA))
+                    tCrX = tiled_mma.make_fragment_B(thr.partition_B(sX))
+                    cC = cute.make_identity_tensor((64, BN))
+                    tCcC = thr.partition_C(cC)
+                    acc = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
+                    acc.fill(0.0)
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                    n_kk = cute.size(tCrA, mode=[2])
 
-    @cute.jit
-    def _load(self, s, kb, full, stage_bytes, tma_as: tuple, mAs: tuple, sA, sAt_layout, sl, a_blk, tma_x, tXg,
-              tXs):
-        cfg = self.cfg
-        cute.arch.mbarrier_arrive_and_expect_tx(full + s, stage_bytes)
-        # Stage s of sA seen as the TMA box's (rows_box, bk) layout (same swizzle, same base).
-        sAt = cute.make_tensor(sA[(None, None, s)].iterator, cute.slice_(sAt_layout.outer, (None, None, 0)))
-        if cutlass.const_expr(DEBUG_PRINT):
-            print("sA", sA, "sAt", sAt)
-        for i in cutlass.range_constexpr(cfg.num_slices):
-            if sl == i:
-                gA = cute.local_tile(mAs[i], (cfg.rows_box, cfg.bk), (None, None))
-                tAs, tAg = cute.nvgpu.cpasync.tma_partition(
-                    tma_as[i], 0, cute.make_layout(1), cute.group_modes(sAt, 0, 2), cute.group_modes(gA, 0, 2))
-                cute.copy(tma_as[i], tAg[(None, a_blk, kb)], tAs, tma_bar_ptr=full + s)
-        cute.copy(tma_x, tXg[(None, kb)], tXs[(None, s)], tma_bar_ptr=full + s)
+                    if tidx == 0:
+                        for i in cutlass.range(cutlass.min(nloc, STAGES), unroll=1):
+                            self._load(i, kb_lo + i, full, stage_bytes, tma_as, mAs, sA, sAt_layout, sl, a_blk, tma_x, tXg, tXs)
+                    for i in cutlass.range(nloc, unroll=1):
+                        s = i % STAGES
+                        cute.arch.mbarrier_wait(full + s, (i // STAGES) % 2)
+                        cute.nvgpu.warpgroup.fence()
+                        for kk in cutlass.range_constexpr(n_kk):
+                            cute.gemm(tiled_mma, acc, tCrA[(None, None, kk, s)], tCrX[(None, None, kk, s)], acc)
+                        cute.nvgpu.warpgroup.commit_group()
+                        cute.nvgpu.warpgroup.wait_group(0)
+                        # Everyone is done with stage s: refill it.
+                        cute.arch.barrier()
+                        if tidx == 0 and i + STAGES < nloc:
+                            self._load(s, kb_lo + i + STAGES, full, stage_bytes, tma_as, mAs, sA, sAt_layout, sl,
+                                       a_blk, tma_x, tXg, tXs)
+
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        r, j = tCcC[i]
+                        sRed[r, j] = acc[i]
+                    cute.arch.cluster_arrive()
+                    cute.arch.cluster_wait()
+
+                    # Fixed-order split-K sum; this CTA writes its share of (rank row, token) pairs.
+                    mvalid = cutlass.min(M, BN)
+                    rows = cutlass.min(RB, R - c * 64)
+                    n_el = rows * mvalid
+                    lo = split * n_el // nsplit
+                    hi = (split + 1) * n_el // nsplit
+                    base = sRed.iterator.toint()
+                    for e in cutlass.range(lo + tidx, hi, THREADS, unroll=1):
+                        j = e // rows
+                        r = e - j * rows
+                        if mTok[j] == lid:
+                            off = base + (r + j * (64 + RED_PAD)) * 4
+                            v = cutlass.Float32(0.0)
+                            for q in cutlass.range(nsplit, unroll=1):
+                                v = v + D.ld_dsmem_f32(off, q)
+                            mH[sl, j, c * 64 + r] = v
+                    cute.arch.cluster_arrive()
+                    cute.arch.cluster_wait()
+
+        @cute.jit
+        def _load(self, s, kb, full, stage_bytes, tma_as: tuple, mAs: tuple, sA, sAt_layout, sl, a_blk, tma_x, tXg,
+                  tXs):
+            cfg = self.cfg
+            cute.arch.mbarrier_arrive_and_expect_tx(full + s, stage_bytes)
+            # Stage s of sA seen as the TMA box's (rows_box, bk) layout (same swizzle, same base).
+            sAt = cute.make_tensor(sA[(None, None, s)].iterator, cute.slice_(sAt_layout.outer, (None, None, 0)))
+            if cutlass.const_expr(DEBUG_PRINT):
+                print("sA", sA, "sAt", sAt)
+            for i in cutlass.range_constexpr(cfg.num_slices):
+                if sl == i:
+                    gA = cute.local_tile(mAs[i], (cfg.rows_box, cfg.bk), (None, None))
+                    tAs, tAg = cute.nvgpu.cpasync.tma_partition(
+                        tma_as[i], 0, cute.make_layout(1), cute.group_modes(sAt, 0, 2), cute.group_modes(gA, 0, 2))
+                    cute.copy(tma_as[i], tAg[(None, a_blk, kb)], tAs, tma_bar_ptr=full + s)
+            cute.copy(tma_x, tXg[(None, kb)], tXs[(None, s)], tma_bar_ptr=full + s)
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,17 +332,17 @@ class _ShrinkKernel:
 
 def _fake_args(cfg: Config):
     bf16, f32, i32, i16 = cutlass.BFloat16, cutlass.Float32, cutlass.Int32, cutlass.Int16
-    x = C.fake_rowmajor(bf16, (C.sym(1), C.sym(16)))
-    a_bufs = tuple(C.fake_rowmajor(bf16, (C.sym(cfg.rows_box), C.sym(16))) for _ in range(cfg.num_slices))
-    h = C.fake_rowmajor(f32, (cfg.num_slices, C.sym(1), cfg.rank))
-    xq16 = C.fake_rowmajor(i16, (C.sym(1), C.sym(8)))
-    sx = C.fake_rowmajor(f32, (C.sym(1),), align=4)
-    sync = C.fake_rowmajor(i32, (2,), align=8)
-    tok = C.fake_rowmajor(i32, (C.sym(1),), align=4)
-    active = C.fake_rowmajor(i32, (C.sym(1),), align=4)
-    num_active = C.fake_rowmajor(i32, (1,), align=4)
-    slot_ranks = C.fake_rowmajor(i32, (C.sym(1),), align=4)
-    return (x, h, xq16, sx, sync, tok, active, num_active, slot_ranks, C.fake_stream(), *a_bufs)
+    x = D.fake_rowmajor(bf16, (D.sym(1), D.sym(16)))
+    a_bufs = tuple(D.fake_rowmajor(bf16, (D.sym(cfg.rows_box), D.sym(16))) for _ in range(cfg.num_slices))
+    h = D.fake_rowmajor(f32, (cfg.num_slices, D.sym(1), cfg.rank))
+    xq16 = D.fake_rowmajor(i16, (D.sym(1), D.sym(8)))
+    sx = D.fake_rowmajor(f32, (D.sym(1),), align=4)
+    sync = D.fake_rowmajor(i32, (2,), align=8)
+    tok = D.fake_rowmajor(i32, (D.sym(1),), align=4)
+    active = D.fake_rowmajor(i32, (D.sym(1),), align=4)
+    num_active = D.fake_rowmajor(i32, (1,), align=4)
+    slot_ranks = D.fake_rowmajor(i32, (D.sym(1),), align=4)
+    return (x, h, xq16, sx, sync, tok, active, num_active, slot_ranks, D.fake_stream(), *a_bufs)
 
 
 def compile(config: Config, options: str = "--gpu-arch sm_90a"):
@@ -342,38 +356,78 @@ def compile(config: Config, options: str = "--gpu-arch sm_90a"):
     return f
 
 
-def params(config: Config) -> list[Param]:
+def params(config: Config) -> list:
+    """The kernel's by-value parameters in launch order (epilora_cute.kernel_abi protocol)."""
     rb, bk, bn = config.rows_box, config.bk, config.bn
+    bf16, f32, i32, i16 = torch.bfloat16, torch.float32, torch.int32, torch.int16
     p = [
-        tensor_param("x", ("M", "K"), ("x.stride(0)",), note="bf16 [M, K], read by the quantization plane"),
-        Param("x_coord", "coord", ("M", "K")),
-        Param("tma_x", "tensormap", tma=TmaSpec("BFLOAT16", ("K", "M"), ("2*x.stride(0)",), (bk, bn), (1, 1))),
+        TensorParam("x", bf16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16),  # [M, K]
+        CoordParam("x_dims", 2),  # (M, K)
+        TmaParam("tma_x", TmaSpec(bf16, (bk, bn)), "x [M, K] bf16"),
     ]
     for s in range(config.num_slices):
-        p.append(Param(f"tma_a{s}", "tensormap",
-                       tma=TmaSpec("BFLOAT16", ("K", f"L*R"), ("2*K",), (bk, rb), (1, 1)),
-                       note=f"A_{s} [max_loras, 1, R, K] viewed as [max_loras*R, K]"))
+        p.append(TmaParam(f"tma_a{s}", TmaSpec(bf16, (bk, rb)),
+                          f"A_{s} [max_loras, 1, R, K] viewed as [max_loras*R, K]"))
     for s in range(config.num_slices):
-        p.append(Param(f"a{s}_coord", "coord", ("L*R", "K")))
+        p.append(CoordParam(f"a{s}_dims", 2))  # (max_loras*R, K)
     p += [
-        tensor_param("h", ("M",), ("M*R",), note="fp32 [num_slices, M, R] contiguous"),
-        tensor_param("xq16", ("M", "K/2"), ("K/2",), note="x_q [M, K] e4m3 viewed as int16 [M, K/2]"),
-        tensor_param("s_x", ("M",)),
-        tensor_param("sync", note="int32 [2], shared with K2"),
-        tensor_param("token_lora", ("M",)),
-        tensor_param("active_lora_ids", ("L+1",)),
-        tensor_param("num_active"),
-        tensor_param("slot_ranks", ("L",)),
+        TensorParam("h", f32, 3, dynamic_shape=(1,), dynamic_stride=(0,), align=16),  # [slices, M, R]
+        TensorParam("xq16", i16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16),  # x_q.view(int16)
+        TensorParam("s_x", f32, 1, dynamic_shape=(0,), align=4),  # [M]
+        TensorParam("sync", i32, 1, align=8),  # [2], shared with K2
+        TensorParam("token_lora", i32, 1, dynamic_shape=(0,), align=4),  # [M]
+        TensorParam("active_lora_ids", i32, 1, dynamic_shape=(0,), align=4),  # [max_loras+1]
+        TensorParam("num_active", i32, 1, align=4),  # [1]
+        TensorParam("slot_ranks", i32, 1, dynamic_shape=(0,), align=4),  # [max_loras]
     ]
     return p
 
 
-def launch_dims(config: Config, m: int, max_loras: int, split: int):
-    """grid/block/cluster. Z = 1 (quantization plane) + the most groups a batch of m tokens can
-    have (the -1 group included). n_quant for K2 is grid.x * grid.y."""
-    groups = min(m, max_loras + 1)
-    grid = (split, config.num_slices * config.n_chunks, 1 + groups)
-    return dict(grid=grid, block=(THREADS, 1, 1), cluster=(split, 1, 1), n_quant=grid[0] * grid[1])
+def launch(config: Config, *, x, lora_a, h, x_q, x_scale, sync, token_lora, active_lora_ids, num_active,
+           slot_ranks, split: int) -> dict:
+    """Arguments (params() order) and geometry. Launch WITHOUT PDL; n_quant (for K2) is returned.
+
+    Grid: (split, slices * rank chunks, 1 + min(M, max_loras + 1)), cluster (split, 1, 1).
+    """
+    M, K = x.shape
+    if M > config.bn:
+        raise ValueError(f"{M} tokens exceed the token tile {config.bn}")
+    if K % 2:
+        raise ValueError("K must be even")
+    views = []
+    for a in lora_a:
+        a3 = a[:, 0] if a.dim() == 4 else a
+        if a3.shape[1] != config.rank:
+            raise ValueError(f"A buffer rank {a3.shape[1]} != config rank {config.rank}")
+        views.append(a3.reshape(-1, a3.shape[2]))
+    if len(views) != config.num_slices:
+        raise ValueError(f"{config.num_slices} A buffers expected")
+    max_loras = views[0].shape[0] // config.rank
+    args = [x, (M, K), x] + views + [(v.shape[0], v.shape[1]) for v in views]
+    args += [h, x_q.view(torch.int16), x_scale.reshape(-1), sync, token_lora, active_lora_ids, num_active,
+             slot_ranks]
+    grid = (split, config.num_slices * config.n_chunks, 1 + min(M, max_loras + 1))
+    return dict(args=tuple(args), grid=grid, block=config.block, cluster=(split, 1, 1),
+                smem=config.smem_bytes(), pdl=False, n_quant=grid[0] * grid[1])
+
+
+def select(num_slices: int, m: int, rank: int) -> Config:
+    from .k2_gemm import token_tile
+
+    return Config(bn=token_tile(m), rank=rank, num_slices=num_slices)
+
+
+def choose_split(k: int, num_slices: int, rank: int, groups: int, bk: int = 64, sms: int = 132,
+                 max_split: int = 8) -> int:
+    """Split-K of the down-projection: spread the A streams over the GPU (K2 runs beside it, so
+    aim at about half of the SMs), keeping >= 2 k-blocks per split."""
+    ctas = num_slices * -(-rank // 64) * max(groups, 1)
+    nk = -(-k // bk)
+    best = 1
+    for s in range(1, max_split + 1):
+        if ctas * s <= sms // 2 and nk // s >= 2:
+            best = s
+    return best
 
 
 def prebuild_configs() -> list[Config]:

@@ -1,15 +1,12 @@
-"""Shared pieces of the decode-path kernel families (K2, shrink): device helpers, fake tensors,
-the kernel-parameter ABI description and PTX inspection.
+"""DSL-side helpers of the decode-path kernels (K2, shrink): inline-PTX device helpers and fake
+tensors for compiling without a GPU. Imported only where nvidia-cutlass-dsl is installed.
 
 Everything here uses only API present in both nvidia-cutlass-dsl 4.6.0 and 4.8.x.
 """
 
 from __future__ import annotations
 
-import os
-import re
 import warnings
-from dataclasses import dataclass, field
 
 import cutlass
 import cutlass.cute as cute
@@ -18,8 +15,6 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 # 4.8 deprecates cutlass.utils.SmemAllocator in favour of cutlass.memory, which 4.6 lacks.
 warnings.filterwarnings("ignore", message=".*SmemAllocator is deprecated.*")
-
-SM_COUNT_H100 = 132
 
 # ---------------------------------------------------------------------------------------------
 # Device helpers (inline PTX where the DSL has no portable wrapper)
@@ -199,70 +194,6 @@ def nanosleep(ns, *, loc=None, ip=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# Kernel parameter ABI
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TmaSpec:
-    """What the host must pass to cuTensorMapEncodeTiled for one TMA parameter.
-
-    Dims/strides/box are in TMA order (dim 0 = the contiguous one). `global_dims` and
-    `global_strides_bytes` name the runtime tensor's quantities symbolically (e.g. "K", "N"),
-    `box` is static.
-    """
-
-    dtype: str  # CU_TENSOR_MAP_DATA_TYPE_* suffix: UINT8 / BFLOAT16 / FLOAT32
-    global_dims: tuple  # TMA order, symbolic names of the torch dims
-    global_strides_bytes: tuple  # for dims 1.. (dim 0 is contiguous), symbolic
-    box: tuple  # TMA order, elements
-    element_strides: tuple
-    interleave: str = "NONE"
-    swizzle: str = "128B"
-    l2_promotion: str = "NONE"  # performance only; see docs/k2_design.md
-    oob_fill: str = "NONE"  # NONE == zeros; the kernels rely on zero fill for K tails
-
-
-@dataclass(frozen=True)
-class Param:
-    """One kernel parameter in launch order.
-
-    kind: "tensormap" (128 B CUtensorMap, align 64), "tensor" ({ptr; i32 shapes; i64 strides}),
-    "coord" (a TMA coordinate tensor: its int32 dynamic shapes only), "i32" scalar.
-    """
-
-    name: str
-    kind: str
-    dyn_shapes: tuple = ()  # names of the int32 dynamic shape entries, in order
-    dyn_strides: tuple = ()  # names of the int64 dynamic stride entries (elements), in order
-    tma: TmaSpec | None = None
-    note: str = ""
-
-    @property
-    def size(self) -> int:
-        if self.kind == "tensormap":
-            return 128
-        if self.kind == "i32":
-            return 4
-        if self.kind == "coord":
-            return 4 * len(self.dyn_shapes)
-        if self.kind == "tensor":
-            off = 8 + 4 * len(self.dyn_shapes)
-            if self.dyn_strides:
-                off = (off + 7) // 8 * 8 + 8 * len(self.dyn_strides)
-            return (off + 7) // 8 * 8
-        raise ValueError(self.kind)
-
-    @property
-    def align(self) -> int:
-        return {"tensormap": 64, "i32": 4, "coord": 4, "tensor": 8}[self.kind]
-
-
-def tensor_param(name, shapes=(), strides=(), note=""):
-    return Param(name, "tensor", tuple(shapes), tuple(strides), note=note)
-
-
-# ---------------------------------------------------------------------------------------------
 # Fake tensors for cute.compile without a GPU
 # ---------------------------------------------------------------------------------------------
 
@@ -286,36 +217,3 @@ def fake_stream():
     return cuda.CUstream(0)
 
 
-# ---------------------------------------------------------------------------------------------
-# PTX inspection (tests)
-# ---------------------------------------------------------------------------------------------
-
-
-def ptx_entries(ptx: str) -> dict[str, list[tuple[int, int]]]:
-    """{entry name: [(align, size) per .param]} from a PTX module."""
-    out = {}
-    for m in re.finditer(r"\.entry\s+(\S+)\s*\((.*?)\)", ptx, re.S):
-        params = []
-        for p in re.finditer(r"\.param\s+(?:\.align\s+(\d+)\s+)?\.(\w+)\s+\S+?(?:\[(\d+)\])?\s*(?:,|$)", m.group(2)):
-            align, ty, n = p.group(1), p.group(2), p.group(3)
-            if n is None:  # scalar .param .u32 etc.
-                size = {"b8": 1, "u8": 1, "s8": 1, "b16": 2, "u16": 2, "s16": 2, "b32": 4, "u32": 4, "s32": 4,
-                        "f32": 4, "b64": 8, "u64": 8, "s64": 8, "f64": 8}[ty]
-                params.append((int(align) if align else size, size))
-            else:
-                params.append((int(align) if align else 1, int(n)))
-        out[m.group(1)] = params
-    return out
-
-
-def read_artifacts(compiled, dump_dir: str):
-    """(ptx text, cubin path) of a cute.compile result built with --keep-ptx --keep-cubin."""
-    ptx = getattr(compiled, "__ptx__", None)
-    cubin = getattr(compiled, "__cubin__", None)
-    if isinstance(ptx, str) and os.path.exists(ptx):
-        ptx = open(ptx).read()
-    if not isinstance(ptx, str) or ".entry" not in ptx:
-        cands = sorted((os.path.join(dump_dir, f) for f in os.listdir(dump_dir) if f.endswith(".ptx")),
-                       key=os.path.getmtime)
-        ptx = open(cands[-1]).read()
-    return ptx, cubin

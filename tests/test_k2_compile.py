@@ -1,0 +1,332 @@
+"""The decode-path kernels (K2 and shrink+quant) compile for sm_90a here, with both DSL versions.
+
+Checks per configuration: the PTX holds what it must (FP8 WGMMA, the PDL wait after the main
+loop only in the adapter variant, setmaxnreg, TMA, the x_q flag protocol, cluster reduction,
+the bit-exact quantization instructions), the .entry parameters match the declared parameter
+list (size and alignment), and the declared dynamic smem equals the DSL's own struct size.
+The DSL's host code is also run with stub CUDA functions (kernels_dsl.host_capture) to check the
+declared TMA specs and parameter packing against the bytes the DSL itself would launch with.
+
+Run as a script (`python tests/test_k2_compile.py fast|all`) it prints one JSON line of
+results: that is how the 4.6.0 venv checks the same configurations in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import pytest  # noqa: E402
+
+from kernels_dsl import k2_gemm, lora_shrink  # noqa: E402
+from kernels_dsl._abi import ptx_entry_params  # noqa: E402
+
+DSL46_PYTHON = ROOT / ".venv-dsl46" / "bin" / "python"
+
+FAST_K2 = [
+    k2_gemm.Config(bn=8, lora=False),
+    k2_gemm.Config(bn=16, lora=True, num_slices=3, rank=64),
+    k2_gemm.Config(bn=32, lora=True, num_slices=2, rank=256),
+    k2_gemm.Config(bm=64, bn=8, lora=True, num_slices=2, rank=8),
+]
+FAST_SHRINK = [
+    lora_shrink.Config(bn=16, rank=64, num_slices=3),
+    lora_shrink.Config(bn=8, rank=8, num_slices=1),
+    lora_shrink.Config(bn=32, rank=256, num_slices=2),
+]
+
+
+def _lines_index(ptx: str, pat: str) -> list[int]:
+    return [i for i, ln in enumerate(ptx.splitlines()) if re.search(pat, ln)]
+
+
+def k2_ptx_problems(cfg: k2_gemm.Config, ptx: str) -> list[str]:
+    bad = []
+    fp8 = _lines_index(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.bn}k32\.f32\.e4m3\.e4m3")
+    bf = _lines_index(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.bn}k16\.f32\.bf16\.bf16")
+    wait = _lines_index(ptx, r"griddepcontrol\.wait")
+    if not fp8:
+        bad.append("no e4m3 x e4m3 WGMMA with the token tile as N")
+    if not re.search(rf"setmaxnreg.dec.sync.aligned.u32\s+{k2_gemm.PRODUCER_REGS};", ptx):
+        bad.append("missing setmaxnreg.dec (producer)")
+    if not re.search(rf"setmaxnreg.inc.sync.aligned.u32\s+{k2_gemm.CONSUMER_REGS};", ptx):
+        bad.append("missing setmaxnreg.inc (consumer)")
+    for ins in (
+                "cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes",
+                "ld.acquire.gpu.global.s32", "fence.proxy.async.global", "atom.acq_rel.gpu.global.add.s32",
+                "barrier.cluster.arrive", "barrier.cluster.wait", "mapa.shared::cluster.u32",
+                "ld.shared::cluster.f32"):
+        if ins not in ptx:
+            bad.append(f"missing {ins}")
+    if cfg.lora:
+        if len(wait) != 1:
+            bad.append(f"{len(wait)} griddepcontrol.wait (expected exactly one)")
+        elif fp8 and not (wait[0] > max(fp8)):
+            bad.append("griddepcontrol.wait is not after the main loop")
+        if not bf:
+            bad.append("no bf16 epilogue WGMMA")
+        elif wait and not (wait[0] < min(bf)):
+            bad.append("griddepcontrol.wait is not before the epilogue WGMMA")
+        # The first B chunks are requested before the wait (producer path), i.e. TMA for them
+        # exists in the code; that their issue precedes the wait in time is a property of the
+        # warp roles (the producer never executes griddepcontrol.wait).
+    else:
+        if wait:
+            bad.append("griddepcontrol.wait in the no-adapter variant")
+        if bf:
+            bad.append("epilogue WGMMA in the no-adapter variant")
+    if "griddepcontrol.launch_dependents" in ptx:
+        bad.append("K2 triggers dependents (it should not: the next layer waits for it)")
+    return bad
+
+
+def shrink_ptx_problems(cfg: lora_shrink.Config, ptx: str) -> list[str]:
+    bad = []
+    if not _lines_index(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.bn}k16\.f32\.bf16\.bf16"):
+        bad.append("no bf16 WGMMA with the token tile as N")
+    for ins in ("griddepcontrol.launch_dependents", "cp.async.bulk.tensor.2d", "div.rn.f32",
+                "cvt.rn.satfinite.e4m3x2.f32", "red.release.gpu.global.add.s32", "fence.acq_rel.gpu",
+                "barrier.cluster.arrive", "ld.shared::cluster.f32", "max.f32", "min.f32", "abs.f32"):
+        if ins not in ptx:
+            bad.append(f"missing {ins}")
+    for ins in ("griddepcontrol.wait", "div.approx", "div.full", ".ftz", "max.NaN", "min.NaN"):
+        if ins in ptx:
+            bad.append(f"unexpected {ins}")
+    # The launch_dependents trigger comes first: K2 may be scheduled as soon as we are resident.
+    trig = _lines_index(ptx, r"griddepcontrol\.launch_dependents")
+    first_ld = _lines_index(ptx, r"\bld\.global|cp\.async\.bulk")
+    if trig and first_ld and trig[0] > first_ld[0]:
+        bad.append("launch_dependents is not issued before the first global load")
+    return bad
+
+
+def param_problems(mod, cfg, ptx: str) -> list[str]:
+    entries = ptx_entry_params(ptx)
+    if len(entries) != 1:
+        return [f"{len(entries)} kernels in the module"]
+    (name, got), = entries.items()
+    declared = mod.params(cfg)
+    want = [(64 if p.size == 128 and type(p).__name__ == "TmaParam" else
+             8 if type(p).__name__ == "TensorParam" else 4, p.size) for p in declared]
+    if [s for _, s in got] != [s for _, s in want]:
+        return [f"param sizes {[s for _, s in got]} != declared {[s for _, s in want]}"]
+    if [a for a, _ in got] != [a for a, _ in want]:
+        return [f"param alignments {[a for a, _ in got]} != declared {[a for a, _ in want]}"]
+    return []
+
+
+def check_config(mod, cfg) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        f = mod.compile(cfg, f"--gpu-arch sm_90a --keep-ptx --keep-cubin --dump-dir {d}")
+        ptxs = sorted(Path(d).glob("*.ptx"))
+        cubins = sorted(Path(d).glob("*.cubin"))
+        ptx = ptxs[0].read_text() if ptxs else ""
+        cubin_ok = bool(cubins) and cubins[0].read_bytes()[:4] == b"\x7fELF"
+    bad = (k2_ptx_problems(cfg, ptx) if mod is k2_gemm else shrink_ptx_problems(cfg, ptx))
+    bad += param_problems(mod, cfg, ptx)
+    if ".target sm_90a" not in ptx:
+        bad.append("not sm_90a")
+    if not cubin_ok:
+        bad.append("no cubin")
+    smem = getattr(f, "epilora_smem_bytes", None)
+    if smem is not None and smem != cfg.smem_bytes():
+        bad.append(f"smem_bytes() {cfg.smem_bytes()} != DSL struct {smem}")
+    if cfg.smem_bytes() > 227 * 1024:
+        bad.append(f"smem {cfg.smem_bytes()} exceeds 227 KiB")
+    ver = re.search(r"\.version (\S+)", ptx)
+    return {"family": mod.FAMILY, "config": cfg.name(), "problems": bad, "ptx_version": ver.group(1) if ver else None}
+
+
+def _configs(which: str):
+    if which == "fast":
+        return [(k2_gemm, c) for c in FAST_K2] + [(lora_shrink, c) for c in FAST_SHRINK]
+    return [(k2_gemm, c) for c in k2_gemm.prebuild_configs()] + [(lora_shrink, c) for c in lora_shrink.prebuild_configs()]
+
+
+# ---------------------------------------------------------------------------------------------
+# DSL installed in this interpreter (4.8.x in the project venv)
+# ---------------------------------------------------------------------------------------------
+
+dsl = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+
+
+@pytest.mark.parametrize("cfg", FAST_K2, ids=lambda c: c.name())
+def test_k2_compiles(cfg):
+    r = check_config(k2_gemm, cfg)
+    assert not r["problems"], r
+
+
+@pytest.mark.parametrize("cfg", FAST_SHRINK, ids=lambda c: c.name())
+def test_shrink_compiles(cfg):
+    r = check_config(lora_shrink, cfg)
+    assert not r["problems"], r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", k2_gemm.prebuild_configs(), ids=lambda c: c.name())
+def test_k2_prebuild_set_compiles(cfg):
+    r = check_config(k2_gemm, cfg)
+    assert not r["problems"], r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", lora_shrink.prebuild_configs(), ids=lambda c: c.name())
+def test_shrink_prebuild_set_compiles(cfg):
+    r = check_config(lora_shrink, cfg)
+    assert not r["problems"], r
+
+
+def test_prebuild_set_covers_decode_shapes():
+    """Every projection of the supported models, token tile and rank has its configurations."""
+    k2s, shs = set(k2_gemm.prebuild_configs()), set(lora_shrink.prebuild_configs())
+    for model, tp, proj, widths, k in k2_gemm.projection_shapes():
+        cfgs = k2_gemm.configs_for(widths)
+        for m in (1, 7, 8, 9, 16, 17, 31, 32):
+            for r in k2_gemm.RANKS:
+                c_l, c_n = k2_gemm.select(widths, m, r)
+                assert c_l in k2s and c_n in k2s, (model, tp, proj, m, r)
+                assert lora_shrink.select(len(widths), m, r) in shs
+        assert all(w % cfgs[0].bm == 0 for w in widths)
+        s = k2_gemm.choose_split(sum(widths), k, cfgs[0].bm)
+        assert 1 <= s <= 8
+
+
+# ---------------------------------------------------------------------------------------------
+# The DSL's own host code, run with stub CUDA functions
+# ---------------------------------------------------------------------------------------------
+
+BASE = 0x7F0000000000
+
+
+def _k2_values(cfg, N, K, M, L, widths):
+    R = cfg.rank
+    v = dict(w=dict(data=BASE, shapes=[N, K], strides=[K]),
+             xq=dict(data=BASE + 0x1000_0000, shapes=[M, K], strides=[K]),
+             sx=dict(data=BASE + 0x2000_0000, shapes=[M]), sw=dict(data=BASE + 0x2000_1000),
+             y=dict(data=BASE + 0x3000_0000, shapes=[M, N], strides=[N]),
+             sync=dict(data=BASE + 0x4000_0000), n_quant=7)
+    if cfg.lora:
+        v.update(h=dict(data=BASE + 0x5000_0000, shapes=[M], strides=[M * R]),
+                 tok_lora=dict(data=BASE + 0x5100_0000, shapes=[M]),
+                 active_ids=dict(data=BASE + 0x5200_0000, shapes=[L + 1]),
+                 num_active=dict(data=BASE + 0x5300_0000),
+                 slot_ranks=dict(data=BASE + 0x5400_0000, shapes=[L]),
+                 slice_start=dict(data=BASE + 0x5500_0000))
+        for i, wd in enumerate(widths):
+            v[f"b{i}"] = dict(data=BASE + 0x6000_0000 + i * 0x100_0000, shapes=[L * wd], strides=[])
+    return v
+
+
+def _check_tma(hexstr, spec, rows, cols, row_stride_bytes, address):
+    from kernels_dsl.host_capture import DSL_DTYPE_CODE, SWIZZLE_CODE, decode_tensormap2d
+
+    d = decode_tensormap2d(hexstr)
+    assert d["address"] == address
+    assert d["dims"] == (cols, rows), d
+    assert d["box"] == tuple(spec.box), d
+    assert d["stride1_bytes"] == row_stride_bytes, d
+    assert d["swizzle_code"] == SWIZZLE_CODE[spec.swizzle], d
+    assert d["dtype_code"] == DSL_DTYPE_CODE[spec.tma_dtype], d
+
+
+def test_k2_host_capture_matches_declared_abi():
+    from kernels_dsl.host_capture import capture_in_subprocess
+
+    N, K, M, L = 6144, 4096, 5, 4
+    widths = (4096, 1024, 1024)
+    cfg = k2_gemm.Config(bn=16, lora=True, num_slices=3, rank=16)
+    out = capture_in_subprocess("kernels_dsl.k2_gemm", cfg, _k2_values(cfg, N, K, M, L, widths))
+    ps = k2_gemm.params(cfg)
+    raw = dict(zip([p.name for p in ps], out["params"]))
+    _check_tma(raw["tma_w"], ps[0].spec, N, K, K, BASE)
+    _check_tma(raw["tma_xq"], ps[2].spec, M, K, K, BASE + 0x1000_0000)
+    for i, wd in enumerate(widths):
+        _check_tma(raw[f"tma_b{i}"], ps[9 + i].spec, L * wd, cfg.rank, 2 * cfg.rank, BASE + 0x6000_0000 + i * 0x100_0000)
+    # Non-TMA parameters: the bytes our own packing produces for the same values.
+    by_name = {p.name: p for p in ps}
+    assert raw["w_dims"][:16] == by_name["w_dims"].pack((N, K)).hex()
+    assert raw["xq_dims"][:16] == by_name["xq_dims"].pack((M, K)).hex()
+    assert raw["n_quant"][:8] == by_name["n_quant"].pack(7).hex()
+    assert raw["b0_dims"][:8] == by_name["b0_dims"].pack((L * widths[0],)).hex()
+    assert bytes.fromhex(raw["y"][:48])[:12] == (BASE + 0x3000_0000).to_bytes(8, "little") + M.to_bytes(4, "little")
+    assert bytes.fromhex(raw["y"][:48])[12:16] == N.to_bytes(4, "little")
+    assert bytes.fromhex(raw["y"][:48])[16:24] == N.to_bytes(8, "little")
+    assert bytes.fromhex(raw["h"][:48])[16:24] == (M * cfg.rank).to_bytes(8, "little")
+    assert out["smem"] == cfg.smem_bytes()
+    assert out["block"] == [256, 1, 1]
+
+
+def test_shrink_host_capture_matches_declared_abi():
+    from kernels_dsl.host_capture import capture_in_subprocess
+
+    M, K, L = 3, 4096, 4
+    cfg = lora_shrink.Config(bn=8, rank=16, num_slices=2)
+    R = cfg.rank
+    v = dict(x=dict(data=BASE, shapes=[M, K], strides=[K]),
+             h=dict(data=BASE + 0x5000_0000, shapes=[M], strides=[M * R]),
+             xq16=dict(data=BASE + 0x1000_0000, shapes=[M, K // 2], strides=[K // 2]),
+             sx=dict(data=BASE + 0x2000_0000, shapes=[M]), sync=dict(data=BASE + 0x4000_0000),
+             tok=dict(data=BASE + 0x5100_0000, shapes=[M]), active=dict(data=BASE + 0x5200_0000, shapes=[L + 1]),
+             num_active=dict(data=BASE + 0x5300_0000), slot_ranks=dict(data=BASE + 0x5400_0000, shapes=[L]),
+             a0=dict(data=BASE + 0x6000_0000, shapes=[L * R, K], strides=[K]),
+             a1=dict(data=BASE + 0x6100_0000, shapes=[L * R, K], strides=[K]))
+    out = capture_in_subprocess("kernels_dsl.lora_shrink", cfg, v)
+    ps = lora_shrink.params(cfg)
+    raw = dict(zip([p.name for p in ps], out["params"]))
+    _check_tma(raw["tma_x"], ps[2].spec, M, K, 2 * K, BASE)
+    _check_tma(raw["tma_a0"], ps[3].spec, L * R, K, 2 * K, BASE + 0x6000_0000)
+    _check_tma(raw["tma_a1"], ps[4].spec, L * R, K, 2 * K, BASE + 0x6100_0000)
+    assert raw["a1_dims"][:16] == ps[6].pack((L * R, K)).hex()
+    assert out["smem"] == cfg.smem_bytes()
+    assert out["block"] == [128, 1, 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# nvidia-cutlass-dsl 4.6.0 (vLLM 0.26's pin), in its own venv
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_dsl46(which: str, timeout: int):
+    if not DSL46_PYTHON.exists():
+        pytest.skip(f"no 4.6.0 venv at {DSL46_PYTHON}")
+    r = subprocess.run([str(DSL46_PYTHON), str(Path(__file__).resolve()), which], cwd=ROOT,
+                       capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert lines, f"4.6.0 run failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    res = json.loads(lines[-1][8:])
+    assert res["dsl_version"].startswith("4.6"), res["dsl_version"]
+    bad = [x for x in res["results"] if x["problems"]]
+    assert not bad, bad
+    return res
+
+
+def test_dsl46_fast_subset():
+    _run_dsl46("fast", 600)
+
+
+@pytest.mark.slow
+def test_dsl46_prebuild_set():
+    _run_dsl46("all", 3600)
+
+
+if __name__ == "__main__":
+    import importlib.metadata
+
+    which = sys.argv[1] if len(sys.argv) > 1 else "fast"
+    results = []
+    for mod, cfg in _configs(which):
+        try:
+            results.append(check_config(mod, cfg))
+        except Exception as e:  # report, don't stop: one JSON line with everything
+            results.append({"family": mod.FAMILY, "config": cfg.name(), "problems": [f"{type(e).__name__}: {e}"[:2000]]})
+    print("RESULTS " + json.dumps({"dsl_version": importlib.metadata.version("nvidia-cutlass-dsl"),
+                                   "results": results}))
