@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # Compute capability -> the DSL target whose arch-specific instructions (wgmma, tcgen05) we use.
@@ -19,8 +21,12 @@ def device_arch(device: torch.device | int | None = None) -> str | None:
         if device.type != "cuda":
             return None
         device = device.index
-    cc = torch.cuda.get_device_capability(device)
-    return _TARGETS.get(tuple(cc))
+    return _arch_of_index(torch.cuda.current_device() if device is None else int(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_of_index(index: int) -> str | None:
+    return _TARGETS.get(tuple(torch.cuda.get_device_capability(index)))
 
 
 def arch_of(t: torch.Tensor) -> str | None:

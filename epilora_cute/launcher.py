@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from .compile_cache import KernelArtifact
-from .kernel_abi import ParamSpec, check_params
+from .kernel_abi import ParamSpec, TensorMapParam, check_params
 
 _MAX_STATIC_SMEM = 48 * 1024
 
@@ -67,24 +67,52 @@ class _Loaded:
 
 
 class Kernel:
-    """A compiled kernel bound to its parameter declaration; launch with ``kernel(...)``."""
+    """A compiled kernel bound to its parameter declaration; launch with ``kernel(...)``.
+
+    Host cost matters for eager (non-graph) steps, so the per-launch work is kept small: the
+    parameters are packed into one reusable buffer (the driver copies them at launch), the module
+    lookup is keyed by device index, and launch configurations are cached per (grid, smem, pdl,
+    cluster, stream).
+    """
 
     def __init__(self, artifact: KernelArtifact, params: Sequence[ParamSpec], block: tuple[int, int, int]):
         check_params(params, artifact.param_sizes, artifact.kernel_name)
         self.artifact = artifact
         self.params = tuple(params)
-        self.block = block
+        self.block = tuple(block)
         self._loaded: dict[int, _Loaded] = {}
         self._smem_set: dict[int, int] = {}
+        self._configs: dict[tuple, object] = {}
         self._lock = threading.Lock()
+        # Parameter slots: each at its natural alignment (64 for CUtensorMap) inside one buffer.
+        offsets, off = [], 0
+        for p in self.params:
+            align = 64 if isinstance(p, TensorMapParam) else 8
+            off = (off + align - 1) // align * align
+            offsets.append(off)
+            off += p.size
+        self._offsets = offsets
+        self._tls = threading.local()
+        self._buf_size = off + 64
+
+    def _buffers(self):
+        """This thread's parameter buffer and the pointer array into it (made once per thread)."""
+        bufs = getattr(self._tls, "bufs", None)
+        if bufs is None:
+            raw = ctypes.create_string_buffer(self._buf_size + 64)
+            base = (ctypes.addressof(raw) + 63) // 64 * 64
+            ptrs = (ctypes.c_void_p * len(self.params))(*[base + o for o in self._offsets])
+            bufs = self._tls.bufs = (raw, base, ptrs, ctypes.addressof(ptrs))
+        return bufs
 
     def _load(self) -> tuple[int, _Loaded]:
-        key = int(_current_context())
-        loaded = self._loaded.get(key)
+        dev = torch.cuda.current_device()
+        loaded = self._loaded.get(dev)
         if loaded is None:
             with self._lock:
-                loaded = self._loaded.get(key)
+                loaded = self._loaded.get(dev)
                 if loaded is None:
+                    _current_context()
                     drv = _driver()
                     try:
                         mod = _check(drv.cuModuleLoadData(self.artifact.cubin))
@@ -93,41 +121,64 @@ class Kernel:
                                         f"nvidia-cutlass-dsl {self.artifact.dsl_version} on this GPU/driver: {e}") from e
                     fn = _check(drv.cuModuleGetFunction(mod, self.artifact.kernel_name.encode()))
                     loaded = _Loaded(mod, fn)
-                    self._loaded[key] = loaded
-        return key, loaded
+                    self._loaded[dev] = loaded
+        return dev, loaded
 
-    def _ensure_smem(self, loaded: _Loaded, ctx_key: int, smem: int) -> None:
-        if smem > _MAX_STATIC_SMEM and self._smem_set.get(ctx_key, 0) < smem:
-            drv = _driver()
+    def _ensure_attrs(self, loaded: _Loaded, dev: int, smem: int, cluster: tuple[int, int, int] | None) -> None:
+        key = (dev, smem, cluster)
+        if key in self._smem_set:
+            return
+        drv = _driver()
+        if smem > _MAX_STATIC_SMEM:
             _check(drv.cuFuncSetAttribute(
                 loaded.function, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem))
-            self._smem_set[ctx_key] = smem
+        if cluster is not None and cluster[0] * cluster[1] * cluster[2] > 8:
+            _check(drv.cuFuncSetAttribute(
+                loaded.function, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1))
+        self._smem_set[key] = smem
 
-    def __call__(self, *args, grid: tuple[int, int, int], smem: int = 0, pdl: bool = False,
-                 stream: torch.cuda.Stream | None = None) -> None:
-        if len(args) != len(self.params):
-            raise TypeError(f"{self.artifact.family}: {len(self.params)} arguments expected, got {len(args)}")
-        if min(grid) < 1:
-            return  # empty launch: nothing to do (the driver would reject it)
-        ctx_key, loaded = self._load()
+    def _config(self, grid, smem: int, pdl: bool, cluster, stream_handle: int):
+        key = (grid, smem, pdl, cluster, stream_handle)
+        cfg = self._configs.get(key)
+        if cfg is not None:
+            return cfg
         drv = _driver()
-        # One ctypes buffer per parameter, an array of pointers to them: what kernelParams wants.
-        blobs = [p.pack(a) for p, a in zip(self.params, args)]
-        bufs = [ctypes.create_string_buffer(b, len(b)) for b in blobs]
-        ptrs = (ctypes.c_void_p * len(bufs))(*[ctypes.addressof(b) for b in bufs])
-        s = stream if stream is not None else torch.cuda.current_stream()
         cfg = drv.CUlaunchConfig()
         cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self.block
         cfg.sharedMemBytes = smem
-        cfg.hStream = drv.CUstream(s.cuda_stream)
+        cfg.hStream = drv.CUstream(stream_handle)
+        attrs = []
         if pdl:
-            attr = drv.CUlaunchAttribute()
-            attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attr.value.programmaticStreamSerializationAllowed = 1
-            cfg.attrs = [attr]
-            cfg.numAttrs = 1
-        else:
-            cfg.numAttrs = 0
-        self._ensure_smem(loaded, ctx_key, smem)
-        _check(drv.cuLaunchKernelEx(cfg, loaded.function, ctypes.addressof(ptrs), 0))
+            a = drv.CUlaunchAttribute()
+            a.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            a.value.programmaticStreamSerializationAllowed = 1
+            attrs.append(a)
+        if cluster is not None:
+            a = drv.CUlaunchAttribute()
+            a.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            a.value.clusterDim.x, a.value.clusterDim.y, a.value.clusterDim.z = cluster
+            attrs.append(a)
+        cfg.attrs = attrs
+        cfg.numAttrs = len(attrs)
+        if len(self._configs) > 256:  # many shapes seen eagerly: start over rather than grow
+            self._configs.clear()
+        self._configs[key] = cfg
+        return cfg
+
+    def __call__(self, *args, grid: tuple[int, int, int], smem: int = 0, pdl: bool = False,
+                 cluster: tuple[int, int, int] | None = None, stream: torch.cuda.Stream | None = None) -> None:
+        if len(args) != len(self.params):
+            raise TypeError(f"{self.artifact.family}: {len(self.params)} arguments expected, got {len(args)}")
+        grid = tuple(grid)
+        if min(grid) < 1:
+            return  # empty launch: nothing to do (the driver would reject it)
+        dev, loaded = self._load()
+        raw, base, _, ptrs_addr = self._buffers()
+        for p, a, off in zip(self.params, args, self._offsets):
+            blob = p.pack(a)
+            ctypes.memmove(base + off, blob, len(blob))
+        handle = (stream if stream is not None else torch.cuda.current_stream(dev)).cuda_stream
+        self._ensure_attrs(loaded, dev, smem, cluster)
+        cfg = self._config(grid, smem, pdl, cluster, handle)
+        _check(_driver().cuLaunchKernelEx(cfg, loaded.function, ptrs_addr, 0))

@@ -12,6 +12,7 @@ import torch
 
 from . import reference
 from .arch import SIMPLE_KERNEL_TARGETS, arch_of
+from .compile_cache import KernelUnavailable
 from .kernels import get_kernel
 
 log = logging.getLogger("epilora_cute")
@@ -85,6 +86,13 @@ def quantize_fp8_per_token(x: torch.Tensor, codes: torch.Tensor | None = None,
     from kernels_dsl import fp8_quant
 
     cfg = fp8_quant.config_for(k)
-    kernel = get_kernel(fp8_quant, cfg, arch_of(x))
+    try:
+        kernel = get_kernel(fp8_quant, cfg, arch_of(x))
+    except KernelUnavailable as e:  # no cached build and no DSL to make one: same result, slower
+        _warn_once(str(e), f"quantize_fp8_per_token: using the torch reference ({e})")
+        c, s = reference.quantize_fp8_per_token(x)
+        codes.copy_(c)
+        scales.copy_(s)
+        return codes, scales
     kernel(x, codes, scales, grid=(m, 1, 1), smem=cfg.smem_bytes)
     return codes, scales
