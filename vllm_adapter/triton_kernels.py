@@ -96,30 +96,29 @@ def _slice_ptr(table_ptr, s):
 # ----------------------------------------------------------------------------- K1
 
 @triton.jit
-def _quantize_rows(x_ptr, stride_xm, codes_ptr, scales_ptr, M, K, row0, k_lo, k_hi, write_scales,
-                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Codes for rows [row0, row0 + BLOCK_M) and columns [k_lo, k_hi); scales when asked.
+def _quantize_rows(x_ptr, stride_xm, codes_ptr, scales_ptr, row_lo, row_hi, K,
+                   ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Scales and codes of rows [row_lo, min(row_lo + ROWS, row_hi)), all K columns.
 
-    The amax needs the whole row, so the row is read once for it and the chunk once more for the
-    codes (that second read is an L2 hit in practice). BLOCK_K is wide: these loops are
-    latency bound, one load in flight per iteration.
+    Two passes over the rows: amax, then codes (the second read hits L1/L2). Both loops are
+    latency bound (a load, then a reduction), so tiles are wide and rows few: the quantizer
+    programs of a row tile split its rows between them rather than its columns.
     """
-    rows = row0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < M
+    rows = row_lo + tl.arange(0, ROWS)
+    row_ok = rows < row_hi
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    amax = tl.zeros((ROWS,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         xf = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K), other=0.0).to(tl.float32)
         # fmaxf from 0: NaN never wins, +inf does; max is exact, so any order gives the same bits.
         amax = tl.maximum(amax, tl.max(tl.where(xf != xf, 0.0, tl.abs(xf)), axis=1))
     scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), FP8_MIN_SCALE)  # IEEE division, as CUDA's '/'
-    if write_scales:
-        tl.store(scales_ptr + rows, scale, mask=row_ok)
+    tl.store(scales_ptr + rows, scale, mask=row_ok)
     code_rows = codes_ptr + rows.to(tl.int64)[:, None] * K
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        mask = row_ok[:, None] & (ks[None, :] < k_hi)
+        mask = row_ok[:, None] & (ks[None, :] < K)
         xf = tl.load(x_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
         q = tl.math.div_rn(xf, scale[:, None])  # x / scale, not x * (1 / scale): vLLM divides
         q = tl.where(q != q, FP8_MAX, q)  # fminf(NaN, 448) = 448
@@ -175,8 +174,9 @@ def _store_h(acc, h_ptr, ws_ptr, counter_ptr, split, offs, mask, split_stride, S
         arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             total = tl.zeros(acc.shape, dtype=tl.float32)
-            for i in range(SPLIT_K):
-                # .cg reads L2, where the other programs' partials are, never a stale L1 line.
+            # Unrolled, so that all loads are in flight together (a rolled loop waits on each).
+            # .cg reads L2, where the other programs' partials are, never a stale L1 line.
+            for i in tl.static_range(SPLIT_K):
                 total += tl.load(ws_ptr + i * split_stride + offs, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(h_ptr + offs, total, mask=mask)
             tl.atomic_xchg(counter_ptr, 0)  # zero again for the next launch / graph replay
@@ -191,12 +191,13 @@ def quant_shrink_kernel(
         M, K, R, k_per_split,
         NUM_SLICES: tl.constexpr, NUM_RANK_BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr,
         QUANTIZE: tl.constexpr, HAS_SLOT_RANKS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, QUANT_BLOCK_K: tl.constexpr,
-        BF16_DOT_VIA_FP32: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, QUANT_ROWS: tl.constexpr,
+        QUANT_BLOCK_K: tl.constexpr, BF16_DOT_VIA_FP32: tl.constexpr):
     """K1. Grid: (roles, SPLIT_K, row tiles); roles = slices x rank blocks (+1 quantizer).
 
     Roles run side by side on the same x tile (role is the fastest grid axis, so they share L2).
-    The quantizer role walks rows in token order; shrink roles walk rows sorted by adapter.
+    Shrink roles walk rows sorted by adapter, each split over a K chunk; the quantizer role walks
+    rows in token order, each split over QUANT_ROWS rows (all of K: the amax needs the full row).
     """
     role = tl.program_id(0)
     split = tl.program_id(1)
@@ -206,8 +207,12 @@ def quant_shrink_kernel(
     num_shrink_roles: tl.constexpr = NUM_SLICES * NUM_RANK_BLOCKS
     if role == num_shrink_roles:  # only launched when QUANTIZE
         if QUANTIZE:
-            _quantize_rows(x_ptr, stride_xm, codes_ptr, scales_ptr, M, K, row0, k_lo, k_hi, split == 0,
-                           BLOCK_M, QUANT_BLOCK_K)
+            # The SPLIT_K quantizer programs of this row tile take QUANT_ROWS rows each.
+            q_row0 = row0 + split * QUANT_ROWS
+            row_hi = tl.minimum(row0 + BLOCK_M, M)
+            if q_row0 < row_hi:
+                _quantize_rows(x_ptr, stride_xm, codes_ptr, scales_ptr, q_row0, row_hi, K,
+                               QUANT_ROWS, QUANT_BLOCK_K)
     else:
         s = role // NUM_RANK_BLOCKS
         rank_lo = (role % NUM_RANK_BLOCKS) * BLOCK_R

@@ -31,6 +31,8 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 ENV_FORCE_TRITON = "EPILORA_FORCE_TRITON"
 MAX_RANK = 512
+# The last split-K program sums every partial with unrolled loads: keep that unrolling short.
+MAX_K1_SPLITS = 16
 
 
 # ----------------------------------------------------------------------------- when this path applies
@@ -104,11 +106,9 @@ def pick_config(M: int, K: int, R: int, num_slices: int, device, *, w8a16: bool 
                                 k2_block_m=16, k2_block_n=32, k2_block_k=64, k2_block_r=min(r_pad, 32))
     sms = _num_sms(device)
     hopper = torch.cuda.get_device_capability(device)[0] >= 9
-    k1_bm = 16 if M <= 256 else 32
-    k1_bk = 128 if M <= 64 else 64
-    k1_br = min(r_pad, 64)
+    k1_bm, k1_bk, k1_br = 16, 128, min(r_pad, 64)
     base_programs = max(1, -(-M // k1_bm) * num_slices * -(-R // k1_br))
-    split = max(1, min(2 * sms // base_programs, K // (2 * k1_bk)))
+    split = max(1, min(-(-4 * sms // base_programs), K // (2 * k1_bk), MAX_K1_SPLITS))
     bm, bn, bk, warps, stages = _k2_tiles(M, N or 4096, sms, w8a16, hopper)
     if not hopper:
         stages = min(stages, 3)
@@ -118,14 +118,17 @@ def pick_config(M: int, K: int, R: int, num_slices: int, device, *, w8a16: bool 
 
 
 def _k2_tiles(M: int, N: int, sms: int, w8a16: bool, hopper: bool) -> tuple[int, int, int, int, int]:
-    """(block_m, block_n, block_k, warps, stages) for K2. Shared memory per stage stays under
-    ~24 KB, so three stages fit Ada's ~100 KB per block."""
+    """(block_m, block_n, block_k, warps, stages) for K2, from H200 sweeps. Off Hopper the
+    stages (capped at 3 by the caller) x bytes per stage stay within Ada's ~100 KB per block."""
     if M <= 16:
         if w8a16:
             return 16, 32, 128, 4, 4
         return (16, 32, 256, 4, 4) if N < 16384 else (16, 64, 256, 4, 3)
     if M <= 64:
-        return (32 if M <= 32 else 64), 64, 128, 4, 4
+        wide = N >= 16384
+        if w8a16:
+            return (32 if M <= 32 else 64), 64 if wide else 32, 128, 4, 4
+        return (32, 64, 128, 4, 4) if wide else (32, 32, 256, 4, 4)
     if M <= 512:
         if -(-M // 128) * -(-N // 128) * 2 >= sms:
             return 128, 128, 128 if hopper else 64, 8, 4 if hopper else 3
@@ -134,6 +137,8 @@ def _k2_tiles(M: int, N: int, sms: int, w8a16: bool, hopper: bool) -> tuple[int,
 
 
 def _check_config(cfg: TritonLoraConfig) -> None:
+    if cfg.k1_split_k > MAX_K1_SPLITS:
+        raise ValueError(f"config.k1_split_k must be <= {MAX_K1_SPLITS}, got {cfg.k1_split_k}")
     for name in ("k1_block_m", "k1_block_k", "k1_block_r", "k2_block_m", "k2_block_n", "k2_block_k", "k2_block_r"):
         v = getattr(cfg, name)
         if v < 16 or v & (v - 1):
@@ -354,10 +359,11 @@ def _kernels():
     return triton_kernels
 
 
-def _quant_block_k(K: int, cfg: TritonLoraConfig) -> int:
-    """Columns per step of K1's quantizer: ~8K elements a tile (its loops are latency bound),
-    no wider than K needs."""
-    return max(16, min(8192 // cfg.k1_block_m, _pow2_at_least(K)))
+def _quant_tile(K: int, cfg: TritonLoraConfig, splits: int) -> tuple[int, int]:
+    """(rows, columns) of K1's quantizer tile. The row tile's k1_block_m rows are shared by its
+    `splits` quantizer programs; columns make ~8K elements a tile (its loops are latency bound)."""
+    rows = _pow2_at_least(-(-cfg.k1_block_m // splits), lo=1)
+    return rows, max(16, min(8192 // rows, _pow2_at_least(K)))
 
 
 def _k1_split(K: int, cfg: TritonLoraConfig) -> tuple[int, int]:
@@ -406,6 +412,7 @@ def _launch_k1(x, a, R, meta, quantize, slot_ranks, cfg, codes_out=None, scales_
         counters = _split_k_counters(device, row_tiles * S * rank_blocks)
     else:
         ws, counters = h, meta.active_lora_ids  # unused
+    quant_rows, quant_block_k = _quant_tile(K, cfg, splits)
     grid = (S * rank_blocks + (1 if quantize else 0), splits, row_tiles)
     _kernels().quant_shrink_kernel[grid](
         x, x.stride(0),
@@ -418,7 +425,7 @@ def _launch_k1(x, a, R, meta, quantize, slot_ranks, cfg, codes_out=None, scales_
         NUM_SLICES=S, NUM_RANK_BLOCKS=rank_blocks, SPLIT_K=splits, QUANTIZE=quantize,
         HAS_SLOT_RANKS=slot_ranks is not None,
         BLOCK_M=cfg.k1_block_m, BLOCK_K=cfg.k1_block_k, BLOCK_R=cfg.k1_block_r,
-        QUANT_BLOCK_K=_quant_block_k(K, cfg), BF16_DOT_VIA_FP32=_kernels_interpreted(), num_warps=cfg.k1_num_warps)
+        QUANT_ROWS=quant_rows, QUANT_BLOCK_K=quant_block_k, BF16_DOT_VIA_FP32=_kernels_interpreted(), num_warps=cfg.k1_num_warps)
     return codes, scales, h
 
 
