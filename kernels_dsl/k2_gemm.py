@@ -311,7 +311,12 @@ if cute is not None:
                         for i in cutlass.range(npre, unroll=1):
                             cute.arch.mbarrier_arrive_and_expect_tx(full + i, stage_bytes)
                             cute.copy(tma_w, tWg[(None, kb_lo + i)], tWs[(None, i)], tma_bar_ptr=full + i)
-                        # 2. wait until the quantization CTAs have published x_q / s_x.
+                        # 2. adapter B chunks that fit the ring: they depend on nothing the shrink kernel
+                        #    writes, so they are requested now, long before griddepcontrol.wait.
+                        if cutlass.const_expr(cfg.lora):
+                            self._issue_b(0, NB, tma_bs, mBs, st, sB_layout, bfull, bempty, mActive,
+                                          mNumActive, mSlotRanks, sl, row_in_slice, n_s, split, nsplit)
+                        # 3. wait until the quantization CTAs have published x_q / s_x.
                         sync_addr = mSync.iterator.toint()
                         while D.ld_acquire_gpu_s32(sync_addr) < n_quant:
                             D.nanosleep(32)
@@ -330,11 +335,7 @@ if cute is not None:
                             D.st_relaxed_gpu_s32(sync_addr + 4, 0)
                         for i in cutlass.range(npre, unroll=1):
                             cute.copy(tma_x, tXg[(None, kb_lo + i)], tXs[(None, i)], tma_bar_ptr=full + i)
-                        # 3. adapter B chunks that fit the ring: prefetched long before they are needed.
-                        if cutlass.const_expr(cfg.lora):
-                            self._issue_b(0, NB, tma_bs, mBs, st, sB_layout, bfull, bempty, mActive,
-                                          mNumActive, mSlotRanks, sl, row_in_slice, n_s, split, nsplit)
-                        # 4. steady state.
+                        # 4. x_q for the stages already holding weights, then the steady state.
                         for i in cutlass.range(npre, nloc, unroll=1):
                             s = i % STAGES
                             cute.arch.mbarrier_wait(empty + s, ((i // STAGES) + 1) % 2)
@@ -368,8 +369,11 @@ if cute is not None:
                     for kk in cutlass.range_constexpr(num_kk):
                         cute.gemm(tiled_mma, acc, tCrW[(None, None, kk, s)], tCrX[(None, None, kk, s)], acc)
                     cute.nvgpu.warpgroup.commit_group()
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    cute.arch.mbarrier_arrive(empty + s)
+                    # Keep one k-block of WGMMAs in flight; the previous one is done: free its stage.
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    if i > 0:
+                        cute.arch.mbarrier_arrive(empty + (i - 1) % STAGES)
+                cute.nvgpu.warpgroup.wait_group(0)
 
                 acc_l = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
                 acc_l.fill(0.0)

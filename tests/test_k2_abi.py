@@ -1,0 +1,106 @@
+"""Decode-path kernels' run-time contract, checked without a GPU or the DSL.
+
+* the golden TMA descriptors (the DSL host code's own bytes, tests/data/k2_tma_golden.json)
+  decode to exactly what our TmaSpecs declare (dims, row stride, box, swizzle, dtype);
+* launch() builds one argument per declared parameter and every non-TMA argument packs;
+* the launch geometry and smem of every prebuild configuration are sane.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from epilora_cute.metadata import build_meta
+from kernels_dsl import k2_gemm, lora_shrink
+from kernels_dsl._abi import TmaParam
+from kernels_dsl.host_capture import DSL_DTYPE_CODE, SWIZZLE_CODE, decode_tensormap2d
+
+GOLDEN = Path(__file__).resolve().parent / "data" / "k2_tma_golden.json"
+
+
+def test_golden_descriptors_decode_to_declared_specs():
+    golden = json.loads(GOLDEN.read_text())
+    assert len(golden["descriptors"]) >= 10
+    for e in golden["descriptors"]:
+        mod = k2_gemm if e["family"] == k2_gemm.FAMILY else lora_shrink
+        cfg = mod.Config(**e["config"])
+        spec = {p.name: p for p in mod.params(cfg)}[e["param"]].spec
+        d = decode_tensormap2d(e["dsl_bytes"])
+        es = torch.empty(0, dtype=spec.torch_dtype).element_size()
+        assert d["address"] == e["address"], e["param"]
+        assert d["dims"] == (e["cols"], e["rows"]), (e["param"], d)
+        assert d["box"] == tuple(spec.box), (e["param"], d)
+        assert d["stride1_bytes"] == e["row_stride"] * es, (e["param"], d)
+        assert d["swizzle_code"] == SWIZZLE_CODE[spec.swizzle], (e["param"], d)
+        assert d["dtype_code"] == DSL_DTYPE_CODE[spec.tma_dtype], (e["param"], d)
+
+
+def _pack_non_tma(params, args):
+    out = []
+    for p, a in zip(params, args):
+        if isinstance(p, TmaParam):
+            assert isinstance(a, torch.Tensor) and a.dim() == 2 and a.dtype == p.spec.torch_dtype, p.name
+            assert a.stride(1) == 1 and (a.stride(0) * a.element_size()) % 16 == 0, p.name
+            out.append(None)
+        else:
+            b = p.pack(a)
+            assert len(b) == p.size, p.name
+            out.append(b)
+    return out
+
+
+@pytest.mark.parametrize("M,widths,K,rank", [(1, (4096, 1024, 1024), 4096, 64), (17, (14784, 14784), 8192, 16),
+                                             (32, (8192,), 29568, 256)])
+def test_launch_builds_packable_arguments(M, widths, K, rank):
+    L = 4
+    N = sum(widths)
+    tok = torch.tensor([(i % (L + 1)) - 1 for i in range(M)], dtype=torch.int32)
+    meta = build_meta(tok, L)
+    lora_a = [torch.zeros(L, 1, rank, K, dtype=torch.bfloat16) for _ in widths]
+    lora_b = [torch.zeros(L, 1, wd, rank, dtype=torch.bfloat16) for wd in widths]
+    h = torch.zeros(len(widths), M, rank)
+    x = torch.zeros(M, K, dtype=torch.bfloat16)
+    x_q = torch.zeros(M, K, dtype=torch.float8_e4m3fn)
+    sx = torch.zeros(M)
+    sync = torch.zeros(2, dtype=torch.int32)
+    sr = torch.full((L,), rank, dtype=torch.int32)
+    s_cfg = lora_shrink.select(len(widths), M, rank)
+    sspec = lora_shrink.launch(s_cfg, x=x, lora_a=lora_a, h=h, x_q=x_q, x_scale=sx, sync=sync,
+                               token_lora=meta.token_lora_mapping[:M], active_lora_ids=meta.active_lora_ids,
+                               num_active=meta.num_active, slot_ranks=sr, split=4)
+    assert len(sspec["args"]) == len(lora_shrink.params(s_cfg))
+    _pack_non_tma(lora_shrink.params(s_cfg), sspec["args"])
+    assert sspec["grid"] == (4, len(widths) * -(-rank // 64), 1 + min(M, L + 1))
+    assert sspec["n_quant"] == 4 * len(widths) * -(-rank // 64) and not sspec["pdl"]
+
+    k_cfg, n_cfg = k2_gemm.select(widths, M, rank)
+    w = torch.zeros(N, K, dtype=torch.float8_e4m3fn)
+    y = torch.zeros(M, N, dtype=torch.bfloat16)
+    ss = torch.tensor([0] + torch.tensor(widths).cumsum(0).tolist(), dtype=torch.int32)
+    split = k2_gemm.choose_split(N, K, k_cfg.bm)
+    kspec = k2_gemm.launch(k_cfg, w_q=w, w_scale=torch.ones(1), x_q=x_q, x_scale=sx, y=y, sync=sync,
+                           n_quant=sspec["n_quant"], split=split, h=h, token_lora=meta.token_lora_mapping[:M],
+                           active_lora_ids=meta.active_lora_ids, num_active=meta.num_active, slot_ranks=sr,
+                           slice_start=ss, lora_b=lora_b)
+    assert len(kspec["args"]) == len(k2_gemm.params(k_cfg))
+    _pack_non_tma(k2_gemm.params(k_cfg), kspec["args"])
+    assert kspec["grid"] == (split, N // k_cfg.bm, 1) and kspec["cluster"] == (split, 1, 1) and kspec["pdl"]
+    nspec = k2_gemm.launch(n_cfg, w_q=w, w_scale=torch.ones(1), x_q=x_q, x_scale=sx, y=y, sync=sync, n_quant=0,
+                           split=split)
+    assert len(nspec["args"]) == len(k2_gemm.params(n_cfg)) and not nspec["pdl"]
+
+
+def test_prebuild_geometry():
+    for cfg in k2_gemm.prebuild_configs():
+        assert cfg.smem_bytes() <= 227 * 1024 and cfg.block == (256, 1, 1)
+    for cfg in lora_shrink.prebuild_configs():
+        assert cfg.smem_bytes() <= 227 * 1024 and cfg.block == (128, 1, 1)
+    names = [c.name() for c in k2_gemm.prebuild_configs()] + [c.name() for c in lora_shrink.prebuild_configs()]
+    assert len(names) == len(set(names))
+    # Every SM streams weights: tiles * split stays within one wave and near it.
+    for _, _, _, widths, k in k2_gemm.projection_shapes():
+        bm = k2_gemm.bm_for(widths)
+        tiles, s = sum(widths) // bm, k2_gemm.choose_split(sum(widths), k, bm)
+        assert tiles * s <= 132 or s == 1

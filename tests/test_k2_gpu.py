@@ -1,0 +1,259 @@
+"""GPU correctness of the decode path: shrink(+quant) then K2 (PDL dependent), vs the reference.
+
+Needs an sm_90 GPU. Launches through epilora_cute.kernels / epilora_cute.launcher (cached cubins,
+no DSL needed at run time). Cluster launches (split-K > 1) need the launcher's `cluster=` support;
+without it only split 1 runs and the rest is skipped with that reason.
+
+What is checked: x_q/s_x bit-exact against reference.quantize_fp8_per_token; h against
+reference.lora_shrink for tokens with an adapter; y against reference.lora_linear (bf16 output,
+bf16 h in the epilogue WGMMA); outputs are poisoned (NaN) before each call and must be fully
+written; 10 repeated calls give identical bits; the sync counters are back to zero after a call;
+the TMA descriptors our specs encode equal the bytes the DSL's own host code builds.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from epilora_cute.metadata import build_meta
+from epilora_cute.reference import lora_linear, lora_shrink, quantize_fp8_per_tensor, quantize_fp8_per_token
+from kernels_dsl import k2_gemm, lora_shrink as shrink_mod
+
+pytestmark = pytest.mark.gpu
+
+DATA = Path(__file__).resolve().parent / "data" / "k2_tma_golden.json"
+
+
+def _hopper():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+
+
+def _kernel(mod, cfg):
+    from epilora_cute.kernels import get_kernel
+
+    return get_kernel(mod, cfg, "sm_90a")
+
+
+def _launch(kernel, spec, pdl=None):
+    kw = dict(grid=spec["grid"], smem=spec["smem"], pdl=spec["pdl"] if pdl is None else pdl)
+    if "cluster" in inspect.signature(kernel.__call__).parameters:
+        kw["cluster"] = spec["cluster"]
+    elif spec["cluster"] != (1, 1, 1):
+        pytest.skip("epilora_cute.launcher.Kernel has no cluster= support yet (split-K > 1 needs it)")
+    kernel(*spec["args"], **kw)
+
+
+class DecodePath:
+    """Buffers + the two launches of one projection."""
+
+    def __init__(self, widths, K, rank, max_loras, M, seed=0, slot_ranks=None, dev="cuda"):
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        self.widths, self.K, self.rank, self.L, self.M = widths, K, rank, max_loras, M
+        N = sum(widths)
+        w = torch.randn(N, K, generator=g) * 0.02
+        self.w_codes, self.w_scale = [t.to(dev) for t in quantize_fp8_per_tensor(w)]
+        self.slot_ranks_list = slot_ranks or [rank] * max_loras
+        self.lora_a, self.lora_b = [], []
+        for wd in widths:
+            a = torch.randn(max_loras, 1, rank, K, generator=g) * 0.02
+            b = torch.randn(max_loras, 1, wd, rank, generator=g) * 0.02
+            for l, r in enumerate(self.slot_ranks_list):
+                a[l, :, r:] = 0
+                b[l, :, :, r:] = 0
+            self.lora_a.append(a.to(torch.bfloat16).to(dev))
+            self.lora_b.append(b.to(torch.bfloat16).to(dev))
+        self.slot_ranks = torch.tensor(self.slot_ranks_list, dtype=torch.int32, device=dev)
+        self.slice_start = torch.tensor([0] + list(torch.tensor(widths).cumsum(0).tolist()), dtype=torch.int32,
+                                        device=dev)
+        self.h = torch.empty(len(widths), M, rank, dtype=torch.float32, device=dev)
+        self.x_q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=dev)
+        self.x_scale = torch.empty(M, dtype=torch.float32, device=dev)
+        self.sync = torch.zeros(2, dtype=torch.int32, device=dev)
+        self.y = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+        self.dev = dev
+
+    def run(self, x, tok, pdl=True, split_k2=None, split_shrink=None, poison=True):
+        M, K, N = self.M, self.K, sum(self.widths)
+        meta = build_meta(tok.to(self.dev), self.L)
+        if poison:
+            self.y.fill_(float("nan"))
+            self.h.fill_(float("nan"))
+            self.x_q.view(torch.uint8).fill_(0x7F)
+            self.x_scale.fill_(float("nan"))
+        s_cfg = shrink_mod.select(len(self.widths), M, self.rank)
+        groups = min(M, self.L + 1)
+        ss = split_shrink or shrink_mod.choose_split(K, len(self.widths), self.rank, groups)
+        sspec = shrink_mod.launch(s_cfg, x=x, lora_a=self.lora_a, h=self.h, x_q=self.x_q, x_scale=self.x_scale,
+                                  sync=self.sync, token_lora=meta.token_lora_mapping[:M],
+                                  active_lora_ids=meta.active_lora_ids, num_active=meta.num_active,
+                                  slot_ranks=self.slot_ranks, split=ss)
+        k_cfg, _ = k2_gemm.select(self.widths, M, self.rank)
+        sk = split_k2 or k2_gemm.choose_split(N, K, k_cfg.bm)
+        kspec = k2_gemm.launch(k_cfg, w_q=self.w_codes, w_scale=self.w_scale, x_q=self.x_q, x_scale=self.x_scale,
+                               y=self.y, sync=self.sync, n_quant=sspec["n_quant"], split=sk, h=self.h,
+                               token_lora=meta.token_lora_mapping[:M], active_lora_ids=meta.active_lora_ids,
+                               num_active=meta.num_active, slot_ranks=self.slot_ranks,
+                               slice_start=self.slice_start, lora_b=self.lora_b)
+        _launch(_kernel(shrink_mod, s_cfg), sspec)
+        _launch(_kernel(k2_gemm, k_cfg), kspec, pdl=pdl)
+        return self.y
+
+    def check(self, x, tok, y):
+        ref = lora_linear(x.float().to(torch.bfloat16).cpu(), self.w_codes.cpu(), self.w_scale.cpu(),
+                          [a.cpu() for a in self.lora_a], [b.cpu() for b in self.lora_b], tok.cpu())
+        xq_ref, sx_ref = quantize_fp8_per_token(x.cpu())
+        assert torch.equal(self.x_q.cpu().view(torch.uint8), xq_ref.view(torch.uint8)), "x_q differs"
+        assert torch.equal(self.x_scale.cpu(), sx_ref.reshape(-1)), "s_x differs"
+        href = lora_shrink(x.cpu(), [a.cpu() for a in self.lora_a], tok.cpu())
+        has = tok.cpu() >= 0
+        for s in range(len(self.widths)):
+            torch.testing.assert_close(self.h[s].cpu()[has], href[s][has], rtol=1e-4, atol=1e-4)
+        assert not torch.isnan(y).any(), "y not fully written"
+        torch.testing.assert_close(y.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+        assert self.sync.cpu().tolist() == [0, 0], "sync counters not re-armed"
+
+
+def _tokens(M, n_adapters, seed, none_frac=0.25):
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randint(0, max(n_adapters, 1), (M,), generator=g)
+    none = torch.rand(M, generator=g) < none_frac
+    return torch.where(none, torch.full_like(slots, -1), slots).to(torch.int32)
+
+
+def _x(M, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(M, K, generator=g) * 3).to(torch.bfloat16).cuda()
+
+
+SHAPES = k2_gemm.projection_shapes()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}-tp{s[1]}-{s[2]}")
+@pytest.mark.parametrize("M", [1, 7, 32])
+def test_decode_path_model_shapes(shape, M):
+    _hopper()
+    _, _, _, widths, K = shape
+    dp = DecodePath(widths, K, 64, 4, M, seed=M)
+    x, tok = _x(M, K, M), _tokens(M, 3, M)
+    dp.check(x, tok, dp.run(x, tok))
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 7, 8, 16, 31, 32])
+@pytest.mark.parametrize("rank", [8, 16, 64, 128, 256])
+@pytest.mark.parametrize("pdl", [True, False])
+def test_decode_path_tokens_ranks(M, rank, pdl):
+    _hopper()
+    widths, K = (4096, 1024, 1024), 4096  # Qwen3-8B qkv
+    dp = DecodePath(widths, K, rank, 8, M, seed=rank + M)
+    x, tok = _x(M, K, rank * 100 + M), _tokens(M, min(8, M), rank + M)
+    dp.check(x, tok, dp.run(x, tok, pdl=pdl))
+
+
+@pytest.mark.parametrize("split", [1, 2, 3, 5, 8])
+def test_split_k_values(split):
+    _hopper()
+    widths, K = (14336, 14336), 4096  # Llama-3.1-8B gate/up
+    dp = DecodePath(widths, K, 16, 4, 9, seed=split)
+    x, tok = _x(9, K, split), _tokens(9, 4, split)
+    dp.check(x, tok, dp.run(x, tok, split_k2=split, split_shrink=min(split, 4)))
+
+
+def test_mixed_effective_ranks_and_no_adapter_tokens():
+    _hopper()
+    widths, K = (4096, 1024, 1024), 4096
+    sr = [128, 8, 64, 16, 0, 100, 128, 33]
+    dp = DecodePath(widths, K, 128, 8, 24, seed=5, slot_ranks=sr)
+    x = _x(24, K, 5)
+    tok = torch.tensor([-1, 4, 1, 2, 3, 5, 6, 7, 0, -1] + [i % 8 for i in range(14)], dtype=torch.int32)
+    dp.check(x, tok, dp.run(x, tok))
+
+
+def test_all_tokens_without_adapter():
+    _hopper()
+    widths, K = (4096,), 4096
+    dp = DecodePath(widths, K, 64, 4, 5, seed=9)
+    x, tok = _x(5, K, 9), torch.full((5,), -1, dtype=torch.int32)
+    dp.check(x, tok, dp.run(x, tok))
+
+
+def test_bitwise_identical_over_10_runs():
+    _hopper()
+    widths, K = (12288, 12288), 4096  # Qwen3-8B gate/up
+    dp = DecodePath(widths, K, 64, 8, 16, seed=1)
+    x, tok = _x(16, K, 1), _tokens(16, 8, 1)
+    first = dp.run(x, tok).clone()
+    dp.check(x, tok, first)
+    for _ in range(9):
+        assert torch.equal(dp.run(x, tok).view(torch.int16), first.view(torch.int16))
+
+
+def test_no_adapter_variant():
+    _hopper()
+    M, K, N = 8, 4096, 4096
+    dp = DecodePath((N,), K, 16, 2, M, seed=3)
+    x = _x(M, K, 3)
+    xq, sx = quantize_fp8_per_token(x)
+    dp.x_q.copy_(xq)
+    dp.x_scale.copy_(sx.reshape(-1))
+    _, cfg = k2_gemm.select((N,), M)
+    spec = k2_gemm.launch(cfg, w_q=dp.w_codes, w_scale=dp.w_scale, x_q=dp.x_q, x_scale=dp.x_scale, y=dp.y,
+                          sync=dp.sync, n_quant=0, split=k2_gemm.choose_split(N, K))
+    dp.y.fill_(float("nan"))
+    _launch(_kernel(k2_gemm, cfg), spec, pdl=False)
+    ref = (xq.float() * sx) @ (dp.w_codes.float() * dp.w_scale).t()
+    torch.testing.assert_close(dp.y.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_tma_descriptors_match_dsl_host_code():
+    """Our cuTensorMapEncodeTiled(spec) bytes == the DSL host code's (captured on a CPU machine by
+    tests/data/make_k2_golden.py). On mismatch, report which L2-promotion / OOB-fill would match."""
+    _hopper()
+    from kernels_dsl._abi import encode_tensormap
+
+    if not DATA.exists():
+        pytest.skip(f"no golden data at {DATA}")
+    golden = json.loads(DATA.read_text())
+    report = []
+    for entry in golden["descriptors"]:
+        mod = k2_gemm if entry["family"] == k2_gemm.FAMILY else shrink_mod
+        cfg = mod.Config(**entry["config"])
+        spec = {p.name: p for p in mod.params(cfg)}[entry["param"]].spec
+        rows, cols = entry["rows"], entry["cols"]
+        # A strided view with the golden address: encode only reads the numbers.
+        fake = torch.empty(0, dtype=spec.torch_dtype, device="cuda")
+        t = torch.as_strided(fake, (rows, cols), (entry["row_stride"], 1))
+        want = bytes.fromhex(entry["dsl_bytes"])[:64]
+
+        class _View:  # data_ptr() overridden to the golden address
+            shape, dtype = t.shape, t.dtype
+
+            def dim(self):
+                return 2
+
+            def stride(self, i):
+                return t.stride(i)
+
+            def element_size(self):
+                return t.element_size()
+
+            def data_ptr(self):
+                return entry["address"]
+
+        got = encode_tensormap(_View(), spec)[:64]
+        if got != want:
+            alts = []
+            for l2 in ("NONE", "L2_64B", "L2_128B", "L2_256B"):
+                for oob in ("NONE", "NAN_REQUEST_ZERO_FMA"):
+                    if encode_tensormap(_View(), spec, l2, oob)[:64] == want:
+                        alts.append((l2, oob))
+            report.append(dict(param=entry["param"], config=entry["config"], got=got.hex(), want=want.hex(),
+                               matching_l2_oob=alts))
+    assert not report, json.dumps(report, indent=1)
