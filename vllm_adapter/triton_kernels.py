@@ -10,6 +10,11 @@ Two launches serve every tenant of a batch (vLLM needs four: quant, shrink, GEMM
   expand ``h_s @ B_s^T`` added in the epilogue; bf16 ``y`` written once, in token order. The W8A16
   variant widens FP8 weights to bf16 in registers and multiplies bf16 activations.
 
+Reads of x: K1's quantizer programs split each row tile's rows between them and read their rows
+twice (amax over the whole row, then codes; the second read hits L1/L2); each shrink program
+reads its K chunk of the rows of each adapter group once. So x comes from DRAM about once, but it
+is not read once per tile in one pass: the per-token amax needs the full row before any code.
+
 Layouts (all row-major, last dim contiguous):
 
 * ``x`` [M, K] bf16; codes [M, K] stored as uint8 (the bits of float8_e4m3fn); scales [M] fp32.

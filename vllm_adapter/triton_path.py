@@ -209,6 +209,8 @@ def _squeeze_vllm(name: str, buf: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"{name} must be bfloat16, got {buf.dtype}")
     if not buf.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {tuple(buf.stride())}")
+    if buf.data_ptr() % 16:  # the kernels load slices through a pointer table marked 16-byte aligned
+        raise ValueError(f"{name} must start at a 16-byte aligned address, got {buf.data_ptr():#x}")
     return buf
 
 
@@ -425,7 +427,8 @@ def _launch_k1(x, a, R, meta, quantize, slot_ranks, cfg, codes_out=None, scales_
         NUM_SLICES=S, NUM_RANK_BLOCKS=rank_blocks, SPLIT_K=splits, QUANTIZE=quantize,
         HAS_SLOT_RANKS=slot_ranks is not None,
         BLOCK_M=cfg.k1_block_m, BLOCK_K=cfg.k1_block_k, BLOCK_R=cfg.k1_block_r,
-        QUANT_ROWS=quant_rows, QUANT_BLOCK_K=quant_block_k, BF16_DOT_VIA_FP32=_kernels_interpreted(), num_warps=cfg.k1_num_warps)
+        QUANT_ROWS=quant_rows, QUANT_BLOCK_K=quant_block_k, BF16_DOT_VIA_FP32=_kernels_interpreted(),
+        num_warps=cfg.k1_num_warps)
     return codes, scales, h
 
 
@@ -445,7 +448,8 @@ def _launch_k2(act, scales, w_q, w_scale, h, b, R, meta, w8a16, slot_ranks, cfg,
         M, K, R, num_col_tiles,
         W8A16=w8a16, HAS_SLOT_RANKS=slot_ranks is not None,
         BLOCK_M=cfg.k2_block_m, BLOCK_N=cfg.k2_block_n, BLOCK_K=cfg.k2_block_k, BLOCK_R=cfg.k2_block_r,
-        GROUP_M=cfg.k2_group_m, BF16_DOT_VIA_FP32=_kernels_interpreted(), num_warps=cfg.k2_num_warps, num_stages=cfg.k2_num_stages)
+        GROUP_M=cfg.k2_group_m, BF16_DOT_VIA_FP32=_kernels_interpreted(),
+        num_warps=cfg.k2_num_warps, num_stages=cfg.k2_num_stages)
     return y
 
 
