@@ -624,15 +624,22 @@ def launch(config: Config, *, w_q, w_scale, x_q, x_scale, y, sync, n_quant: int,
 
 
 def choose_split(n_out: int, k: int, bm: int = 128, bk: int = 128, sms: int = SM_COUNT_H100,
-                 max_split: int = 8) -> int:
-    """Split-K (cluster size) so that every SM streams weights: the largest S <= max_split with
-    tiles * S <= sms and at least 2 k-blocks per split; 1 when the tiles alone fill the GPU."""
+                 max_split: int = 8, ctas_per_sm: int = 1, overhead_kblocks: float = 2.0) -> int:
+    """Split-K (cluster size) so that every SM streams weights.
+
+    Cost model: the busiest SM runs ceil(tiles*S / (sms*ctas_per_sm)) CTAs one after another,
+    each streaming nk/S k-blocks plus a fixed overhead (pipeline fill, epilogue, reduction) of
+    about `overhead_kblocks`. A starting point for the runtime's timed dispatch, not a tuning.
+    """
     tiles = n_out // bm
     nk = -(-k // bk)
-    best = 1
+    best, best_t = 1, None
     for s in range(1, max_split + 1):
-        if tiles * s <= sms and nk // s >= 2:
-            best = s
+        if nk // s < 2:
+            break
+        t = -(-tiles * s // (sms * ctas_per_sm)) * (nk / s + overhead_kblocks)
+        if best_t is None or t < best_t - 1e-9:
+            best, best_t = s, t
     return best
 
 
