@@ -154,7 +154,7 @@ def capture(compiled, n_params: int, values: dict, workdir: str):
         b = bytes(attrs_raw[i * 72:(i + 1) * 72])
         attrs.append(dict(id=int.from_bytes(b[:4], "little"), value=b[8:20].hex()))
     return dict(params=params, grid=grid, block=block, smem=ctypes.c_size_t.in_dll(lib, "g_smem").value,
-                attrs=attrs, ret=ret.value)
+                attrs=attrs, ret=ret.value, calls=_log(lib).decode())
 
 
 def _main():
