@@ -106,18 +106,16 @@ def tensormap_bytes(tmap) -> bytes:
 
 
 @dataclass(frozen=True)
-class TmaParam:
-    """A CUtensorMap parameter; pack(tensor_2d) encodes it (pack(bytes) passes prebuilt ones)."""
+class TmaParam(TensorMapParam):
+    """A CUtensorMap parameter (a kernel_abi.TensorMapParam, so the launcher aligns it to 64) that
+    also knows its spec: pack(tensor_2d) encodes the descriptor, pack(bytes) passes prebuilt ones."""
 
-    name: str
-    spec: TmaSpec
+    spec: TmaSpec = None
     note: str = ""
-
-    size = 128
 
     def pack(self, v) -> bytes:
         if isinstance(v, (bytes, bytearray)):
-            return TensorMapParam(self.name).pack(v)
+            return super().pack(v)
         return encode_tensormap(v, self.spec)
 
 
