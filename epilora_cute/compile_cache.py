@@ -72,7 +72,15 @@ def cache_root() -> Path:
 
 
 def _source_hash(module: ModuleType) -> str:
-    return hashlib.sha256(Path(inspect.getfile(module)).read_bytes()).hexdigest()
+    """The family's own file plus the package's shared helpers (``_*.py`` beside it), which the
+    kernels are built from too: editing either must invalidate the cached builds."""
+    path = Path(inspect.getfile(module))
+    h = hashlib.sha256(path.read_bytes())
+    for shared in sorted(path.parent.glob("_*.py")):
+        if shared.name != "__init__.py":
+            h.update(shared.name.encode())
+            h.update(shared.read_bytes())
+    return h.hexdigest()
 
 
 def entry_dir(module: ModuleType, config, arch: str, root: Path | None = None) -> Path:

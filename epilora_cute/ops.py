@@ -96,3 +96,211 @@ def quantize_fp8_per_token(x: torch.Tensor, codes: torch.Tensor | None = None,
         return codes, scales
     kernel(x, codes, scales, grid=(m, 1, 1), smem=cfg.smem_bytes)
     return codes, scales
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused LoRA linear: y = quant(x) @ W_q^T * s_x * s_w + per-token adapter update.
+
+DECODE_MAX_TOKENS = 32
+PATHS = ("auto", "decode", "no_adapter", "triton", "reference")
+
+
+class _Persistent:
+    """Small device tensors that must keep their address (CUDA graphs) or their state."""
+
+    def __init__(self):
+        self._d: dict[tuple, torch.Tensor] = {}
+
+    def get(self, key: tuple, make) -> torch.Tensor:
+        t = self._d.get(key)
+        if t is None:
+            t = self._d[key] = make()
+        return t
+
+
+_persistent = _Persistent()
+
+
+def _sync_buffer(device: torch.device) -> torch.Tensor:
+    # The shrink's quantization CTAs count up and K2's producer waits for them, then re-arms it;
+    # one per (device, stream), zeroed once: launches on one stream never overlap on it.
+    stream = torch.cuda.current_stream(device).cuda_stream
+    return _persistent.get(("sync", device.index, stream), lambda: torch.zeros(2, dtype=torch.int32, device=device))
+
+
+def _slice_start(widths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    def make():
+        starts = [0]
+        for w in widths:
+            starts.append(starts[-1] + w)
+        return torch.tensor(starts, dtype=torch.int32, device=device)
+    return _persistent.get(("slice_start", device.index, widths), make)
+
+
+def _full_ranks(max_loras: int, rank: int, device: torch.device) -> torch.Tensor:
+    return _persistent.get(("ranks", device.index, max_loras, rank),
+                           lambda: torch.full((max_loras,), rank, dtype=torch.int32, device=device))
+
+
+def _slices(name: str, bufs) -> list[torch.Tensor]:
+    bufs = list(bufs) if isinstance(bufs, (list, tuple)) else [bufs]
+    for i, b in enumerate(bufs):
+        if not isinstance(b, torch.Tensor) or b.dim() not in (3, 4) or (b.dim() == 4 and b.shape[1] != 1):
+            raise ValueError(f"{name}[{i}] must be [max_loras, 1, rows, cols] (vLLM's layout) or 3-D")
+        if b.dtype != torch.bfloat16:
+            raise TypeError(f"{name}[{i}] must be bfloat16, got {b.dtype}")
+    return bufs
+
+
+def _validate_linear(x, w_q, w_scale, lora_a, lora_b, meta, out):
+    _check_2d("x", x, torch.bfloat16)
+    _check_2d("w_q", w_q, torch.float8_e4m3fn)
+    if not isinstance(w_scale, torch.Tensor) or w_scale.numel() != 1 or w_scale.dtype != torch.float32:
+        raise TypeError("w_scale must be a one-element float32 tensor (per-tensor weight scale)")
+    m, k = x.shape
+    n = w_q.shape[0]
+    if w_q.shape[1] != k:
+        raise ValueError(f"x has K={k} but w_q is {tuple(w_q.shape)} ([N, K] expected)")
+    a, b = _slices("lora_a", lora_a), _slices("lora_b", lora_b)
+    if len(a) != len(b):
+        raise ValueError(f"{len(a)} A slices but {len(b)} B slices")
+    widths = tuple(int(t.shape[-2]) for t in b)
+    if sum(widths) != n:
+        raise ValueError(f"B slice widths {widths} add up to {sum(widths)}, not the weight's {n} rows")
+    ranks = {int(t.shape[-2]) for t in a} | {int(t.shape[-1]) for t in b}
+    if len(ranks) != 1:
+        raise ValueError(f"adapter ranks disagree across A/B slices: {sorted(ranks)}")
+    if any(int(t.shape[-1]) != k for t in a):
+        raise ValueError("every A slice must have K columns")
+    loras = {int(t.shape[0]) for t in a + b}
+    if len(loras) != 1:
+        raise ValueError(f"max_loras disagrees across adapter buffers: {sorted(loras)}")
+    if meta.max_loras > loras.pop():
+        raise ValueError("the metadata allows more adapter slots than the buffers hold")
+    if meta.num_tokens != m:
+        raise ValueError(f"metadata prepared for {meta.num_tokens} tokens, x has {m}")
+    if out is not None:
+        _check_2d("out", out, torch.bfloat16)
+        if tuple(out.shape) != (m, n):
+            raise ValueError(f"out must be [{m}, {n}], got {tuple(out.shape)}")
+    devs = {t.device for t in [x, w_q, w_scale, *a, *b, meta.token_lora_mapping] + ([out] if out is not None else [])}
+    if len(devs) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devs))}")
+    return a, b, widths, ranks.pop() if ranks else int(a[0].shape[-2])
+
+
+def _decode_reason(x, w_q, widths, rank, a, b) -> str | None:
+    from kernels_dsl import k2_gemm
+
+    if arch_of(x) != "sm_90a":
+        return f"the decode path needs an sm_90a GPU (have {arch_of(x) or x.device})"
+    m, k = x.shape
+    if not 1 <= m <= DECODE_MAX_TOKENS:
+        return f"{m} tokens: the decode path takes 1..{DECODE_MAX_TOKENS}"
+    if rank not in k2_gemm.RANKS:
+        return f"rank {rank} not in {k2_gemm.RANKS}"
+    if len(widths) > 3:
+        return "more than 3 output slices"
+    bm = k2_gemm.bm_for(widths)
+    if any(w % bm for w in widths) or k % 128:
+        return "slice widths must be multiples of 64 and K a multiple of 128"
+    if not (x.is_contiguous() and w_q.is_contiguous() and all(t.is_contiguous() for t in a + b)):
+        return "x, w_q and the adapter buffers must be contiguous"
+    if any(t.data_ptr() % 16 for t in [x, w_q, *a, *b]):
+        return "buffers must be 16-byte aligned"
+    return None
+
+
+def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, lora_a, lora_b, meta, *,
+                    out: torch.Tensor | None = None, slot_ranks: torch.Tensor | None = None,
+                    path: str = "auto", pdl: bool = True) -> torch.Tensor:
+    """The multi-adapter LoRA linear on an FP8 base, as ``reference.lora_linear`` defines it.
+
+    x [M, K] bf16; w_q [N, K] e4m3 with per-tensor w_scale [1] fp32; lora_a / lora_b one buffer
+    per output slice in vLLM's layout ([max_loras, 1, rank, K] and [max_loras, 1, n_s, rank],
+    alpha/r folded into B); meta a prepared ``LoRABatchMeta`` for these M tokens; slot_ranks an
+    optional int32 [max_loras] of effective ranks (work beyond them is skipped). Returns y [M, N]
+    bf16 (written into ``out`` when given).
+
+    Paths: "decode" (≤ 32 tokens, sm_90a: the shrink kernel with the quantization CTAs, then K2
+    as its PDL dependent — two launches; ``pdl=False`` serializes them), "no_adapter" (quantize +
+    K2 without the epilogue add: for batches where no token has an adapter), "triton" (the
+    portable two-kernel path), "reference" (torch, any device). "auto" takes the decode path where
+    it applies, else the Triton path on GPUs, else the reference.
+    """
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    a, b, widths, rank = _validate_linear(x, w_q, w_scale, lora_a, lora_b, meta, out)
+    m, k = x.shape
+    n = w_q.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    if m == 0:
+        return out
+    if path == "auto":
+        if not x.is_cuda:
+            path = "reference"
+        elif _decode_reason(x, w_q, widths, rank, a, b) is None:
+            path = "decode"
+        else:
+            path = "triton"
+    if path == "reference":
+        y = reference.lora_linear(x, w_q, w_scale, a, b, meta.token_lora_mapping[:m])
+        return out.copy_(y)
+    if path == "triton":
+        from vllm_adapter.triton_path import triton_lora_linear
+        return triton_lora_linear(x, w_q, w_scale, a, b, meta, out=out)
+    reason = _decode_reason(x, w_q, widths, rank, a, b)
+    if reason is not None:
+        raise ValueError(f"path={path!r} does not apply: {reason}")
+    if path == "no_adapter":
+        return _k2_no_adapter(x, w_q, w_scale, widths, out)
+    return _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl)
+
+
+def _launch_spec(kernel, spec, pdl: bool) -> None:
+    kernel(*spec["args"], grid=spec["grid"], smem=spec["smem"], pdl=pdl, cluster=spec["cluster"])
+
+
+def _k2_no_adapter(x, w_q, w_scale, widths, out):
+    from kernels_dsl import k2_gemm
+
+    m, k = x.shape
+    n = w_q.shape[0]
+    codes, scales = quantize_fp8_per_token(x)
+    _, cfg = k2_gemm.select(widths, m)
+    spec = k2_gemm.launch(cfg, w_q=w_q, w_scale=w_scale, x_q=codes, x_scale=scales, y=out,
+                          sync=_sync_buffer(x.device), n_quant=0, split=k2_gemm.choose_split(n, k, cfg.bm))
+    _launch_spec(get_kernel(k2_gemm, cfg, "sm_90a"), spec, pdl=False)
+    return out
+
+
+def _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl):
+    from kernels_dsl import k2_gemm, lora_shrink
+
+    m, k = x.shape
+    n = w_q.shape[0]
+    dev = x.device
+    max_loras = int(a[0].shape[0])
+    if slot_ranks is None:
+        slot_ranks = _full_ranks(max_loras, rank, dev)
+    elif slot_ranks.dtype != torch.int32 or slot_ranks.numel() != max_loras:
+        raise ValueError(f"slot_ranks must be int32 [{max_loras}]")
+    x_q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev)
+    x_scale = torch.empty(m, dtype=torch.float32, device=dev)
+    h = torch.empty(len(widths), m, rank, dtype=torch.float32, device=dev)
+    sync = _sync_buffer(dev)
+    token_lora = meta.token_lora_mapping[:m]
+    s_cfg = lora_shrink.select(len(widths), m, rank)
+    split_s = lora_shrink.choose_split(k, len(widths), rank, min(m, max_loras + 1))
+    s_spec = lora_shrink.launch(s_cfg, x=x, lora_a=a, h=h, x_q=x_q, x_scale=x_scale, sync=sync,
+                                token_lora=token_lora, active_lora_ids=meta.active_lora_ids,
+                                num_active=meta.num_active, slot_ranks=slot_ranks, split=split_s)
+    k_cfg, _ = k2_gemm.select(widths, m, rank)
+    k_spec = k2_gemm.launch(k_cfg, w_q=w_q, w_scale=w_scale, x_q=x_q, x_scale=x_scale, y=out, sync=sync,
+                            n_quant=s_spec["n_quant"], split=k2_gemm.choose_split(n, k, k_cfg.bm), h=h,
+                            token_lora=token_lora, active_lora_ids=meta.active_lora_ids, num_active=meta.num_active,
+                            slot_ranks=slot_ranks, slice_start=_slice_start(widths, dev), lora_b=b)
+    _launch_spec(get_kernel(lora_shrink, s_cfg, "sm_90a"), s_spec, pdl=False)
+    _launch_spec(get_kernel(k2_gemm, k_cfg, "sm_90a"), k_spec, pdl=pdl)
+    return out

@@ -101,13 +101,15 @@ def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor] | torch.Tensor,
     """
     xf = x.to(torch.float32)
     ids = token_lora.to(torch.long)
-    has = ids >= 0
     out = []
     for a in _as_slice_list(lora_a):
-        a = _squeeze_vllm_dim(a).to(torch.float32)
-        a_tok = a[ids.clamp(min=0)]  # [M, rank, K]
-        h = torch.einsum("mk,mrk->mr", xf, a_tok) * scale
-        out.append(torch.where(has[:, None], h, torch.zeros_like(h)))
+        a = _squeeze_vllm_dim(a)
+        h = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
+        # One small GEMM per adapter present (not a per-token copy of A: that is GBs at 2048 tokens).
+        for slot in torch.unique(ids[ids >= 0]).tolist():
+            rows = ids == slot
+            h[rows] = (xf[rows] @ a[slot].to(torch.float32).t()) * scale
+        out.append(h)
     return out
 
 
@@ -118,13 +120,14 @@ def lora_expand(h: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor] | torc
     ``lora_b`` is one buffer per slice, each [max_loras, (1,) n_s, rank].
     """
     ids = token_lora.to(torch.long)
-    has = ids >= 0
     parts = []
     for hs, b in zip(h, _as_slice_list(lora_b)):
-        b = _squeeze_vllm_dim(b).to(torch.float32)
-        b_tok = b[ids.clamp(min=0)]  # [M, n_s, rank]
-        d = torch.einsum("mr,mnr->mn", hs.to(torch.float32), b_tok)
-        parts.append(torch.where(has[:, None], d, torch.zeros_like(d)))
+        b = _squeeze_vllm_dim(b)
+        d = torch.zeros(hs.shape[0], b.shape[1], dtype=torch.float32, device=hs.device)
+        for slot in torch.unique(ids[ids >= 0]).tolist():
+            rows = ids == slot
+            d[rows] = hs[rows].to(torch.float32) @ b[slot].to(torch.float32).t()
+        parts.append(d)
     return torch.cat(parts, dim=1)
 
 

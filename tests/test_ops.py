@@ -38,3 +38,43 @@ def test_quant_bad_output_buffers():
         ops.quantize_fp8_per_token(x, torch.empty(3, 8, dtype=torch.float8_e4m3fn))
     with pytest.raises(TypeError, match="float32"):
         ops.quantize_fp8_per_token(x, None, torch.empty(3, 1, dtype=torch.float16))
+
+
+def _linear_case(m=5, k=64, widths=(32, 16, 16), rank=8, loras=3, seed=0):
+    from epilora_cute.metadata import build_meta
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    wq, ws = reference.quantize_fp8_per_tensor(torch.randn(sum(widths), k, generator=g))
+    a = [torch.randn(loras, 1, rank, k, generator=g).bfloat16() for _ in widths]
+    b = [torch.randn(loras, 1, n, rank, generator=g).bfloat16() for n in widths]
+    mapping = torch.randint(-1, loras, (m,), generator=g, dtype=torch.int32)
+    return x, wq, ws, a, b, build_meta(mapping, loras), mapping
+
+
+def test_lora_linear_cpu_is_the_reference():
+    x, wq, ws, a, b, meta, mapping = _linear_case()
+    y = ops.lora_linear_fp8(x, wq, ws, a, b, meta)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, reference.lora_linear(x, wq, ws, a, b, mapping).bfloat16())
+
+
+@pytest.mark.parametrize("mutate,exc,match", [
+    (lambda c: c.update(x=c["x"].float()), TypeError, "bfloat16"),
+    (lambda c: c.update(wq=c["wq"].float()), TypeError, "float8"),
+    (lambda c: c.update(ws=torch.ones(2)), TypeError, "one-element"),
+    (lambda c: c.update(b=c["b"][:2]), ValueError, "A slices"),
+    (lambda c: c.update(b=[c["b"][0][:, :, :16]] + c["b"][1:]), ValueError, "add up"),
+    (lambda c: c.update(a=[c["a"][0][:, :, :4]] + c["a"][1:]), ValueError, "ranks disagree"),
+    (lambda c: c.update(a=[t.float() for t in c["a"]]), TypeError, "bfloat16"),
+    (lambda c: c.update(x=c["x"][:3]), ValueError, "metadata prepared"),
+    (lambda c: c.update(out=torch.empty(5, 7, dtype=torch.bfloat16)), ValueError, "out must be"),
+    (lambda c: c.update(path="fastest"), ValueError, "path must be"),
+    (lambda c: c.update(path="decode"), ValueError, "does not apply"),
+])
+def test_lora_linear_bad_input(mutate, exc, match):
+    x, wq, ws, a, b, meta, _ = _linear_case()
+    c = dict(x=x, wq=wq, ws=ws, a=a, b=b, out=None, path="auto")
+    mutate(c)
+    with pytest.raises(exc, match=match):
+        ops.lora_linear_fp8(c["x"], c["wq"], c["ws"], c["a"], c["b"], meta, out=c["out"], path=c["path"])
