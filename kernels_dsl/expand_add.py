@@ -1,0 +1,579 @@
+"""Hybrid-path expand-add (issue 4, 33..8192 tokens): y[M, N] += concat_s(h_s . B_s[slot]^T), CuTe-DSL.
+
+y already holds the base GEMM's bf16 output (e.g. vLLM's CUTLASS FP8 GEMM); h is the shrink's fp32
+[num_slices, M, R]; B_s are vLLM's per-slice buffers [max_loras, 1, n_s, R] bf16. The result is
+bf16(fp32(y) + sum_k bf16(h)[m, k] * B[n, k]) (fp32 accumulation, one rounding), rows of tokens
+without an adapter (slot -1) are neither read nor written.
+
+Tiling: the CONCATENATED output. blockIdx.x enumerates column tiles of BN columns slice by slice
+(a tile never straddles two slices: each slice has ceil(n_s / BN) tiles), blockIdx.y row tiles of
+BM rows in the adapter-sorted token order (metadata.token_indices_sorted_by_lora_ids), so a row
+tile meets the few adapter groups row_group[r0] .. row_group[r1 - 1]. The slice widths are
+kernel arguments (int32 scalars), not loads: the slice, its column offset and the B row of a
+tile are a few integer ops on values already in registers (the paper's account of vLLM's expand
+cost is exactly the memory-read, unspecializable slice offsets/strides).
+
+MMA: warp-level mma.sync m16n8k16 bf16 -> fp32 (sm80 atom, runs at full rate on Hopper's tensor
+cores for this shape class). Why not WGMMA: the operands are tiny (K = rank <= 256), so the kernel
+is bound by reading/writing y (4 bytes per output element) and the MMA is a few percent of the
+time; what matters is skipping work per adapter group, and mma.sync does that per 16-row warp
+tile (a warp whose rows do not meet a group issues nothing for it) with A masked in registers,
+where WGMMA would force 64-row granularity. Warp w owns rows [16w, 16w + 16) of the tile and all
+BN columns.
+
+Per CTA:
+  1. h rows of the tile (gathered by token index, slice s) -> bf16 -> smem sA [BM, R].
+  2. for each adapter group g meeting the tile (slot lid = active_lora_ids[g], rows
+     [start_loc[g], start_loc[g+1]) n tile): B_s[lid] rows [c0, c0 + BN) -> smem (cp.async, double
+     buffered across groups: group g+1's B is in flight while g computes); each warp whose rows
+     meet g: ldmatrix A, zero the rows outside g, ldmatrix B, mma into the warp's accumulator.
+     Rank skipping: with slot_ranks (has_ranks != 0) only the k16 steps below the slot's
+     effective rank are loaded and multiplied (vLLM zero-pads B beyond it, so this is exact).
+  3. accumulator -> smem (fp32, reusing the B buffers) -> each thread: one 16-byte y load, 8 fp32
+     adds, one rounding, one 16-byte store, for rows with an adapter.
+Every output element is computed by exactly one thread in a fixed order: bitwise deterministic.
+
+B pointers: one tensor parameter per slice (compile-time num_slices <= 4). vLLM keeps one buffer
+per slice (lora_b_stacked is a tuple), so the plugin passes the views as they are; a pointer
+array would cost a dependent load per tile and a host-side table to keep valid under CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from epilora_cute.kernel_abi import ScalarParam, TensorParam
+
+try:  # the DSL is needed to compile, not to launch a cached build
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.nvgpu import cpasync, warp
+except ImportError:  # pragma: no cover - GPU machines without nvidia-cutlass-dsl
+    cutlass = cute = None
+
+FAMILY = "expand_add"
+RUNTIME_CONTRACT = True
+
+RANKS = (8, 16, 32, 64, 128, 256)
+C_PAD = 4  # fp32 words of padding per row of the epilogue staging tile (16-byte rows, fewer conflicts)
+
+
+@dataclass(frozen=True)
+class Config:
+    """rank: the buffers' rank R (vLLM's max_lora_rank). num_slices: 1..4 B buffers.
+    bm: token rows per CTA (16 per warp). bn: output columns per CTA (multiple of 16)."""
+
+    rank: int = 64
+    num_slices: int = 1
+    bm: int = 64
+    bn: int = 128
+
+    def __post_init__(self):
+        if self.rank not in RANKS:
+            raise ValueError(f"rank must be one of {RANKS}")
+        if not 1 <= self.num_slices <= 4:
+            raise ValueError("num_slices must be 1..4")
+        if self.bm not in (32, 64, 128):
+            raise ValueError("bm must be 32, 64 or 128")
+        if self.bn not in (64, 128, 256):
+            raise ValueError("bn must be 64, 128 or 256")
+        if self.threads // (self.rank_pad // 8) > self.bn:
+            raise ValueError("the B tile copy needs threads / (rank_pad / 8) <= bn")
+
+    @property
+    def rank_pad(self) -> int:
+        """K of the MMA: the rank rounded up to the k16 step (rank 8 is zero-padded to 16)."""
+        return max(16, self.rank)
+
+    @property
+    def threads(self) -> int:
+        return self.bm // 16 * 32
+
+    def name(self) -> str:
+        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}"
+
+    @property
+    def block(self) -> tuple[int, int, int]:
+        return (self.threads, 1, 1)
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic smem: sA (bf16 [bm, Rp]) then the B double buffer, which the fp32 epilogue
+        tile [bm, bn + C_PAD] reuses (the larger of the two)."""
+        a = self.bm * self.rank_pad * 2
+        b = max(2 * self.bn * self.rank_pad * 2, self.bm * (self.bn + C_PAD) * 4)
+        return _align(a, 1024) + _align(b, 1024)
+
+
+def _align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def params(config: Config) -> list:
+    """The kernel's by-value parameters in launch order (epilora_cute.kernel_abi protocol)."""
+    i32, f32, bf16 = torch.int32, torch.float32, torch.bfloat16
+    p = [
+        TensorParam("y", bf16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16),  # [M, N]
+        TensorParam("h", f32, 3, dynamic_shape=(1,), dynamic_stride=(0,), align=16),  # [S, M, R]
+        TensorParam("token_indices_sorted", i32, 1, dynamic_shape=(0,), align=4),  # [>= M]
+        TensorParam("sorted_lora_ids", i32, 1, dynamic_shape=(0,), align=4),  # [>= M]
+        TensorParam("row_group", i32, 1, dynamic_shape=(0,), align=4),  # [>= M]
+        TensorParam("active_lora_ids", i32, 1, dynamic_shape=(0,), align=4),  # [max_loras + 1]
+        TensorParam("lora_token_start_loc", i32, 1, dynamic_shape=(0,), align=4),  # [max_loras + 2]
+        TensorParam("slot_ranks", i32, 1, dynamic_shape=(0,), align=4),  # [max_loras] (or a dummy)
+    ]
+    for s in range(config.num_slices):  # B_s viewed as [max_loras * n_s, R], R compiled in
+        p.append(TensorParam(f"b{s}", bf16, 2, dynamic_shape=(0,), align=16))
+    for s in range(config.num_slices):
+        p.append(ScalarParam(f"n{s}", "i"))  # slice widths
+    p.append(ScalarParam("has_ranks", "i"))
+    return p
+
+
+if cute is not None:
+
+    class _ExpandAddKernel:
+        def __init__(self, cfg: Config):
+            self.cfg = cfg
+            self.R = cfg.rank
+            self.RP = cfg.rank_pad
+            self.BM, self.BN = cfg.bm, cfg.bn
+            self.threads = cfg.threads
+
+        def _smem_ab_layout(self, rows: int, stages: int | None = None):
+            """K-major bf16 tile [rows, RP] (x stages), 16-byte chunks swizzled across rows so that
+            ldmatrix (8 rows x 16 bytes) and the 16-byte cp.async stores are conflict-free."""
+            RP = self.RP
+            width = min(RP, 64)  # elements per swizzle row (<= 128 bytes)
+            bits = {16: 1, 32: 2, 64: 3}[width]
+            atom = cute.make_composed_layout(cute.make_swizzle(bits, 3, 3), 0,
+                                             cute.make_layout((8, width), stride=(width, 1)))
+            shape = (rows, RP) if stages is None else (rows, RP, stages)
+            order = (0, 1) if stages is None else (0, 1, 2)
+            return cute.tile_to_shape(atom, shape, order)
+
+        @cute.jit
+        def __call__(self, y: cute.Tensor, h: cute.Tensor, tok: cute.Tensor, sorted_ids: cute.Tensor,
+                     row_group: cute.Tensor, active: cute.Tensor, start_loc: cute.Tensor,
+                     slot_ranks: cute.Tensor, n_widths: tuple, has_ranks: cutlass.Int32,
+                     stream: cuda.CUstream, b_bufs: tuple):
+            cfg = self.cfg
+            sA_layout = self._smem_ab_layout(self.BM)
+            sB_layout = self._smem_ab_layout(self.BN, 2)
+            sC_layout = cute.make_layout((self.BM, self.BN), stride=(self.BN + C_PAD, 1))
+            WM = self.BM // 16
+            tiled_mma = cute.make_tiled_mma(
+                warp.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, (16, 8, 16)), (WM, 1, 1),
+                permutation_mnk=(WM * 16, 16, 16))
+            # B tile loads: 16-byte cp.async, a row of RP bf16 is RP/8 chunks.
+            cpr = self.RP // 8
+            g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                      cutlass.BFloat16, num_bits_per_copy=128)
+            tiled_copy_b = cute.make_tiled_copy_tv(
+                g2s, cute.make_layout((self.threads // cpr, cpr), stride=(cpr, 1)), cute.make_layout((1, 8)))
+            self.kernel(y, h, tok, sorted_ids, row_group, active, start_loc, slot_ranks, b_bufs, n_widths,
+                        has_ranks, sA_layout, sB_layout, sC_layout, tiled_mma, tiled_copy_b).launch(
+                grid=(1, 1, 1), block=(self.threads, 1, 1), smem=cfg.smem_bytes, stream=stream)
+
+        @cute.kernel
+        def kernel(self, mY: cute.Tensor, mH: cute.Tensor, mTok: cute.Tensor, mSorted: cute.Tensor,
+                   mRowGroup: cute.Tensor, mActive: cute.Tensor, mStart: cute.Tensor, mRanks: cute.Tensor,
+                   mBs: tuple, n_widths: tuple, has_ranks: cutlass.Int32, sA_layout: cute.ComposedLayout,
+                   sB_layout: cute.ComposedLayout, sC_layout: cute.Layout, tiled_mma: cute.TiledMma,
+                   tiled_copy_b: cute.TiledCopy):
+            cfg = self.cfg
+            BM, BN, R, RP = self.BM, self.BN, self.R, self.RP
+            S = cfg.num_slices
+            NT = self.threads
+            tidx, _, _ = cute.arch.thread_idx()
+            bx, by, _ = cute.arch.block_idx()
+            warp_i = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            M = cute.size(mY, mode=[0])
+
+            # ---- which slice / columns: tiles of each slice are consecutive in blockIdx.x --------
+            sl = cutlass.Int32(-1)
+            c0 = cutlass.Int32(0)  # first column of the tile inside its slice
+            col_base = cutlass.Int32(0)  # first column of the slice in y
+            n_s = cutlass.Int32(0)
+            t_start = cutlass.Int32(0)
+            c_start = cutlass.Int32(0)
+            for i in cutlass.range_constexpr(S):
+                w_i = n_widths[i]
+                nt = (w_i + BN - 1) // BN
+                if bx >= t_start and bx < t_start + nt:
+                    sl = cutlass.Int32(i)
+                    c0 = (bx - t_start) * BN
+                    col_base = c_start
+                    n_s = w_i
+                t_start = t_start + nt
+                c_start = c_start + w_i
+            r0 = by * BM
+            rows = cutlass.min(M - r0, BM)
+            if sl >= 0 and rows > 0:
+                ncols = cutlass.min(n_s - c0, BN)
+                g_first = mRowGroup[r0]
+                n_groups = mRowGroup[r0 + rows - 1] - g_first + 1
+
+                smem = cutlass.utils.SmemAllocator()
+                sA = smem.allocate_tensor(cutlass.BFloat16, sA_layout.outer, byte_alignment=1024,
+                                          swizzle=sA_layout.inner)
+                sB = smem.allocate_tensor(cutlass.BFloat16, sB_layout.outer, byte_alignment=1024,
+                                          swizzle=sB_layout.inner)
+                # The epilogue tile reuses the B buffers (both are dead by then).
+                sC = cute.make_tensor(cute.recast_ptr(sB.iterator, dtype=cutlass.Float32), sC_layout)
+
+                # ---- group 0's B is requested first, then h is staged while it flies ------------
+                thr_cb = tiled_copy_b.get_slice(tidx)
+                tBsB = thr_cb.partition_D(sB)
+                tBcB = thr_cb.partition_D(cute.make_identity_tensor((BN, RP)))
+                self._load_b(g_first, 0, mActive, mRanks, has_ranks, mBs, sl, n_s, c0, ncols, tiled_copy_b, tBsB,
+                             tBcB)
+                cute.arch.cp_async_commit_group()
+
+                self._stage_h(mH, mTok, sA, sl, r0, rows, tidx)
+
+                # ---- MMA fragments -------------------------------------------------------------
+                thr_mma = tiled_mma.get_slice(tidx)
+                tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+                tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB[None, None, 0]))
+                tCcA = thr_mma.partition_A(cute.make_identity_tensor((BM, RP)))
+                acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), cutlass.Float32)
+                acc.fill(0.0)
+                s2r_a = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4),
+                                                                   cutlass.BFloat16), tiled_mma)
+                s2r_b = cute.make_tiled_copy_B(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4),
+                                                                   cutlass.BFloat16), tiled_mma)
+                thr_a = s2r_a.get_slice(tidx)
+                thr_b = s2r_b.get_slice(tidx)
+                tXsA = thr_a.partition_S(sA)
+                tXrA = thr_a.retile(tCrA)
+                tXsB = thr_b.partition_S(sB)
+                tXrB = thr_b.retile(tCrB)
+                NK = RP // 16
+
+                w_lo = warp_i * 16  # this warp's rows in the tile
+                for gi in cutlass.range(n_groups, unroll=1):
+                    buf = gi % 2
+                    # Prefetch the next group's B into the other buffer (always commit a group so
+                    # that "all but the newest" below is always this group's B).
+                    if gi + 1 < n_groups:
+                        self._load_b(g_first + gi + 1, 1 - buf, mActive, mRanks, has_ranks, mBs, sl, n_s, c0,
+                                     ncols, tiled_copy_b, tBsB, tBcB)
+                    cute.arch.cp_async_commit_group()
+                    cute.arch.cp_async_wait_group(1)
+                    cute.arch.barrier()
+
+                    g = g_first + gi
+                    lid = mActive[g]
+                    keff = self._k_eff(lid, mRanks, has_ranks)
+                    lo = cutlass.max(mStart[g] - r0, 0)
+                    hi = cutlass.min(mStart[g + 1] - r0, rows)
+                    # Warp-uniform: does this warp's 16-row block meet the group?
+                    if keff > 0 and lo < w_lo + 16 and hi > w_lo:
+                        for kk in cutlass.range_constexpr(NK):
+                            if kk * 16 < keff:
+                                cute.copy(s2r_a, tXsA[None, None, kk], tXrA[None, None, kk])
+                                cute.copy(s2r_b, tXsB[None, None, kk, buf], tXrB[None, None, kk])
+                                # Rows of other groups (or none) contribute exactly zero.
+                                for i in cutlass.range_constexpr(cute.size(tCrA[None, None, kk])):
+                                    r = tCcA[None, None, kk][i][0]
+                                    if r < lo or r >= hi:
+                                        tCrA[None, None, kk][i] = cutlass.BFloat16(0.0)
+                                cute.gemm(tiled_mma, acc, tCrA[None, None, kk], tCrB[None, None, kk], acc)
+                    cute.arch.barrier()  # buffer `buf` is refilled two iterations later
+
+                # ---- epilogue: acc -> smem (fp32) -> y += tile, one rounding, 16-byte accesses --
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.barrier()
+                tCcC = thr_mma.partition_C(cute.make_identity_tensor((BM, BN)))
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    rc = tCcC[i]
+                    sC[rc[0], rc[1]] = acc[i]
+                cute.arch.barrier()
+
+                CPR = BN // 8
+                for it in cutlass.range_constexpr(BM * CPR // NT):
+                    v = it * NT + tidx
+                    r = v // CPR
+                    cc = v - r * CPR
+                    if r < rows and cc * 8 < ncols:
+                        if mSorted[r0 + r] >= 0:
+                            t = mTok[r0 + r]
+                            g_y = cute.zipped_divide(mY[t, None], (8,))
+                            s_c = cute.zipped_divide(sC[r, None], (8,))
+                            j = (col_base + c0) // 8 + cc
+                            r_y = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
+                            r_c = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+                            cute.autovec_copy(g_y[None, j], r_y)
+                            cute.autovec_copy(s_c[None, cc], r_c)
+                            r_o = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
+                            r_o.store((r_y.load().to(cutlass.Float32) + r_c.load()).to(cutlass.BFloat16))
+                            cute.autovec_copy(r_o, g_y[None, j])
+
+        @cute.jit
+        def _k_eff(self, lid, mRanks, has_ranks):
+            """MMA K for a slot: its effective rank rounded up to 16 (0: nothing to do)."""
+            k = cutlass.Int32(0)
+            if lid >= 0:
+                k = cutlass.Int32(self.RP)
+                if has_ranks != 0:
+                    k = cutlass.min((cutlass.max(mRanks[lid], 0) + 15) // 16 * 16, self.RP)
+            return k
+
+        @cute.jit
+        def _load_b(self, g, buf, mActive, mRanks, has_ranks, mBs: tuple, sl, n_s, c0, ncols, tiled_copy_b,
+                    tBsB, tBcB):
+            """cp.async B_sl[lid] rows [c0, c0 + ncols), the first keff columns, into buffer buf.
+            Columns in [R, RP) (rank 8 only) are zero-filled: they meet zero A columns, and
+            0 * garbage could be NaN. Rows beyond the slice are never stored, so left as they are."""
+            lid = mActive[g]
+            keff = self._k_eff(lid, mRanks, has_ranks)
+            if keff > 0:
+                row0 = lid * n_s + c0
+                for m in cutlass.range_constexpr(cute.size(tBsB, mode=[1])):
+                    for k in cutlass.range_constexpr(cute.size(tBsB, mode=[2])):
+                        crd = tBcB[0, m, k]
+                        n, col = crd[0], crd[1]
+                        if n < ncols and col < keff:
+                            if cutlass.const_expr(self.R < self.RP):
+                                if col >= self.R:
+                                    tBsB[None, m, k, buf].fill(0)
+                                else:
+                                    self._cp_b(mBs, sl, row0 + n, col, tiled_copy_b, tBsB[None, m, k, buf])
+                            else:
+                                self._cp_b(mBs, sl, row0 + n, col, tiled_copy_b, tBsB[None, m, k, buf])
+
+        @cute.jit
+        def _cp_b(self, mBs: tuple, sl, row, col, tiled_copy_b, dst):
+            for i in cutlass.range_constexpr(self.cfg.num_slices):
+                if sl == i:
+                    src = cute.zipped_divide(mBs[i][row, None], (8,))[None, col // 8]
+                    cute.copy(tiled_copy_b, src, dst)
+
+        @cute.jit
+        def _stage_h(self, mH, mTok, sA, sl, r0, rows, tidx):
+            """sA[r, :] = bf16(h[sl, tok[r0 + r], :]) (zeros for rows past the batch and for the
+            rank padding). 16-byte fp32 loads; the row order is the sorted one."""
+            R, RP, BM, NT = self.R, self.RP, self.BM, self.threads
+            VPR = RP // 4  # 4-float vectors per row
+            for it in cutlass.range_constexpr((BM * VPR + NT - 1) // NT):
+                v = it * NT + tidx
+                if v < BM * VPR:
+                    r = v // VPR
+                    c4 = v - r * VPR
+                    r_h = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
+                    r_h.fill(0.0)
+                    if r < rows and c4 * 4 < R:
+                        t = mTok[r0 + r]
+                        cute.autovec_copy(cute.zipped_divide(mH[sl, t, None], (4,))[None, c4], r_h)
+                    for j in cutlass.range_constexpr(4):
+                        sA[r, c4 * 4 + j] = r_h[j].to(cutlass.BFloat16)
+
+
+def _fake_args(cfg: Config):
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    def rowmajor(dtype, shape, align=16):
+        n = len(shape)
+        return make_fake_compact_tensor(dtype, tuple(shape), stride_order=tuple(range(n - 1, -1, -1)),
+                                        assumed_align=align)
+
+    i32, f32, bf16 = cutlass.Int32, cutlass.Float32, cutlass.BFloat16
+    y = cute.runtime.make_fake_tensor(bf16, (cute.sym_int32(), cute.sym_int32(divisibility=8)),
+                                      stride=(cute.sym_int64(divisibility=8), 1), assumed_align=16)
+    h = rowmajor(f32, (cfg.num_slices, cute.sym_int32(), cfg.rank))
+    vec = lambda: rowmajor(i32, (cute.sym_int32(),), align=4)  # noqa: E731
+    bufs = tuple(rowmajor(bf16, (cute.sym_int32(), cfg.rank)) for _ in range(cfg.num_slices))
+    widths = tuple(cutlass.Int32(128) for _ in range(cfg.num_slices))
+    return (y, h, vec(), vec(), vec(), vec(), vec(), vec(), widths, cutlass.Int32(0),
+            cute.runtime.make_fake_stream(), bufs)
+
+
+def compile(config: Config, options: str = "--gpu-arch sm_90a"):
+    """Compile for the target in ``options`` from fake tensors (no GPU needed)."""
+    return cute.compile(_ExpandAddKernel(config), *_fake_args(config), options=options)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: configuration choice, geometry, validation, launch
+# ---------------------------------------------------------------------------------------------
+
+SLICE_COUNTS = (1, 2, 3, 4)
+
+
+def select(num_slices: int, m: int, rank: int) -> Config:
+    """bn 128 (64 at rank 256: the B double buffer stays at 64 KiB); bm 128 from 2048 tokens (each
+    B tile read from L2 serves twice the rows), else 64 (more CTAs for the smaller batches)."""
+    if rank not in RANKS:
+        raise ValueError(f"adapter rank {rank} is not one of the compiled ranks {RANKS}")
+    bn = 64 if rank >= 256 else 128
+    bm = 128 if m >= 2048 and rank <= 128 else 64
+    return Config(rank=rank, num_slices=num_slices, bm=bm, bn=bn)
+
+
+def prebuild_configs() -> list[Config]:
+    cfgs = {select(s, m, r) for s in SLICE_COUNTS for r in RANKS for m in (64, 4096)}
+    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.bn))
+
+
+def column_tiles(widths, bn: int) -> list[tuple[int, int, int]]:
+    """(slice, first column inside the slice, first column of the slice in y) for every
+    blockIdx.x, exactly as the kernel derives them from the width scalars."""
+    out, base = [], 0
+    for s, w in enumerate(widths):
+        for c0 in range(0, w, bn):
+            out.append((s, c0, base))
+        base += w
+    return out
+
+
+def grid(widths, m: int, cfg: Config) -> tuple[int, int, int]:
+    return (sum(-(-w // cfg.bn) for w in widths), -(-m // cfg.bm), 1)
+
+
+def _as_3d(b: torch.Tensor, name: str) -> torch.Tensor:
+    if b.dim() == 4:
+        if b.shape[1] != 1:
+            raise ValueError(f"{name}: vLLM adapter buffers are [max_loras, 1, n, rank], got {tuple(b.shape)}")
+        b = b[:, 0]
+    if b.dim() != 3:
+        raise ValueError(f"{name}: expected [max_loras, 1, n, rank] or [max_loras, n, rank], got {tuple(b.shape)}")
+    return b
+
+
+def _check_meta(meta, m: int, device) -> None:
+    if meta.num_tokens != m:
+        raise ValueError(f"metadata describes {meta.num_tokens} tokens, the tensors have {m}")
+    for f in ("token_indices_sorted_by_lora_ids", "sorted_lora_ids", "row_group", "active_lora_ids",
+              "lora_token_start_loc"):
+        t = getattr(meta, f)
+        if t.dtype != torch.int32 or t.device != device or t.dim() != 1 or t.stride(0) != 1:
+            raise ValueError(f"meta.{f} must be a contiguous int32 vector on {device}")
+
+
+def check_slot_ranks(slot_ranks, max_loras: int, device):
+    if slot_ranks is None:
+        return
+    if not isinstance(slot_ranks, torch.Tensor) or slot_ranks.dtype != torch.int32:
+        raise TypeError("slot_ranks must be an int32 tensor")
+    if slot_ranks.dim() != 1 or slot_ranks.numel() < max_loras or slot_ranks.stride(0) != 1:
+        raise ValueError(f"slot_ranks must be a contiguous int32 vector of >= {max_loras} entries")
+    if slot_ranks.device != device:
+        raise ValueError("slot_ranks must be on the device of y")
+
+
+def expand_add(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks: torch.Tensor | None = None,
+               *, config: Config | None = None) -> torch.Tensor:
+    """y[m, slice s] += h[s, m] . B_s[slot(m)]^T in place (fp32 accumulation, one bf16 rounding);
+    tokens with slot -1 untouched. Returns y.
+
+    y: [M, N] bf16, rows 16-byte aligned (row stride a multiple of 8, unit column stride).
+    h: [S, >= M, R] fp32 with unit stride over R and row stride R (vLLM's shrink buffer).
+    lora_b_slices: S tensors [max_loras, 1, n_s, R] (or [max_loras, n_s, R]) bf16, contiguous,
+        n_s a multiple of 8, sum(n_s) == N.
+    meta: epilora_cute.metadata.LoRABatchMeta prepared for these M tokens.
+    slot_ranks: optional int32 [>= max_loras]: per-slot effective rank; work beyond it is skipped
+        (exact when the buffers are zero-padded beyond it, as vLLM keeps them).
+    """
+    from epilora_cute.arch import arch_of
+    from epilora_cute.kernels import get_kernel
+
+    if not isinstance(y, torch.Tensor) or y.dim() != 2 or y.dtype != torch.bfloat16:
+        raise TypeError("y must be a 2-D bfloat16 tensor")
+    if not y.is_cuda:
+        raise ValueError("expand_add runs on CUDA tensors only (use reference.lora_expand on the CPU)")
+    bs = [_as_3d(b, f"lora_b_slices[{i}]") for i, b in enumerate(
+        lora_b_slices if isinstance(lora_b_slices, (list, tuple)) else [lora_b_slices])]
+    S = len(bs)
+    if not 1 <= S <= 4:
+        raise ValueError(f"1..4 slices supported, got {S}")
+    M, N = y.shape
+    L, _, R = bs[0].shape
+    widths = [int(b.shape[1]) for b in bs]
+    for i, b in enumerate(bs):
+        if b.dtype != torch.bfloat16 or b.device != y.device:
+            raise TypeError(f"lora_b_slices[{i}] must be bfloat16 on {y.device}")
+        if b.shape[0] != L or b.shape[2] != R:
+            raise ValueError(f"lora_b_slices[{i}] is {tuple(b.shape)}: every slice needs [{L}, n, {R}]")
+        if not b.is_contiguous() or b.data_ptr() % 16:
+            raise ValueError(f"lora_b_slices[{i}] must be contiguous and 16-byte aligned")
+        if widths[i] % 8:
+            raise ValueError(f"slice widths must be multiples of 8, got {widths}")
+    if sum(widths) != N:
+        raise ValueError(f"slice widths {widths} do not add up to y's {N} columns")
+    if y.stride(1) != 1 or y.stride(0) % 8 or y.data_ptr() % 16:
+        raise ValueError("y needs unit column stride, a row stride multiple of 8 and a 16-byte aligned base")
+    if not isinstance(h, torch.Tensor) or h.dtype != torch.float32 or h.dim() != 3:
+        raise TypeError("h must be a 3-D float32 tensor [num_slices, M, rank]")
+    if h.shape[0] != S or h.shape[1] < M or h.shape[2] != R or h.device != y.device:
+        raise ValueError(f"h must be [{S}, >= {M}, {R}] on {y.device}, got {tuple(h.shape)}")
+    if h.stride(2) != 1 or h.stride(1) != R or h.stride(0) % 4 or h.data_ptr() % 16:
+        raise ValueError("h must be row-major over [M, rank] with a 16-byte aligned base")
+    _check_meta(meta, M, y.device)
+    check_slot_ranks(slot_ranks, L, y.device)
+    if M == 0:
+        return y
+    cfg = config or select(S, M, R)
+    if cfg.rank != R or cfg.num_slices != S:
+        raise ValueError(f"config {cfg.name()} does not match rank {R} / {S} slices")
+    kernel = get_kernel(sys.modules[__name__], cfg, arch_of(y))
+    ranks = slot_ranks if slot_ranks is not None else meta.active_lora_ids  # never read when has_ranks = 0
+    args = [y, h, meta.token_indices_sorted_by_lora_ids, meta.sorted_lora_ids, meta.row_group,
+            meta.active_lora_ids, meta.lora_token_start_loc, ranks]
+    args += [b.reshape(L * w, R) for b, w in zip(bs, widths)]
+    args += widths + [1 if slot_ranks is not None else 0]
+    kernel(*args, grid=grid(widths, M, cfg), smem=cfg.smem_bytes)
+    return y
+
+
+def emulate(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks=None,
+            config: Config | None = None) -> torch.Tensor:
+    """Pure-torch model of the kernel's tiling and arithmetic (CPU): column tiles inside slices,
+    BM-row tiles of the sorted tokens, the adapter groups of each tile, rows of other groups
+    zeroed, k16 steps below the effective rank, bf16(h), fp32 accumulation, fp32 add to y and one
+    rounding, rows with slot -1 untouched. Returns a new y."""
+    bs = [_as_3d(b, "b") for b in (lora_b_slices if isinstance(lora_b_slices, (list, tuple)) else [lora_b_slices])]
+    M, _ = y.shape
+    R = bs[0].shape[2]
+    widths = [int(b.shape[1]) for b in bs]
+    cfg = config or select(len(bs), M, R)
+    RP = cfg.rank_pad
+    out = y.clone()
+    tok = meta.token_indices_sorted_by_lora_ids[:M].long()
+    sorted_ids = meta.sorted_lora_ids[:M]
+    rg = meta.row_group[:M]
+    act, start = meta.active_lora_ids, meta.lora_token_start_loc
+    hb = torch.zeros(h.shape[0], h.shape[1], RP)
+    hb[:, :, :R] = h.float().to(torch.bfloat16).float()
+    for (s, c0, base) in column_tiles(widths, cfg.bn):
+        ncols = min(widths[s] - c0, cfg.bn)
+        bmat = torch.zeros(bs[0].shape[0], widths[s], RP)
+        bmat[:, :, :R] = bs[s].float()
+        for r0 in range(0, M, cfg.bm):
+            rows = min(M - r0, cfg.bm)
+            acc = torch.zeros(cfg.bm, cfg.bn)
+            g_first, g_last = int(rg[r0]), int(rg[r0 + rows - 1])
+            a_tile = torch.zeros(cfg.bm, RP)
+            a_tile[:rows] = hb[s, tok[r0:r0 + rows]]
+            for g in range(g_first, g_last + 1):
+                lid = int(act[g])
+                if lid < 0:
+                    continue
+                keff = RP if slot_ranks is None else min((max(int(slot_ranks[lid]), 0) + 15) // 16 * 16, RP)
+                if keff == 0:
+                    continue
+                lo, hi = max(int(start[g]) - r0, 0), min(int(start[g + 1]) - r0, rows)
+                a = torch.zeros_like(a_tile)
+                a[lo:hi, :keff] = a_tile[lo:hi, :keff]
+                b = torch.zeros(cfg.bn, RP)
+                b[:ncols, :keff] = bmat[lid, c0:c0 + ncols, :keff]
+                acc += a @ b.t()
+            keep = sorted_ids[r0:r0 + rows] >= 0
+            t = tok[r0:r0 + rows][keep]
+            cols = slice(base + c0, base + c0 + ncols)
+            out[t, cols] = (out[t, cols].float() + acc[:rows][keep][:, :ncols]).to(torch.bfloat16)
+    return out

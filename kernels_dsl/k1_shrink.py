@@ -1,0 +1,695 @@
+"""K1 for large batches (issue 4, 33..8192 tokens): FP8 per-token quantization of x fused with the
+LoRA down-projection h_s = x . A_s[slot]^T of every adapter group and slice, CuTe-DSL, Hopper.
+
+Outputs: codes [M, K] e4m3 and scales [M] fp32 bit-identical to reference.quantize_fp8_per_token
+(= vLLM's dynamic per-token quantization), and h [S, M, R] fp32 from the bf16 x (zeros for tokens
+without an adapter and for ranks beyond a slot's effective rank).
+
+One launch, grid (splits, row tiles), cluster (splits, 1, 1): the splits CTAs of a cluster share
+one tile of BM adapter-sorted rows and own disjoint K ranges (k-blocks of 64). Each CTA keeps its
+whole x chunk [BM, <= KC] resident in shared memory, so x is read from DRAM exactly once and feeds
+both consumers:
+
+  * shrink: for every slice s (static) and every adapter group g meeting the tile (dynamic), the
+    A_s[lid] k-blocks stream through a cp.async ring and meet the resident x chunk in warp-level
+    mma.sync m16n8k16 (bf16 -> fp32). Warp (wm, wn) owns rows [16 wm, 16 wm + 16) and a 1/WN share
+    of the rank columns; a warp whose rows miss g issues nothing, rows of other groups are zeroed
+    in registers, rank columns at or beyond the slot's effective rank (slot_ranks) are neither
+    loaded nor multiplied. x's k-blocks ride in the same pipeline stages as the first pass's
+    A-blocks, so loading x overlaps the first MMAs.
+  * split-K reduction, deterministic: each CTA writes its fp32 partial [BM, R] to smem; after a
+    cluster barrier every element is summed over the cluster in the fixed order split 0..S-1
+    (DSMEM loads), by exactly one CTA, and stored once. No workspace, no atomics.
+  * quantization: with slice 0's reduction, each CTA publishes the per-row NaN-ignoring abs-max of
+    its chunk; after the same cluster barrier every CTA folds the cluster's partial maxima (max is
+    exact, so order does not matter), computes scale = fmax(amax / 448, 1 / (448 * 512)) with
+    IEEE division, and quantizes its own chunk straight from smem: codes = cvt.rn.satfinite.e4m3x2
+    of fmax(-448, fmin(x / scale, 448)) (NaN -> +448), 8 codes per 8-byte store. Split 0 writes
+    the scale.
+
+Why mma.sync rather than WGMMA: the adapter groups cut the tile into row ranges at arbitrary
+rows; mma.sync's 16-row warp tiles let each warp skip groups it does not meet and mask rows in
+registers, and it needs no warpgroup-wide descriptors for a B operand that changes every group.
+Split-K over a cluster rather than a workspace: the partials never leave the chip and the
+reduction needs no second launch or counters that must be reset for CUDA-graph replays.
+
+Capacity: K <= splits * KC with splits <= 8 (a portable cluster); the configurations trade BM
+(rows per CTA, reuse of each A block) against KC (the resident chunk).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from epilora_cute.kernel_abi import ScalarParam, TensorParam
+
+try:  # the DSL is needed to compile, not to launch a cached build
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.nvgpu import cpasync, warp
+
+    from . import _dsl as D
+except ImportError:  # pragma: no cover - GPU machines without nvidia-cutlass-dsl
+    cutlass = cute = None
+
+FAMILY = "k1_quant_shrink"
+RUNTIME_CONTRACT = True
+
+FP8_MAX = 448.0
+MIN_SCALE = float(np.float32(1.0) / np.float32(448.0 * 512.0))
+BK = 64  # K elements per k-block (one 128-byte swizzle row of bf16)
+P_PAD = 4  # fp32 words of padding per row of the partial tile
+MAX_SPLITS = 8  # portable cluster size
+RANKS = (8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class Config:
+    """rank: buffer rank R. num_slices: A buffers (1..4). bm: sorted rows per CTA (16/32/64).
+    kc: resident K capacity per CTA (multiple of 64). stages: depth of the A-block ring."""
+
+    rank: int = 64
+    num_slices: int = 1
+    bm: int = 64
+    kc: int = 512
+    stages: int = 3
+
+    def __post_init__(self):
+        if self.rank not in RANKS:
+            raise ValueError(f"rank must be one of {RANKS}")
+        if not 1 <= self.num_slices <= 4:
+            raise ValueError("num_slices must be 1..4")
+        if self.bm not in (16, 32, 64):
+            raise ValueError("bm must be 16, 32 or 64")
+        if self.kc % BK or not BK <= self.kc <= 4096:
+            raise ValueError("kc must be a multiple of 64 in 64..4096")
+        if not 2 <= self.stages <= 4:
+            raise ValueError("stages must be 2..4")
+        if self.threads // (BK // 8) > min(self.bm, self.rank_pad):
+            raise ValueError("the tile copies need threads / 8 <= min(bm, rank_pad) rows")
+
+    @property
+    def rank_pad(self) -> int:
+        return max(16, self.rank)
+
+    @property
+    def wm(self) -> int:
+        return self.bm // 16
+
+    @property
+    def wn(self) -> int:
+        """Warps across the rank: fill 4 warps when the rows are few, keep <= 64 accumulators
+        per thread, and never split below 16 columns per warp."""
+        rp = self.rank_pad
+        return max(min(max(4 // self.wm, 1), rp // 16), rp // 128, 1)
+
+    @property
+    def threads(self) -> int:
+        return self.wm * self.wn * 32
+
+    @property
+    def nkb(self) -> int:
+        return self.kc // BK
+
+    @property
+    def max_k(self) -> int:
+        return MAX_SPLITS * self.kc
+
+    def name(self) -> str:
+        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_kc{self.kc}_st{self.stages}"
+
+    @property
+    def block(self) -> tuple[int, int, int]:
+        return (self.threads, 1, 1)
+
+    @property
+    def smem_bytes(self) -> int:
+        """sX [bm, kc] bf16, the A ring [RP, 64, stages] bf16, the partial [bm, R + pad] fp32 and
+        the per-row partial maxima [bm] fp32, each 1024-aligned (the DSL allocator's order)."""
+        parts = [self.bm * self.kc * 2, self.rank_pad * BK * self.stages * 2,
+                 self.bm * (self.rank_pad + P_PAD) * 4, self.bm * 4]
+        off = 0
+        for p in parts:
+            off = _align(off, 1024) + p
+        return off
+
+
+def _align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def params(config: Config) -> list:
+    """The kernel's by-value parameters in launch order (epilora_cute.kernel_abi protocol)."""
+    i32, i16, f32, bf16 = torch.int32, torch.int16, torch.float32, torch.bfloat16
+    p = [
+        TensorParam("x", bf16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16),  # [M, K]
+        TensorParam("codes16", i16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16),  # [M, K/2]
+        TensorParam("scales", f32, 1, dynamic_shape=(0,), align=4),  # [M]
+        TensorParam("h", f32, 3, dynamic_shape=(1,), dynamic_stride=(0,), align=16),  # [S, M, R]
+        TensorParam("token_indices_sorted", i32, 1, dynamic_shape=(0,), align=4),
+        TensorParam("row_group", i32, 1, dynamic_shape=(0,), align=4),
+        TensorParam("active_lora_ids", i32, 1, dynamic_shape=(0,), align=4),
+        TensorParam("lora_token_start_loc", i32, 1, dynamic_shape=(0,), align=4),
+        TensorParam("slot_ranks", i32, 1, dynamic_shape=(0,), align=4),
+    ]
+    for s in range(config.num_slices):  # A_s viewed as [max_loras * R, K]
+        p.append(TensorParam(f"a{s}", bf16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16))
+    p.append(ScalarParam("has_ranks", "i"))
+    return p
+
+
+if cute is not None:
+
+    def _kmajor_layout(rows: int, stages: int):
+        """bf16 [rows, 64, stages], 16-byte chunks swizzled over 8 rows (ldmatrix/cp.async
+        conflict-free)."""
+        atom = cute.make_composed_layout(cute.make_swizzle(3, 3, 3), 0,
+                                         cute.make_layout((8, BK), stride=(BK, 1)))
+        return cute.tile_to_shape(atom, (rows, BK, stages), (0, 1, 2))
+
+    def _unit_modes(t, k: int):
+        """t with k trailing size-1 modes (cute.gemm wants (V, M) / (V, N) / (V, M, N) operands)."""
+        lay = t.layout
+        for _ in range(k):
+            lay = cute.append(lay, cute.make_layout(1))
+        return cute.make_tensor(t.iterator, lay)
+
+    class _K1Kernel:
+        def __init__(self, cfg: Config):
+            self.cfg = cfg
+            self.R, self.RP = cfg.rank, cfg.rank_pad
+            self.BM, self.NKB, self.ST = cfg.bm, cfg.nkb, cfg.stages
+            self.WM, self.WN = cfg.wm, cfg.wn
+            self.NT = cfg.threads
+
+        @cute.jit
+        def __call__(self, x: cute.Tensor, codes16: cute.Tensor, scales: cute.Tensor, h: cute.Tensor,
+                     tok: cute.Tensor, row_group: cute.Tensor, active: cute.Tensor, start_loc: cute.Tensor,
+                     slot_ranks: cute.Tensor, has_ranks: cutlass.Int32, stream: cuda.CUstream, a_bufs: tuple):
+            cfg = self.cfg
+            sX_layout = _kmajor_layout(self.BM, self.NKB)
+            sW_layout = _kmajor_layout(self.RP, self.ST)
+            sP_layout = cute.make_layout((self.BM, self.RP), stride=(self.RP + P_PAD, 1))
+            tiled_mma = cute.make_tiled_mma(
+                warp.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, (16, 8, 16)), (self.WM, self.WN, 1),
+                permutation_mnk=(self.WM * 16, self.WN * 16, 16))
+            g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                      cutlass.BFloat16, num_bits_per_copy=128)
+            cpr = BK // 8  # 16-byte chunks per k-block row
+            tiled_copy = cute.make_tiled_copy_tv(
+                g2s, cute.make_layout((self.NT // cpr, cpr), stride=(cpr, 1)), cute.make_layout((1, 8)))
+            self.kernel(x, codes16, scales, h, tok, row_group, active, start_loc, slot_ranks, a_bufs, has_ranks,
+                        sX_layout, sW_layout, sP_layout, tiled_mma, tiled_copy).launch(
+                grid=(1, 1, 1), block=(self.NT, 1, 1), cluster=(1, 1, 1), smem=cfg.smem_bytes, stream=stream)
+
+        @cute.kernel
+        def kernel(self, mX: cute.Tensor, mQ16: cute.Tensor, mScale: cute.Tensor, mH: cute.Tensor,
+                   mTok: cute.Tensor, mRowGroup: cute.Tensor, mActive: cute.Tensor, mStart: cute.Tensor,
+                   mRanks: cute.Tensor, mAs: tuple, has_ranks: cutlass.Int32, sX_layout: cute.ComposedLayout,
+                   sW_layout: cute.ComposedLayout, sP_layout: cute.Layout, tiled_mma: cute.TiledMma,
+                   tiled_copy: cute.TiledCopy):
+            cfg = self.cfg
+            BM, R, RP, ST, NT = self.BM, self.R, self.RP, self.ST, self.NT
+            S = cfg.num_slices
+            tidx, _, _ = cute.arch.thread_idx()
+            _, by, _ = cute.arch.block_idx()
+            split = cute.arch.make_warp_uniform(cute.arch.block_in_cluster_idx()[0])
+            nsplit = cute.arch.make_warp_uniform(cute.arch.block_in_cluster_dim()[0])
+            warp_i = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            M = cute.size(mX, mode=[0])
+            K = cute.size(mX, mode=[1])
+
+            # ---- this CTA's rows (sorted order) and K range ----------------------------------------
+            r0 = by * BM
+            rows = cutlass.min(M - r0, BM)
+            nkb_total = (K + BK - 1) // BK
+            per = (nkb_total + nsplit - 1) // nsplit
+            kb_lo = split * per
+            # (the host keeps per <= NKB; the clamp only guards shared memory against a bad launch)
+            nkb = cutlass.max(cutlass.min(cutlass.min(per, nkb_total - kb_lo), self.NKB), 0)
+            k0 = kb_lo * BK
+            g_first = mRowGroup[r0]
+            n_groups = mRowGroup[r0 + rows - 1] - g_first + 1
+            items_per_slice = n_groups * nkb
+
+            smem = cutlass.utils.SmemAllocator()
+            sX = smem.allocate_tensor(cutlass.BFloat16, sX_layout.outer, byte_alignment=1024,
+                                      swizzle=sX_layout.inner)
+            sW = smem.allocate_tensor(cutlass.BFloat16, sW_layout.outer, byte_alignment=1024,
+                                      swizzle=sW_layout.inner)
+            sP = smem.allocate_tensor(cutlass.Float32, sP_layout, byte_alignment=1024)
+            sAmax = smem.allocate_tensor(cutlass.Float32, cute.make_layout(BM), byte_alignment=1024)
+
+            thr_cp = tiled_copy.get_slice(tidx)
+            tXsX = thr_cp.partition_D(sX)  # (atom, rows, 1, NKB)
+            tXcX = thr_cp.partition_D(cute.make_identity_tensor((BM, BK)))
+            tWsW = thr_cp.partition_D(sW)  # (atom, RP rows, 1, ST)
+            tWcW = thr_cp.partition_D(cute.make_identity_tensor((RP, BK)))
+
+            # ---- MMA fragments ---------------------------------------------------------------------
+            thr_mma = tiled_mma.get_slice(tidx)
+            tCrX = tiled_mma.make_fragment_A(thr_mma.partition_A(sX[None, None, 0]))
+            tCrW = tiled_mma.make_fragment_B(thr_mma.partition_B(sW[None, None, 0]))
+            tCcX = thr_mma.partition_A(cute.make_identity_tensor((BM, BK)))
+            tCcW = thr_mma.partition_B(cute.make_identity_tensor((RP, BK)))
+            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, RP)), cutlass.Float32)
+            acc.fill(0.0)
+            s2r_x = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4),
+                                                               cutlass.BFloat16), tiled_mma)
+            s2r_w = cute.make_tiled_copy_B(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4),
+                                                               cutlass.BFloat16), tiled_mma)
+            thr_x = s2r_x.get_slice(tidx)
+            thr_w = s2r_w.get_slice(tidx)
+            tLsX = thr_x.partition_S(sX)  # (cpy, M, K16, NKB)
+            tLrX = thr_x.retile(tCrX)
+            tLsW = thr_w.partition_S(sW)  # (cpy, N, K16, ST)
+            tLrW = thr_w.retile(tCrW)
+            NK16 = BK // 16
+            wm = warp_i % self.WM
+            w_lo = wm * 16
+
+            # ---- prologue: items 0 .. ST-2 ---------------------------------------------------------
+            for p in cutlass.range_constexpr(ST - 1):
+                self._issue(p, items_per_slice, n_groups, nkb, g_first, k0, K, r0, rows, mX, mTok, mActive, mRanks,
+                            has_ranks, mAs, tiled_copy, tXsX, tXcX, tWsW, tWcW)
+                cute.arch.cp_async_commit_group()
+
+            for s in cutlass.range_constexpr(S):
+                for it in cutlass.range(items_per_slice, unroll=1):
+                    i = s * items_per_slice + it
+                    cute.arch.cp_async_wait_group(ST - 2)
+                    cute.arch.barrier()
+                    # The stage consumed in the previous iteration is free for everyone now.
+                    self._issue(i + ST - 1, items_per_slice, n_groups, nkb, g_first, k0, K, r0, rows, mX, mTok,
+                                mActive, mRanks, has_ranks, mAs, tiled_copy, tXsX, tXcX, tWsW, tWcW)
+                    cute.arch.cp_async_commit_group()
+
+                    gi = it // nkb
+                    j = it - gi * nkb
+                    g = g_first + gi
+                    lid = mActive[g]
+                    keff = self._k_eff(lid, mRanks, has_ranks)
+                    lo = cutlass.max(mStart[g] - r0, 0)
+                    hi = cutlass.min(mStart[g + 1] - r0, rows)
+                    st = i % ST
+                    if keff > 0 and lo < w_lo + 16 and hi > w_lo:
+                        for kk in cutlass.range_constexpr(NK16):
+                            cute.copy(s2r_x, tLsX[None, None, kk, j], tLrX[None, None, kk])
+                            cute.copy(s2r_w, tLsW[None, None, kk, st], tLrW[None, None, kk])
+                            for e in cutlass.range_constexpr(cute.size(tCrX[None, None, kk])):
+                                r = tCcX[None, None, kk][e][0]
+                                if r < lo or r >= hi:
+                                    tCrX[None, None, kk][e] = cutlass.BFloat16(0.0)
+                            for n in cutlass.range_constexpr(cute.size(tCrW, mode=[1])):
+                                if tCcW[0, n, 0][0] < keff:
+                                    acc_n = _unit_modes(acc[None, 0, n], 2)
+                                    cute.gemm(tiled_mma, acc_n, tCrX[None, None, kk], _unit_modes(tCrW[None, n, kk], 1),
+                                              acc_n)
+
+                # ---- slice s done: partial -> smem, cluster exchange, fixed-order sum -> h -----------
+                cute.arch.barrier()
+                tCcP = thr_mma.partition_C(cute.make_identity_tensor((BM, RP)))
+                for e in cutlass.range_constexpr(cute.size(acc)):
+                    rc = tCcP[e]
+                    sP[rc[0], rc[1]] = acc[e]
+                acc.fill(0.0)
+                if cutlass.const_expr(s == 0):
+                    self._row_amax(sX, sAmax, rows, nkb, k0, K, tidx)
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+                if cutlass.const_expr(s == 0):
+                    self._quantize(sX, sAmax, mQ16, mScale, mTok, r0, rows, nkb, k0, K, split, nsplit, tidx)
+                self._reduce(sP, mH, mTok, mActive, mRowGroup, mRanks, has_ranks, s, r0, rows, split, nsplit, tidx)
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+            cute.arch.cp_async_wait_group(0)
+
+        @cute.jit
+        def _k_eff(self, lid, mRanks, has_ranks):
+            """Rank columns to compute for a slot: its effective rank rounded up to 16."""
+            k = cutlass.Int32(0)
+            if lid >= 0:
+                k = cutlass.Int32(self.RP)
+                if has_ranks != 0:
+                    k = cutlass.min((cutlass.max(mRanks[lid], 0) + 15) // 16 * 16, self.RP)
+            return k
+
+        @cute.jit
+        def _issue(self, i, items_per_slice, n_groups, nkb, g_first, k0, K, r0, rows, mX, mTok, mActive, mRanks,
+                   has_ranks, mAs: tuple, tiled_copy, tXsX, tXcX, tWsW, tWcW):
+            """cp.async of item i (slice, group, k-block): the A k-block of that slice/slot into ring
+            stage i % ST and, during the first pass, x's k-block j into its resident place.
+            K-tail chunks are zero-filled (0 * stale smem could be NaN)."""
+            total = items_per_slice * self.cfg.num_slices
+            if i < total:
+                s = i // items_per_slice
+                it = i - s * items_per_slice
+                gi = it // nkb
+                j = it - gi * nkb
+                kb = k0 + j * BK  # first global column of the k-block
+                if i < nkb:  # first pass: bring x's k-block j
+                    for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+                        for c in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
+                            crd = tXcX[0, m, c]
+                            r, col = crd[0], crd[1]
+                            if r < rows:
+                                dst = tXsX[None, m, c, j]
+                                if kb + col < K:
+                                    t = mTok[r0 + r]
+                                    src = cute.zipped_divide(mX[t, None], (8,))[None, (kb + col) // 8]
+                                    cute.copy(tiled_copy, src, dst)
+                                else:
+                                    dst.fill(0)
+                g = g_first + gi
+                lid = mActive[g]
+                keff = cutlass.min(self._k_eff(lid, mRanks, has_ranks), self.R)
+                st = i % self.ST
+                for m in cutlass.range_constexpr(cute.size(tWsW, mode=[1])):
+                    for c in cutlass.range_constexpr(cute.size(tWsW, mode=[2])):
+                        crd = tWcW[0, m, c]
+                        n, col = crd[0], crd[1]
+                        if n < keff:
+                            dst = tWsW[None, m, c, st]
+                            if kb + col < K:
+                                for q in cutlass.range_constexpr(self.cfg.num_slices):
+                                    if s == q:
+                                        src = cute.zipped_divide(mAs[q][lid * self.R + n, None], (8,))[
+                                            None, (kb + col) // 8]
+                                        cute.copy(tiled_copy, src, dst)
+                            else:
+                                dst.fill(0)
+
+        @cute.jit
+        def _row_amax(self, sX, sAmax, rows, nkb, k0, K, tidx):
+            """sAmax[r] = NaN-ignoring max |x| over this CTA's chunk of row r (fmaxf from 0)."""
+            BM, NT = self.BM, self.NT
+            TPR = NT // BM  # threads per row: consecutive lanes
+            r = tidx // TPR
+            sub = tidx - r * TPR
+            amax = cutlass.Float32(0.0)
+            if r < rows:
+                units = nkb * (BK // 8)
+                for u in cutlass.range(sub, units, TPR, unroll=1):
+                    jb = u // (BK // 8)
+                    cu = u - jb * (BK // 8)
+                    if k0 + u * 8 < K:
+                        v = cute.zipped_divide(sX[r, None, jb], (8,))[None, cu].load()
+                        for e in cutlass.range_constexpr(8):
+                            amax = D.fmax_f32(amax, D.abs_f32(v[e].to(cutlass.Float32)))
+            for sh in cutlass.range_constexpr(TPR.bit_length() - 1):
+                amax = D.fmax_f32(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << sh))
+            if sub == 0:
+                sAmax[r] = amax
+
+        @cute.jit
+        def _quantize(self, sX, sAmax, mQ16, mScale, mTok, r0, rows, nkb, k0, K, split, nsplit, tidx):
+            """Fold the cluster's row maxima, then quantize this CTA's chunk from smem."""
+            BM, NT = self.BM, self.NT
+            TPR = NT // BM
+            r = tidx // TPR
+            sub = tidx - r * TPR
+            if r < rows:
+                amax = cutlass.Float32(0.0)
+                addr = sAmax.iterator.toint() + r * 4
+                for q in cutlass.range(nsplit, unroll=1):
+                    amax = D.fmax_f32(amax, D.ld_dsmem_f32(addr, q))
+                scale = D.fmax_f32(D.div_rn_f32(amax, cutlass.Float32(FP8_MAX)), cutlass.Float32(MIN_SCALE))
+                t = mTok[r0 + r]
+                if split == 0 and sub == 0:
+                    mScale[t] = scale
+                units = nkb * (BK // 8)
+                g_q = cute.zipped_divide(mQ16[t, None], (4,))  # 8 codes = 4 x int16
+                for u in cutlass.range(sub, units, TPR, unroll=1):
+                    jb = u // (BK // 8)
+                    cu = u - jb * (BK // 8)
+                    if k0 + u * 8 < K:
+                        v = cute.zipped_divide(sX[r, None, jb], (8,))[None, cu].load()
+                        r_q = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Int16)
+                        for e in cutlass.range_constexpr(4):
+                            q0 = D.div_rn_f32(v[2 * e].to(cutlass.Float32), scale)
+                            q1 = D.div_rn_f32(v[2 * e + 1].to(cutlass.Float32), scale)
+                            q0 = D.fmax_f32(cutlass.Float32(-FP8_MAX), D.fmin_f32(q0, cutlass.Float32(FP8_MAX)))
+                            q1 = D.fmax_f32(cutlass.Float32(-FP8_MAX), D.fmin_f32(q1, cutlass.Float32(FP8_MAX)))
+                            r_q[e] = D.cvt_e4m3x2_f32(q0, q1)
+                        cute.autovec_copy(r_q, g_q[None, (k0 + u * 8) // 8])
+
+        @cute.jit
+        def _reduce(self, sP, mH, mTok, mActive, mRowGroup, mRanks, has_ranks, s, r0, rows, split, nsplit, tidx):
+            """h[s, tok, c] = sum over the cluster's partials in split order 0..n-1; this CTA stores the
+            elements [split * E / n, (split + 1) * E / n) of the E = rows * R valid ones."""
+            R, NT = self.R, self.NT
+            n_el = rows * R
+            lo = split * n_el // nsplit
+            hi = (split + 1) * n_el // nsplit
+            base = sP.iterator.toint()
+            for e in cutlass.range(lo + tidx, hi, NT, unroll=1):
+                r = e // R
+                c = e - r * R
+                off = base + (r * (self.RP + P_PAD) + c) * 4
+                v = cutlass.Float32(0.0)
+                for q in cutlass.range(nsplit, unroll=1):
+                    v = v + D.ld_dsmem_f32(off, q)
+                mH[s, mTok[r0 + r], c] = v
+
+
+def _fake_args(cfg: Config):
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
+
+    def rowmajor(dtype, shape, align=16):
+        n = len(shape)
+        return make_fake_compact_tensor(dtype, tuple(shape), stride_order=tuple(range(n - 1, -1, -1)),
+                                        assumed_align=align)
+
+    def matrix(dtype, kdiv):
+        return make_fake_tensor(dtype, (cute.sym_int32(), cute.sym_int32(divisibility=kdiv)),
+                                stride=(cute.sym_int64(divisibility=kdiv), 1), assumed_align=16)
+
+    i32, i16, f32, bf16 = cutlass.Int32, cutlass.Int16, cutlass.Float32, cutlass.BFloat16
+    x = matrix(bf16, 16)
+    q16 = matrix(i16, 8)
+    sc = rowmajor(f32, (cute.sym_int32(),), align=4)
+    h = rowmajor(f32, (cfg.num_slices, cute.sym_int32(), cfg.rank))
+    vec = lambda: rowmajor(i32, (cute.sym_int32(),), align=4)  # noqa: E731
+    a_bufs = tuple(matrix(bf16, 16) for _ in range(cfg.num_slices))
+    return (x, q16, sc, h, vec(), vec(), vec(), vec(), vec(), cutlass.Int32(0), cute.runtime.make_fake_stream(),
+            a_bufs)
+
+
+def compile(config: Config, options: str = "--gpu-arch sm_90a"):
+    """Compile for the target in ``options`` from fake tensors (no GPU needed)."""
+    return cute.compile(_K1Kernel(config), *_fake_args(config), options=options)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: configuration choice, geometry, validation, launch
+# ---------------------------------------------------------------------------------------------
+
+SLICE_COUNTS = (1, 2, 3, 4)
+KC_OPTIONS = (512, 1024, 2048, 4096)
+SMEM_LIMIT = 227 * 1024
+TARGET_CTAS = 2 * 132  # about two CTAs per H100/H200 SM
+
+
+def select(num_slices: int, k: int, rank: int) -> Config:
+    """The smallest resident chunk that covers K with <= 8 splits, then the most rows per CTA
+    (each A block read from L2 serves BM rows) that fit: <= 200 KiB with 3 stages, else <= 227 KiB
+    with 2."""
+    if rank not in RANKS:
+        raise ValueError(f"adapter rank {rank} is not one of the compiled ranks {RANKS}")
+    kc = next((c for c in KC_OPTIONS if MAX_SPLITS * c >= k), None)
+    if kc is None:
+        raise ValueError(f"K = {k} exceeds the largest resident capacity {MAX_SPLITS * KC_OPTIONS[-1]}")
+    for limit, stages in ((200 * 1024, 3), (SMEM_LIMIT, 2)):
+        for bm in (64, 32, 16):
+            cfg = Config(rank=rank, num_slices=num_slices, bm=bm, kc=kc, stages=stages)
+            if cfg.smem_bytes <= limit:
+                return cfg
+    raise ValueError(f"no K1 configuration fits K = {k}, rank {rank}")  # pragma: no cover
+
+
+def projection_ks() -> dict[int, set[int]]:
+    """num_slices -> the K of the projections we serve (models of k2_gemm, TP 1/2/4/8)."""
+    from .k2_gemm import MODELS
+
+    out: dict[int, set[int]] = {s: set() for s in SLICE_COUNTS}
+    for m in MODELS.values():
+        for tp in (1, 2, 4, 8):
+            out[3].add(m["hidden"])  # qkv
+            out[2].add(m["hidden"])  # gate_up
+            out[1].add(m["q"] // tp)  # o
+            out[1].add(m["inter"] // tp)  # down
+            out[4].add(m["hidden"])  # 4-output projections (linear attention inputs)
+    return out
+
+
+def prebuild_configs() -> list[Config]:
+    cfgs = {select(s, k, r) for s, ks in projection_ks().items() for k in ks for r in RANKS}
+    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.kc, c.bm))
+
+
+def choose_splits(k: int, m: int, cfg: Config, target_ctas: int = TARGET_CTAS) -> int:
+    """Cluster size: at least what the resident capacity needs, more (up to 8, >= 1 k-block
+    each) while the grid is short of ~2 CTAs per SM. The kernel splits the k-blocks as
+    ceil(nkb / splits) per CTA, which never exceeds the capacity when splits >= this minimum."""
+    nkb = -(-k // BK)
+    need = -(-nkb // cfg.nkb)
+    if need > MAX_SPLITS:
+        raise ValueError(f"K = {k} needs {need} splits of {cfg.kc}; the cluster holds {MAX_SPLITS}")
+    tiles = -(-m // cfg.bm)
+    want = -(-target_ctas // max(tiles, 1))
+    return max(need, min(MAX_SPLITS, want, nkb))
+
+
+def grid(k: int, m: int, cfg: Config, splits: int | None = None) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(grid, cluster) of a launch."""
+    s = splits or choose_splits(k, m, cfg)
+    return (s, -(-m // cfg.bm), 1), (s, 1, 1)
+
+
+def _as_3d(a: torch.Tensor, name: str) -> torch.Tensor:
+    if a.dim() == 4:
+        if a.shape[1] != 1:
+            raise ValueError(f"{name}: vLLM adapter buffers are [max_loras, 1, rank, K], got {tuple(a.shape)}")
+        a = a[:, 0]
+    if a.dim() != 3:
+        raise ValueError(f"{name}: expected [max_loras, 1, rank, K] or [max_loras, rank, K], got {tuple(a.shape)}")
+    return a
+
+
+def k1_quant_shrink(x: torch.Tensor, lora_a_slices, meta, codes: torch.Tensor | None = None,
+                    scales: torch.Tensor | None = None, h: torch.Tensor | None = None,
+                    slot_ranks: torch.Tensor | None = None, *, config: Config | None = None,
+                    splits: int | None = None):
+    """One launch: (codes [M, K] e4m3, scales [M, 1] fp32) = reference.quantize_fp8_per_token(x)
+    bit for bit, and h [S, M, R] fp32 = x . A_s[slot]^T per slice (0 for slot -1 and beyond a
+    slot's effective rank when slot_ranks is given). Returns (codes, scales, h).
+
+    x: [M, K] bf16, K a multiple of 8, unit column stride, row stride a multiple of 8, 16-byte
+        aligned. lora_a_slices: S (1..4) tensors [max_loras, 1, R, K] (or [max_loras, R, K]) bf16
+        with unit column stride. meta: LoRABatchMeta prepared for these M tokens.
+    codes / scales / h: optional outputs to write in place (same constraints; scales contiguous).
+    """
+    from epilora_cute.arch import arch_of
+    from epilora_cute.kernels import get_kernel
+
+    from .expand_add import _check_meta, check_slot_ranks
+
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
+        raise TypeError("x must be a 2-D bfloat16 tensor")
+    if not x.is_cuda:
+        raise ValueError("k1_quant_shrink runs on CUDA tensors only (the reference covers the CPU)")
+    M, K = x.shape
+    if K % 8 or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        raise ValueError("x needs K % 8 == 0, unit column stride, a row stride multiple of 8, 16-byte alignment")
+    as_ = [_as_3d(a, f"lora_a_slices[{i}]") for i, a in enumerate(
+        lora_a_slices if isinstance(lora_a_slices, (list, tuple)) else [lora_a_slices])]
+    S = len(as_)
+    if not 1 <= S <= 4:
+        raise ValueError(f"1..4 slices supported, got {S}")
+    L, R, _ = as_[0].shape
+    for i, a in enumerate(as_):
+        if a.dtype != torch.bfloat16 or a.device != x.device:
+            raise TypeError(f"lora_a_slices[{i}] must be bfloat16 on {x.device}")
+        if tuple(a.shape) != (L, R, K):
+            raise ValueError(f"lora_a_slices[{i}] is {tuple(a.shape)}: every slice needs [{L}, {R}, {K}]")
+        if a.stride(2) != 1 or a.stride(1) % 8 or a.stride(0) != a.stride(1) * R or a.data_ptr() % 16:
+            raise ValueError(f"lora_a_slices[{i}] must be row-major [max_loras * rank, K] (16-byte aligned rows)")
+    if codes is None:
+        codes = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    if scales is None:
+        scales = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    if h is None:
+        h = torch.empty((S, M, R), dtype=torch.float32, device=x.device)
+    if codes.dtype != torch.float8_e4m3fn or tuple(codes.shape) != (M, K) or codes.device != x.device:
+        raise ValueError(f"codes must be float8_e4m3fn [{M}, {K}] on {x.device}")
+    if codes.stride(1) != 1 or codes.stride(0) % 8 or codes.data_ptr() % 16:
+        raise ValueError("codes needs unit column stride, a row stride multiple of 8 and 16-byte alignment")
+    if scales.dtype != torch.float32 or scales.numel() != M or scales.device != x.device or \
+            (M > 1 and scales.reshape(-1).stride(0) != 1):
+        raise ValueError(f"scales must be a contiguous float32 [{M}, 1] on {x.device}")
+    if h.dtype != torch.float32 or h.dim() != 3 or h.shape[0] != S or h.shape[1] < M or h.shape[2] != R:
+        raise ValueError(f"h must be float32 [{S}, >= {M}, {R}]")
+    if h.device != x.device or h.stride(2) != 1 or h.stride(1) != R or h.stride(0) % 4 or h.data_ptr() % 16:
+        raise ValueError("h must be row-major over [M, rank] with a 16-byte aligned base")
+    _check_meta(meta, M, x.device)
+    check_slot_ranks(slot_ranks, L, x.device)
+    if M == 0:
+        return codes, scales, h
+    cfg = config or select(S, K, R)
+    if cfg.rank != R or cfg.num_slices != S:
+        raise ValueError(f"config {cfg.name()} does not match rank {R} / {S} slices")
+    g, cl = grid(K, M, cfg, splits)
+    if -(-(-(-K // BK)) // g[0]) > cfg.nkb:
+        raise ValueError(f"{g[0]} splits leave more than {cfg.kc} columns per CTA")
+    kernel = get_kernel(sys.modules[__name__], cfg, arch_of(x))
+    ranks = slot_ranks if slot_ranks is not None else meta.active_lora_ids  # never read when has_ranks = 0
+    args = [x, codes.view(torch.int16), scales.reshape(-1), h, meta.token_indices_sorted_by_lora_ids,
+            meta.row_group, meta.active_lora_ids, meta.lora_token_start_loc, ranks]
+    args += [a.reshape(L * R, K) for a in as_]
+    args.append(1 if slot_ranks is not None else 0)
+    kernel(*args, grid=g, cluster=cl, smem=cfg.smem_bytes)
+    return codes, scales, h
+
+
+def emulate(x: torch.Tensor, lora_a_slices, meta, slot_ranks=None, config: Config | None = None,
+            splits: int | None = None):
+    """Pure-torch model of the kernel (CPU): sorted BM-row tiles, the k-block split of the
+    cluster, per-split partials of every (slice, group) pass with rows of other groups zeroed and
+    rank columns beyond the slot's effective rank skipped, the fixed-order split sum, and the
+    quantization from the folded per-split maxima. Returns (codes, scales, h)."""
+    from epilora_cute.reference import FP8_MAX as FMAX, MIN_SCALE as MINS, _clamp_like_cuda, _nan_ignoring_abs_max
+
+    as_ = [_as_3d(a, "a") for a in (lora_a_slices if isinstance(lora_a_slices, (list, tuple)) else [lora_a_slices])]
+    M, K = x.shape
+    L, R, _ = as_[0].shape
+    S = len(as_)
+    cfg = config or select(S, K, R)
+    nsplit = splits or choose_splits(K, M, cfg)
+    nkb_total = -(-K // BK)
+    per = -(-nkb_total // nsplit)
+    assert per <= cfg.nkb, "capacity exceeded"
+    tok = meta.token_indices_sorted_by_lora_ids[:M].long()
+    rg, act, start = meta.row_group[:M], meta.active_lora_ids, meta.lora_token_start_loc
+    xf = x.float()
+    codes = torch.empty(M, K, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(M, 1)
+    h = torch.zeros(S, M, R)
+    for r0 in range(0, M, cfg.bm):
+        rows = min(M - r0, cfg.bm)
+        xt = xf[tok[r0:r0 + rows]]
+        ranges = [(q * per * BK, min((q + 1) * per, nkb_total) * BK) for q in range(nsplit)]
+        ranges = [(lo, min(hi, K)) for lo, hi in ranges]
+        # quantization: per-split row maxima, folded (max is exact), then the reference arithmetic
+        part_max = [(_nan_ignoring_abs_max(xt[:, lo:hi], dim=-1) if hi > lo else torch.zeros(rows))
+                    for lo, hi in ranges]
+        amax = torch.stack(part_max).amax(0).unsqueeze(-1)
+        sc = torch.maximum(amax / torch.tensor(FMAX), torch.tensor(MINS))
+        scales[tok[r0:r0 + rows]] = sc
+        codes[tok[r0:r0 + rows]] = _clamp_like_cuda(xt / sc).to(torch.float8_e4m3fn)
+        g_first, g_last = int(rg[r0]), int(rg[r0 + rows - 1])
+        for s in range(S):
+            partials = []
+            for lo, hi in ranges:
+                acc = torch.zeros(rows, cfg.rank_pad)
+                for g in range(g_first, g_last + 1):
+                    lid = int(act[g])
+                    if lid < 0 or hi <= lo:
+                        continue
+                    keff = cfg.rank_pad if slot_ranks is None else \
+                        min((max(int(slot_ranks[lid]), 0) + 15) // 16 * 16, cfg.rank_pad)
+                    keff = min(keff, R)
+                    glo, ghi = max(int(start[g]) - r0, 0), min(int(start[g + 1]) - r0, rows)
+                    xm = torch.zeros(rows, hi - lo)
+                    xm[glo:ghi] = xt[glo:ghi, lo:hi]
+                    acc[:, :keff] += xm @ as_[s][lid, :keff, lo:hi].float().t()
+                partials.append(acc[:, :R])
+            tot = torch.zeros(rows, R)
+            for p in partials:  # split order 0..n-1
+                tot = tot + p
+            h[s, tok[r0:r0 + rows]] = tot
+    return codes, scales, h
