@@ -553,3 +553,22 @@ def test_vllm_tp_slicing_matches_kernel_shard_shapes(vcfg):
         total = total + lora_linear(x[:, cols], w_full[:, cols], s, a[None, None], b[None, None], ids,
                                     quantize_activations=False)
     torch.testing.assert_close(total, full, rtol=1e-4, atol=1e-4)
+
+
+def test_layer_apply_compiles_without_graph_break(vcfg, plugin_on):
+    """The taken-over layer's apply traces as one graph (Dynamo + AOT autograd on the CPU), and
+    the compiled graph prepares the metadata itself: a new batch needs no Python."""
+    layer = _fp8_layer(vcfg, "qkv")
+    lora_layer = _from_layer(vcfg, layer, "qkv")
+    _load_adapters(lora_layer, "qkv")
+    pw = _punica(lora_layer, [1, 2, 0, 2])
+    torch._dynamo.reset()
+    compiled = torch.compile(lora_layer.apply, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, K).to(BF16)
+    assert torch.equal(compiled(x), lora_layer.apply(x))
+    from vllm.lora.layers import LoRAMapping
+
+    pw.update_metadata(LoRAMapping((2, 2, 1, 0), (2, 2, 1, 0), is_prefill=True), [1, 2], MAX_LORAS + 1, 32000)
+    want = lora_linear(x, layer.weight.t(), layer.weight_scale.reshape(1), lora_layer.lora_a_stacked,
+                       lora_layer.lora_b_stacked, torch.tensor([1, 1, 0, -1])).to(BF16)
+    assert torch.equal(compiled(x), want)
