@@ -341,3 +341,18 @@ def test_pure_modules_do_not_import_vllm():
     code = ("import sys; import vllm_adapter.plugin, vllm_adapter.fused, vllm_adapter.custom_op, "
             "vllm_adapter.meta_bridge; assert 'vllm' not in sys.modules, 'vllm imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_kernel_path(monkeypatch):
+    monkeypatch.delenv(eligibility.ENV_REFERENCE, raising=False)
+    assert fused.kernel_path("cpu") == "reference"
+    monkeypatch.setattr(fused, "_cute_applies", lambda d: True)
+    fused._kernel_path.cache_clear()
+    try:
+        assert fused.kernel_path("cuda:0") == "cute"
+        assert fused.device_ok(torch.device("cuda:0")) == (True, "")
+        monkeypatch.setenv(eligibility.ENV_REFERENCE, "1")  # forces the reference math
+        assert fused.kernel_path("cuda:0") == "reference"
+        assert fused.device_ok(torch.device("cuda:0")) == (True, "")
+    finally:
+        fused._kernel_path.cache_clear()

@@ -7,7 +7,7 @@
 2. the portable Triton path (``vllm_adapter.triton_path.triton_lora_linear``) where
    ``triton_path_applies(device)`` (Ada, or any GPU with EPILORA_FORCE_TRITON=1);
 3. the reference math (``epilora_cute.reference.lora_linear``) otherwise: CPU tests, and
-   EPILORA_REFERENCE=1 debugging runs.
+   always under EPILORA_REFERENCE=1 (numerics debugging).
 
 ``device_ok`` is what the layer selection asks before taking a layer over: it accepts only
 devices where 1 or 2 applies, so vLLM's kernels are never replaced by the slow reference unless
@@ -24,6 +24,8 @@ from typing import Sequence
 import torch
 
 from epilora_cute.metadata import LoRABatchMeta
+
+from .eligibility import ENV_REFERENCE, env_flag
 
 # Hopper: the CuTe-DSL kernels target sm_90 (wgmma + TMA).
 MIN_CAPABILITY = (9, 0)
@@ -60,8 +62,8 @@ def _triton_applies(device: torch.device) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_path(device: torch.device, force_triton: str) -> str:
-    if device.type != "cuda":
+def _kernel_path(device: torch.device, force_triton: str, reference: bool) -> str:
+    if device.type != "cuda" or reference:
         return "reference"
     if _cute_applies(device):
         return "cute"
@@ -69,15 +71,18 @@ def _kernel_path(device: torch.device, force_triton: str) -> str:
 
 
 def kernel_path(device) -> str:
-    """'cute', 'triton' or 'reference' for tensors on ``device`` (cached: called per layer)."""
-    return _kernel_path(torch.device(device), os.environ.get("EPILORA_FORCE_TRITON", ""))
+    """'cute', 'triton' or 'reference' for tensors on ``device`` (cached: called per layer).
+
+    EPILORA_REFERENCE=1 forces the reference (numerics debugging)."""
+    return _kernel_path(torch.device(device), os.environ.get("EPILORA_FORCE_TRITON", ""),
+                        env_flag(ENV_REFERENCE))
 
 
 def device_ok(device: torch.device) -> tuple[bool, str]:
     device = torch.device(device)
     if device.type != "cuda":
         return False, f"weights are on {device.type}; the fused kernels run on CUDA (EPILORA_REFERENCE=1 overrides)"
-    if kernel_path(device) != "reference":
+    if _kernel_path(device, os.environ.get("EPILORA_FORCE_TRITON", ""), False) != "reference":
         return True, ""
     cap = torch.cuda.get_device_capability(device)
     return False, (f"no fused kernel for sm_{cap[0]}{cap[1]} (CuTe op: sm_90+ when "
