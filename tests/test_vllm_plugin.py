@@ -344,6 +344,29 @@ def test_fp8_layers_taken_over_and_compute_the_reference(vcfg, plugin_on, log, k
     del pw
 
 
+@pytest.mark.parametrize("kind,stock_name", [
+    ("column", "ColumnParallelLinearWithShardedLoRA"), ("qkv_packed", "QKVParallelLinearWithShardedLoRA"),
+    ("qkv", "MergedQKVParallelLinearWithShardedLoRA"), ("row", "RowParallelLinearWithShardedLoRA"),
+    ("gate_up", "MergedColumnParallelLinearWithLoRA"),  # vLLM keeps the plain class at TP 1
+])
+def test_fully_sharded_lora_at_tp1(vcfg, plugin_on, kind, stock_name):
+    """fully_sharded_loras: vLLM picks its sharded classes; at TP 1 their math is the plain one."""
+    layer = _fp8_layer(vcfg, kind)
+    lora_layer = _from_layer(vcfg, layer, kind, _lora_config(fully_sharded_loras=True))
+    assert type(lora_layer).__name__ == "EpiLoRA" + stock_name
+    _load_adapters(lora_layer, kind)
+    ids = [2, 0, 1, 2]
+    _punica(lora_layer, ids)
+    x = torch.randn(len(ids), K).to(BF16)
+    out = lora_layer(x)
+    y = out[0] if isinstance(out, tuple) else out
+    want = lora_linear(x, layer.weight.t(), layer.weight_scale.reshape(1), lora_layer.lora_a_stacked,
+                       lora_layer.lora_b_stacked, torch.tensor([i - 1 for i in ids])).to(BF16)
+    if layer.bias is not None:
+        want = want + layer.bias
+    assert torch.equal(y, want)
+
+
 def test_padded_batch_cuda_graph_shape(vcfg, plugin_on):
     """More rows than mapped tokens (vLLM pads batches for CUDA graphs): mapped rows exact."""
     layer = _fp8_layer(vcfg, "qkv")

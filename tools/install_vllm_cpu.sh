@@ -11,8 +11,8 @@
 #   * the pure-Python packages vLLM's import chain needs (found by importing until nothing was
 #     missing), with vLLM's own version bounds where it declares one; xgrammar without its
 #     dependencies (it would pull triton, 1 GB; vLLM only imports it).
-# Env: PYTHON (python3), EPILORA_VLLM_VENV (.venv-vllm), EPILORA_VLLM_SPEC (vllm==0.26.0),
-#      EPILORA_TORCH_SPEC (torch==2.13.0).
+# Env: PYTHON (python3), EPILORA_VLLM_VENV (.venv-vllm), EPILORA_VLLM_SPEC (vllm==0.26.0; the
+#      same list installs vllm==0.33.0, the newest supported release), EPILORA_TORCH_SPEC (torch==2.13.0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -23,6 +23,7 @@ IMPORT_DEPS=(
   numpy packaging regex "transformers>=5.5.3" cbor2 psutil "pyzmq>=25.0.0" urllib3 "aiohttp>=3.13.3"
   requests "openai>=2.0.0" "openai-harmony>=0.0.3" einops pillow pybase64 cachetools msgspec cloudpickle
   uvloop py-cpuinfo "prometheus_client>=0.18.0" "llguidance>=1.7.0,<1.8.0" "compressed-tensors==0.17.0"
+  apache-tvm-ffi fastapi partial-json-parser   # (the last three for vLLM 0.33's import chain)
   "pytest>=8"
 )
 STAMP=$( (cat "$0"; echo "$VLLM_SPEC $TORCH_SPEC $PY") | sha256sum | cut -c1-16)
