@@ -102,11 +102,11 @@ class Config:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic smem: sA (bf16 [bm, Rp]) then the B double buffer, which the fp32 epilogue
-        tile [bm, bn + C_PAD] reuses (the larger of the two)."""
+        """Dynamic smem, the kernel's struct field by field: sA (bf16 [bm, Rp]) then the B double
+        buffer, which the fp32 epilogue tile [bm, bn + C_PAD] reuses (the larger of the two)."""
         a = self.bm * self.rank_pad * 2
         b = max(2 * self.bn * self.rank_pad * 2, self.bm * (self.bn + C_PAD) * 4)
-        return _align(a, 1024) + _align(b, 1024)
+        return _align(_align(a, 1024) + b, 1024)
 
 
 def _align(x: int, a: int) -> int:
@@ -132,6 +132,12 @@ def params(config: Config) -> list:
         p.append(ScalarParam(f"n{s}", "i"))  # slice widths
     p.append(ScalarParam("has_ranks", "i"))
     return p
+
+
+def _smem_allocator():
+    # 4.8 moved SmemAllocator to cutlass.memory (the old path warns); 4.6 has only cutlass.utils.
+    mem = getattr(cutlass, "memory", None)
+    return (mem.SmemAllocator if mem is not None and hasattr(mem, "SmemAllocator") else cutlass.utils.SmemAllocator)()
 
 
 if cute is not None:
@@ -175,6 +181,16 @@ if cute is not None:
                                       cutlass.BFloat16, num_bits_per_copy=128)
             tiled_copy_b = cute.make_tiled_copy_tv(
                 g2s, cute.make_layout((self.threads // cpr, cpr), stride=(cpr, 1)), cute.make_layout((1, 8)))
+            c_elems = cute.cosize(sC_layout) * 2  # fp32 epilogue tile in bf16 units (it reuses sB)
+
+            @cute.struct
+            class Storage:
+                sA: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sA_layout)], 1024]
+                sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, max(cute.cosize(sB_layout), c_elems)],
+                                      1024]
+
+            self.storage = Storage
+            self.smem_size = Storage.size_in_bytes()
             self.kernel(y, h, tok, sorted_ids, row_group, active, start_loc, slot_ranks, b_bufs, n_widths,
                         has_ranks, sA_layout, sB_layout, sC_layout, tiled_mma, tiled_copy_b).launch(
                 grid=(1, 1, 1), block=(self.threads, 1, 1), smem=cfg.smem_bytes, stream=stream)
@@ -218,13 +234,11 @@ if cute is not None:
                 g_first = mRowGroup[r0]
                 n_groups = mRowGroup[r0 + rows - 1] - g_first + 1
 
-                smem = cutlass.utils.SmemAllocator()
-                sA = smem.allocate_tensor(cutlass.BFloat16, sA_layout.outer, byte_alignment=1024,
-                                          swizzle=sA_layout.inner)
-                sB = smem.allocate_tensor(cutlass.BFloat16, sB_layout.outer, byte_alignment=1024,
-                                          swizzle=sB_layout.inner)
+                st = _smem_allocator().allocate(self.storage)
+                sA = st.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+                sB = st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
                 # The epilogue tile reuses the B buffers (both are dead by then).
-                sC = cute.make_tensor(cute.recast_ptr(sB.iterator, dtype=cutlass.Float32), sC_layout)
+                sC = cute.make_tensor(cute.recast_ptr(st.sB.data_ptr(), dtype=cutlass.Float32), sC_layout)
 
                 # ---- group 0's B is requested first, then h is staged while it flies ------------
                 thr_cb = tiled_copy_b.get_slice(tidx)
@@ -394,8 +408,15 @@ def _fake_args(cfg: Config):
 
 
 def compile(config: Config, options: str = "--gpu-arch sm_90a"):
-    """Compile for the target in ``options`` from fake tensors (no GPU needed)."""
-    return cute.compile(_ExpandAddKernel(config), *_fake_args(config), options=options)
+    """Compile for the target in ``options`` from fake tensors (no GPU needed). The result carries
+    ``epilora_smem_bytes``: the DSL's own size of the kernel's shared-storage struct."""
+    k = _ExpandAddKernel(config)
+    f = cute.compile(k, *_fake_args(config), options=options)
+    try:
+        f.epilora_smem_bytes = int(k.smem_size)
+    except AttributeError:  # a compiled object that refuses new attributes
+        pass
+    return f
 
 
 # ---------------------------------------------------------------------------------------------
@@ -484,8 +505,6 @@ def expand_add(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks
 
     if not isinstance(y, torch.Tensor) or y.dim() != 2 or y.dtype != torch.bfloat16:
         raise TypeError("y must be a 2-D bfloat16 tensor")
-    if not y.is_cuda:
-        raise ValueError("expand_add runs on CUDA tensors only (use reference.lora_expand on the CPU)")
     bs = [_as_3d(b, f"lora_b_slices[{i}]") for i, b in enumerate(
         lora_b_slices if isinstance(lora_b_slices, (list, tuple)) else [lora_b_slices])]
     S = len(bs)
@@ -517,6 +536,8 @@ def expand_add(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks
     check_slot_ranks(slot_ranks, L, y.device)
     if M == 0:
         return y
+    if not y.is_cuda:
+        raise ValueError("expand_add runs on CUDA tensors only (reference.lora_expand / emulate() on the CPU)")
     cfg = config or select(S, M, R)
     if cfg.rank != R or cfg.num_slices != S:
         raise ValueError(f"config {cfg.name()} does not match rank {R} / {S} slices")

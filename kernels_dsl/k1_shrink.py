@@ -136,7 +136,7 @@ class Config:
         off = 0
         for p in parts:
             off = _align(off, 1024) + p
-        return off
+        return _align(off, 1024)
 
 
 def _align(x: int, a: int) -> int:
@@ -161,6 +161,12 @@ def params(config: Config) -> list:
         p.append(TensorParam(f"a{s}", bf16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16))
     p.append(ScalarParam("has_ranks", "i"))
     return p
+
+
+def _smem_allocator():
+    # 4.8 moved SmemAllocator to cutlass.memory (the old path warns); 4.6 has only cutlass.utils.
+    mem = getattr(cutlass, "memory", None)
+    return (mem.SmemAllocator if mem is not None and hasattr(mem, "SmemAllocator") else cutlass.utils.SmemAllocator)()
 
 
 if cute is not None:
@@ -203,6 +209,17 @@ if cute is not None:
             cpr = BK // 8  # 16-byte chunks per k-block row
             tiled_copy = cute.make_tiled_copy_tv(
                 g2s, cute.make_layout((self.NT // cpr, cpr), stride=(cpr, 1)), cute.make_layout((1, 8)))
+            bm = self.BM
+
+            @cute.struct
+            class Storage:
+                sX: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sX_layout)], 1024]
+                sW: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sW_layout)], 1024]
+                sP: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(sP_layout)], 1024]
+                sAmax: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, bm], 1024]
+
+            self.storage = Storage
+            self.smem_size = Storage.size_in_bytes()
             self.kernel(x, codes16, scales, h, tok, row_group, active, start_loc, slot_ranks, a_bufs, has_ranks,
                         sX_layout, sW_layout, sP_layout, tiled_mma, tiled_copy).launch(
                 grid=(1, 1, 1), block=(self.NT, 1, 1), cluster=(1, 1, 1), smem=cfg.smem_bytes, stream=stream)
@@ -237,13 +254,11 @@ if cute is not None:
             n_groups = mRowGroup[r0 + rows - 1] - g_first + 1
             items_per_slice = n_groups * nkb
 
-            smem = cutlass.utils.SmemAllocator()
-            sX = smem.allocate_tensor(cutlass.BFloat16, sX_layout.outer, byte_alignment=1024,
-                                      swizzle=sX_layout.inner)
-            sW = smem.allocate_tensor(cutlass.BFloat16, sW_layout.outer, byte_alignment=1024,
-                                      swizzle=sW_layout.inner)
-            sP = smem.allocate_tensor(cutlass.Float32, sP_layout, byte_alignment=1024)
-            sAmax = smem.allocate_tensor(cutlass.Float32, cute.make_layout(BM), byte_alignment=1024)
+            st_ = _smem_allocator().allocate(self.storage)
+            sX = st_.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
+            sW = st_.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)
+            sP = st_.sP.get_tensor(sP_layout)
+            sAmax = st_.sAmax.get_tensor(cute.make_layout(BM))
 
             thr_cp = tiled_copy.get_slice(tidx)
             tXsX = thr_cp.partition_D(sX)  # (atom, rows, 1, NKB)
@@ -481,8 +496,15 @@ def _fake_args(cfg: Config):
 
 
 def compile(config: Config, options: str = "--gpu-arch sm_90a"):
-    """Compile for the target in ``options`` from fake tensors (no GPU needed)."""
-    return cute.compile(_K1Kernel(config), *_fake_args(config), options=options)
+    """Compile for the target in ``options`` from fake tensors (no GPU needed). The result carries
+    ``epilora_smem_bytes``: the DSL's own size of the kernel's shared-storage struct."""
+    k = _K1Kernel(config)
+    f = cute.compile(k, *_fake_args(config), options=options)
+    try:
+        f.epilora_smem_bytes = int(k.smem_size)
+    except AttributeError:  # a compiled object that refuses new attributes
+        pass
+    return f
 
 
 # ---------------------------------------------------------------------------------------------
@@ -581,8 +603,6 @@ def k1_quant_shrink(x: torch.Tensor, lora_a_slices, meta, codes: torch.Tensor | 
 
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
         raise TypeError("x must be a 2-D bfloat16 tensor")
-    if not x.is_cuda:
-        raise ValueError("k1_quant_shrink runs on CUDA tensors only (the reference covers the CPU)")
     M, K = x.shape
     if K % 8 or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         raise ValueError("x needs K % 8 == 0, unit column stride, a row stride multiple of 8, 16-byte alignment")
@@ -620,12 +640,15 @@ def k1_quant_shrink(x: torch.Tensor, lora_a_slices, meta, codes: torch.Tensor | 
     check_slot_ranks(slot_ranks, L, x.device)
     if M == 0:
         return codes, scales, h
+    if not x.is_cuda:
+        raise ValueError("k1_quant_shrink runs on CUDA tensors only (the reference / emulate() on the CPU)")
     cfg = config or select(S, K, R)
     if cfg.rank != R or cfg.num_slices != S:
         raise ValueError(f"config {cfg.name()} does not match rank {R} / {S} slices")
     g, cl = grid(K, M, cfg, splits)
-    if -(-(-(-K // BK)) // g[0]) > cfg.nkb:
-        raise ValueError(f"{g[0]} splits leave more than {cfg.kc} columns per CTA")
+    nkb_total = -(-K // BK)
+    if not 1 <= g[0] <= MAX_SPLITS or -(-nkb_total // g[0]) > cfg.nkb:
+        raise ValueError(f"{g[0]} splits of K = {K} do not fit {cfg.name()} (<= {MAX_SPLITS} splits of <= {cfg.kc})")
     kernel = get_kernel(sys.modules[__name__], cfg, arch_of(x))
     ranks = slot_ranks if slot_ranks is not None else meta.active_lora_ids  # never read when has_ranks = 0
     args = [x, codes.view(torch.int16), scales.reshape(-1), h, meta.token_indices_sorted_by_lora_ids,

@@ -1,0 +1,392 @@
+"""Hybrid-path expand-add (kernels_dsl/expand_add.py): CPU emulation, compile/PTX/ABI checks with
+nvidia-cutlass-dsl 4.8 (this venv) and 4.6 (.venv-dsl46, subprocess), GPU checks (marked gpu).
+
+The emulation (expand_add.emulate) follows the kernel's tiling exactly -- column tiles inside
+slices from the width scalars, BM-row tiles of the adapter-sorted tokens, the groups of each tile
+with the rows of other groups zeroed, k16 steps below the effective rank, bf16(h), fp32
+accumulation, one rounding -- and is compared with reference.lora_expand.
+
+Run as a script (`python tests/test_expand_add.py fast|all`) it compiles and checks the
+configurations and prints one RESULTS JSON line: that is how the 4.6.0 venv is tested.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from epilora_cute import reference  # noqa: E402
+from epilora_cute.compile_cache import dsl_version  # noqa: E402
+from epilora_cute.kernel_abi import check_params, ptx_entries  # noqa: E402
+from epilora_cute.metadata import build_meta  # noqa: E402
+from kernels_dsl import expand_add as E  # noqa: E402
+
+DSL46_PYTHON = ROOT / ".venv-dsl46" / "bin" / "python"
+needs_dsl = pytest.mark.skipif(dsl_version() is None, reason="nvidia-cutlass-dsl is not installed")
+
+FAST = [E.Config(rank=64, num_slices=3), E.Config(rank=8, num_slices=1, bm=128), E.Config(rank=256, num_slices=2, bn=64)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Problem generator and a grouped fp32 reference (reference.lora_expand materialises [M, n, R])
+# ---------------------------------------------------------------------------------------------
+
+
+def make_case(M, L, R, widths, seed=0, neg_frac=0.2, slot_ranks=None, device="cpu", scale_b=0.05):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, L, (M,), generator=g)
+    ids[torch.rand(M, generator=g) < neg_frac] = -1
+    ids = ids.to(torch.int32)
+    bs = [(torch.randn(L, 1, w, R, generator=g) * scale_b).bfloat16() for w in widths]
+    h = torch.randn(len(widths), M, R, generator=g)
+    if slot_ranks is not None:  # vLLM zero-pads every slot beyond its rank; the shrink then gives h = 0 there
+        for lid, r in enumerate(slot_ranks.tolist()):
+            for b in bs:
+                b[lid, :, :, r:] = 0
+        rr = slot_ranks[ids.clamp(min=0).long()]
+        h = h * (torch.arange(R)[None, None, :] < rr[None, :, None])
+    y = torch.randn(M, sum(widths), generator=g).bfloat16()
+    meta = build_meta(ids, L)
+    out = dict(ids=ids, bs=bs, h=h, y=y, meta=meta)
+    if device != "cpu":
+        out = dict(ids=ids.to(device), bs=[b.to(device) for b in bs], h=h.to(device), y=y.to(device),
+                   meta=build_meta(ids.to(device), L))
+    return out
+
+
+def grouped_delta(h, bs, ids):
+    """reference.lora_expand, one slot at a time (same fp32 math, no [M, n, R] temporaries)."""
+    M = ids.shape[0]
+    parts = []
+    for hs, b in zip(h, bs):
+        b3 = b[:, 0] if b.dim() == 4 else b
+        d = torch.zeros(M, b3.shape[1], dtype=torch.float32, device=hs.device)
+        for lid in torch.unique(ids).tolist():
+            if lid < 0:
+                continue
+            sel = ids == lid
+            d[sel] = hs[sel].float() @ b3[lid].float().t()
+        parts.append(d)
+    return torch.cat(parts, dim=1)
+
+
+def expected(case, bf16_h=False):
+    h = case["h"].to(torch.bfloat16).float() if bf16_h else case["h"]
+    out = (case["y"].float() + grouped_delta(h, case["bs"], case["ids"])).to(torch.bfloat16)
+    neg = case["ids"] < 0
+    out[neg] = case["y"][neg]
+    return out
+
+
+def assert_close_bf16(got, want, h_rounded):
+    """bf16 outputs: with bf16(h) in both, only the fp32 summation order differs (<= 1 ulp);
+    against the fp32-h reference the bf16 rounding of h adds ~2^-9 relative per term."""
+    d = (got.float() - want.float()).abs()
+    if h_rounded:
+        tol = want.float().abs() * 2.0 ** -7 + 1e-5
+    else:
+        tol = want.float().abs() * 2.0 ** -6 + 0.02
+    assert bool((d <= tol).all()), f"max err {d.max().item()} at {divmod(int(d.argmax()), got.shape[1])}"
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the kernel's tiling (emulated) against the reference
+# ---------------------------------------------------------------------------------------------
+
+EMU_CASES = [
+    # M, adapters, rank, slice widths, slot ranks?
+    (33, 1, 16, (96,), False),
+    (101, 8, 64, (136, 64, 72), False),
+    (257, 32, 64, (200, 56), True),
+    (599, 8, 128, (64, 32, 48, 80), True),
+    (599, 32, 16, (136, 64, 72), False),
+    (130, 32, 8, (144,), True),
+]
+
+
+@pytest.mark.parametrize("M,L,R,widths,ranked", EMU_CASES, ids=lambda v: str(v))
+def test_emulation_matches_reference(M, L, R, widths, ranked):
+    slot_ranks = None
+    if ranked:
+        choices = torch.tensor([r for r in (0, 8, 16, 24, 40, 64, 128) if r <= R])
+        slot_ranks = choices[torch.randint(0, len(choices), (L,), generator=torch.Generator().manual_seed(M))]
+        slot_ranks = slot_ranks.to(torch.int32)
+    case = make_case(M, L, R, widths, seed=M + L, slot_ranks=slot_ranks)
+    case["h"][:, case["ids"] < 0] = float("nan")  # must never reach an output
+    got = E.emulate(case["y"], case["h"], case["bs"], case["meta"], slot_ranks)
+    assert_close_bf16(got, expected(case, bf16_h=True), True)
+    assert_close_bf16(got, expected(case), False)
+    neg = case["ids"] < 0
+    assert torch.equal(got[neg].view(torch.int16), case["y"][neg].view(torch.int16))  # -1 rows untouched
+
+
+def test_emulation_is_tiling_invariant():
+    case = make_case(211, 8, 64, (136, 64, 72), seed=3)
+    outs = [E.emulate(case["y"], case["h"], case["bs"], case["meta"], config=E.Config(rank=64, num_slices=3, bm=bm, bn=bn))
+            for bm, bn in ((64, 128), (128, 64), (32, 256))]
+    for o in outs[1:]:
+        assert_close_bf16(o, outs[0], True)
+
+
+def test_grouped_reference_equals_reference_module():
+    case = make_case(40, 4, 16, (24, 16), seed=1)
+    d1 = grouped_delta(case["h"], case["bs"], case["ids"])
+    d2 = reference.lora_expand(list(case["h"]), case["bs"], case["ids"])
+    torch.testing.assert_close(d1, d2, rtol=1e-6, atol=1e-6)
+
+
+def test_column_tiles_stay_inside_slices():
+    widths = (4096, 1024, 1024)
+    tiles = E.column_tiles(widths, 128)
+    assert len(tiles) == E.grid(widths, 100, E.Config(rank=64, num_slices=3))[0] == 48
+    for s, c0, base in tiles:
+        assert 0 <= c0 < widths[s] and base == sum(widths[:s])
+    t2 = E.column_tiles((136, 64, 72), 128)
+    assert t2 == [(0, 0, 0), (0, 128, 0), (1, 0, 136), (2, 0, 200)]
+
+
+def test_select_and_prebuild_set():
+    pre = set(E.prebuild_configs())
+    for s in E.SLICE_COUNTS:
+        for r in E.RANKS:
+            for m in (33, 64, 511, 2048, 8192):
+                assert E.select(s, m, r) in pre
+    for c in pre:
+        assert c.smem_bytes <= 227 * 1024 and c.threads <= 256
+    with pytest.raises(ValueError, match="rank"):
+        E.select(1, 64, 48)
+
+
+def test_params_declaration():
+    p = E.params(E.Config(rank=64, num_slices=3))
+    assert [x.size for x in p] == [24, 24] + [16] * 9 + [4, 4, 4, 4]
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        E.Config(rank=64, num_slices=5)
+    with pytest.raises(ValueError):
+        E.Config(rank=12)
+    with pytest.raises(ValueError):
+        E.Config(bm=48)
+
+
+def _cpu_case():
+    return make_case(20, 4, 16, (24, 16), seed=2)
+
+
+@pytest.mark.parametrize("mutate,exc,match", [
+    (lambda c: c.update(y=c["y"].float()), TypeError, "bfloat16"),
+    (lambda c: c.update(h=c["h"].double()), TypeError, "float32"),
+    (lambda c: c.update(h=c["h"][:1]), ValueError, "h must be"),
+    (lambda c: c.update(h=c["h"].transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "row-major"),
+    (lambda c: c.update(bs=[c["bs"][0], c["bs"][1][:, :, :12].contiguous()]), ValueError, "multiples of 8|add up"),
+    (lambda c: c.update(bs=[c["bs"][0]]), ValueError, "add up"),
+    (lambda c: c.update(bs=[c["bs"][0].float(), c["bs"][1]]), TypeError, "bfloat16"),
+    (lambda c: c.update(meta=build_meta(c["ids"][:10], 4)), ValueError, "metadata"),
+    (lambda c: c.update(slot_ranks=torch.ones(4)), TypeError, "int32"),
+    (lambda c: c.update(slot_ranks=torch.ones(2, dtype=torch.int32)), ValueError, ">= 4"),
+    (lambda c: None, ValueError, "CUDA"),
+])
+def test_bad_input(mutate, exc, match):
+    c = _cpu_case()
+    c["slot_ranks"] = None
+    mutate(c)
+    with pytest.raises(exc, match=match):
+        E.expand_add(c["y"], c["h"], c["bs"], c["meta"], c["slot_ranks"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Compile for sm_90a (no GPU): PTX instructions, parameter ABI, shared memory
+# ---------------------------------------------------------------------------------------------
+
+
+def ptx_problems(ptx: str) -> list[str]:
+    bad = []
+    for ins in ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+                "cp.async.cg.shared.global", "cp.async.wait_group", "cvt.rn.bf16.f32",  # h -> bf16 operand
+                "st.global.v4.b32", "ld.global.v4.b32"):  # 16-byte y accesses
+        if ins not in ptx:
+            bad.append(f"missing {ins}")
+    for pat in (r"\.local\b", r"griddepcontrol", r"^\s*(?:@%p\d+\s+)?(?:atom|red)\."):  # no spills/atomics
+        if re.search(pat, ptx, re.M):
+            bad.append(f"unexpected {pat}")
+    return bad
+
+
+def check_config(mod, cfg, problems=ptx_problems) -> dict:
+    """Compile one configuration; check PTX content, the declared parameters (sizes against the
+    PTX .entry), the DSL's smem struct against Config.smem_bytes, and the cubin."""
+    with tempfile.TemporaryDirectory() as d:
+        f = mod.compile(cfg, f"--gpu-arch sm_90a --keep-ptx --keep-cubin --dump-dir {d}")
+        ptxs, cubins = sorted(Path(d).glob("*.ptx")), sorted(Path(d).glob("*.cubin"))
+        ptx = ptxs[0].read_text() if ptxs else ""
+        cubin_ok = bool(cubins) and cubins[0].read_bytes()[:4] == b"\x7fELF"
+    bad = problems(ptx)
+    entries = ptx_entries(ptx)
+    if len(entries) != 1:
+        bad.append(f"{len(entries)} kernels in the module")
+    else:
+        (name, sizes), = entries.items()
+        try:
+            check_params(mod.params(cfg), sizes, name)
+        except RuntimeError as e:
+            bad.append(str(e))
+        aligns = re.findall(r"\.param\s+(?:\.align\s+(\d+)\s+)?\.(\w+)", ptx.split(".entry", 1)[1].split(")", 1)[0])
+        want = [8 if type(p).__name__ == "TensorParam" else 4 for p in mod.params(cfg)]
+        got = [int(a) if a else 4 for a, _ in aligns]
+        if got != want:
+            bad.append(f"param alignments {got} != {want}")
+    if ".target sm_90a" not in ptx:
+        bad.append("not sm_90a")
+    if not cubin_ok:
+        bad.append("no cubin")
+    smem = getattr(f, "epilora_smem_bytes", None)
+    if smem is not None and smem != cfg.smem_bytes:
+        bad.append(f"smem_bytes {cfg.smem_bytes} != DSL struct {smem}")
+    if cfg.smem_bytes > 227 * 1024:
+        bad.append("smem exceeds 227 KiB")
+    ver = re.search(r"\.version (\S+)", ptx)
+    return {"family": mod.FAMILY, "config": cfg.name(), "problems": bad, "ptx_version": ver.group(1) if ver else None}
+
+
+@needs_dsl
+@pytest.mark.parametrize("cfg", FAST, ids=lambda c: c.name())
+def test_compiles_with_required_instructions(cfg):
+    r = check_config(E, cfg)
+    assert not r["problems"], r
+
+
+@needs_dsl
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", E.prebuild_configs(), ids=lambda c: c.name())
+def test_prebuild_set_compiles(cfg):
+    r = check_config(E, cfg)
+    assert not r["problems"], r
+
+
+def run_dsl46(script: Path, which: str, timeout: int):
+    if not DSL46_PYTHON.exists():
+        pytest.skip(f"no 4.6.0 venv at {DSL46_PYTHON}")
+    r = subprocess.run([str(DSL46_PYTHON), str(script), which], cwd=ROOT, capture_output=True, text=True,
+                       timeout=timeout)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert lines, f"4.6.0 run failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    res = json.loads(lines[-1][8:])
+    assert res["dsl_version"].startswith("4.6"), res["dsl_version"]
+    bad = [x for x in res["results"] if x["problems"]]
+    assert not bad, bad
+    return res
+
+
+def test_dsl46_fast_subset():
+    run_dsl46(Path(__file__).resolve(), "fast", 600)
+
+
+@pytest.mark.slow
+def test_dsl46_prebuild_set():
+    run_dsl46(Path(__file__).resolve(), "all", 3600)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (the integrator runs these on the H200): launches through epilora_cute.kernels.get_kernel
+# ---------------------------------------------------------------------------------------------
+
+GPU_MS = (33, 64, 100, 256, 511, 2048, 8192)
+
+
+def _hopper():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("L", (1, 8, 32))
+@pytest.mark.parametrize("M", GPU_MS)
+def test_gpu_matches_reference(M, L):
+    _hopper()
+    widths, R = (4096, 1024, 1024), 64
+    slot_ranks = torch.tensor([(16, 32, 64, 0)[i % 4] if L > 1 else 64 for i in range(L)], dtype=torch.int32)
+    case = make_case(M, L, R, widths, seed=M * 7 + L, slot_ranks=slot_ranks, device="cuda")
+    y0 = case["y"].clone()
+    neg = case["ids"] < 0
+    y0[neg] = float("nan")  # poison the rows that must be neither read nor written
+    case["y"] = y0.clone()
+    case["h"][:, neg] = float("nan")  # and h of tokens without an adapter (never used)
+    out = E.expand_add(case["y"], case["h"], case["bs"], case["meta"], slot_ranks.cuda())
+    assert out is case["y"]
+    torch.cuda.synchronize()
+    assert torch.equal(out[neg].view(torch.int16), y0[neg].view(torch.int16))
+    keep = ~neg
+    want = expected(dict(case, y=y0), bf16_h=True)
+    assert_close_bf16(out[keep], want[keep], True)
+    assert_close_bf16(out[keep], expected(dict(case, y=y0))[keep], False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,widths", [(16, (2048,)), (128, (1536, 1536)), (256, (1024, 512, 512, 256)), (8, (4096,))])
+def test_gpu_ranks_and_slices_without_slot_ranks(R, widths):
+    _hopper()
+    case = make_case(300, 8, R, widths, seed=R, device="cuda")
+    y0 = case["y"].clone()
+    E.expand_add(case["y"], case["h"], case["bs"], case["meta"])
+    torch.cuda.synchronize()
+    assert_close_bf16(case["y"], expected(dict(case, y=y0), bf16_h=True), True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", (100, 2048))
+def test_gpu_bitwise_deterministic(M):
+    _hopper()
+    case = make_case(M, 32, 64, (4096, 1024, 1024), seed=5, device="cuda")
+    y0 = case["y"].clone()
+    first = None
+    for _ in range(5):
+        y = y0.clone()
+        E.expand_add(y, case["h"], case["bs"], case["meta"])
+        if first is None:
+            first = y
+        else:
+            assert torch.equal(y.view(torch.int16), first.view(torch.int16))
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay():
+    _hopper()
+    case = make_case(256, 8, 64, (2048, 512), seed=9, device="cuda")
+    y0 = case["y"].clone()
+    y = y0.clone()
+    E.expand_add(y, case["h"], case["bs"], case["meta"])  # load the kernel outside the capture
+    g = torch.cuda.CUDAGraph()
+    y.copy_(y0)
+    with torch.cuda.graph(g):
+        E.expand_add(y, case["h"], case["bs"], case["meta"])
+    y.copy_(y0)
+    g.replay()
+    torch.cuda.synchronize()
+    assert_close_bf16(y, expected(dict(case, y=y0), bf16_h=True), True)
+
+
+if __name__ == "__main__":
+    import importlib.metadata
+
+    which = sys.argv[1] if len(sys.argv) > 1 else "fast"
+    results = []
+    for cfg in (FAST if which == "fast" else E.prebuild_configs()):
+        try:
+            results.append(check_config(E, cfg))
+        except Exception as e:  # report, don't stop: one JSON line with everything
+            results.append({"family": E.FAMILY, "config": cfg.name(), "problems": [f"{type(e).__name__}: {e}"[:2000]]})
+    print("RESULTS " + json.dumps({"dsl_version": importlib.metadata.version("nvidia-cutlass-dsl"),
+                                   "results": results}))
