@@ -221,28 +221,30 @@ def test_tma_descriptors_match_dsl_host_code():
     if not DATA.exists():
         pytest.skip(f"no golden data at {DATA}")
     golden = json.loads(DATA.read_text())
+    torch.zeros(1, device="cuda")  # the driver API encoder needs torch's context to be current
     report = []
     for entry in golden["descriptors"]:
         mod = k2_gemm if entry["family"] == k2_gemm.FAMILY else shrink_mod
         cfg = mod.Config(**entry["config"])
         spec = {p.name: p for p in mod.params(cfg)}[entry["param"]].spec
         rows, cols = entry["rows"], entry["cols"]
-        # A strided view with the golden address: encode only reads the numbers.
-        fake = torch.empty(0, dtype=spec.torch_dtype, device="cuda")
-        t = torch.as_strided(fake, (rows, cols), (entry["row_stride"], 1))
+        # Only the numbers matter to the encoder: a stand-in with the golden shape, strides and
+        # address (no allocation: the golden tensors can be large).
         want = bytes.fromhex(entry["dsl_bytes"])[:64]
+        itemsize = torch.empty(0, dtype=spec.torch_dtype).element_size()
+        strides = (entry["row_stride"], 1)
 
-        class _View:  # data_ptr() overridden to the golden address
-            shape, dtype = t.shape, t.dtype
+        class _View:
+            shape, dtype = torch.Size((rows, cols)), spec.torch_dtype
 
             def dim(self):
                 return 2
 
             def stride(self, i):
-                return t.stride(i)
+                return strides[i]
 
             def element_size(self):
-                return t.element_size()
+                return itemsize
 
             def data_ptr(self):
                 return entry["address"]
@@ -252,8 +254,11 @@ def test_tma_descriptors_match_dsl_host_code():
             alts = []
             for l2 in ("NONE", "L2_64B", "L2_128B", "L2_256B"):
                 for oob in ("NONE", "NAN_REQUEST_ZERO_FMA"):
-                    if encode_tensormap(_View(), spec, l2, oob)[:64] == want:
-                        alts.append((l2, oob))
+                    try:  # NaN fill is refused for some dtypes (fp8): not a candidate then
+                        if encode_tensormap(_View(), spec, l2, oob)[:64] == want:
+                            alts.append((l2, oob))
+                    except RuntimeError:
+                        pass
             report.append(dict(param=entry["param"], config=entry["config"], got=got.hex(), want=want.hex(),
                                matching_l2_oob=alts))
     assert not report, json.dumps(report, indent=1)
