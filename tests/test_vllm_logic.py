@@ -356,3 +356,15 @@ def test_kernel_path(monkeypatch):
         assert fused.device_ok(torch.device("cuda:0")) == (True, "")
     finally:
         fused._kernel_path.cache_clear()
+
+
+def test_shape_reason(monkeypatch):
+    assert fused.shape_reason("cpu", 64, 64, 8, 3) is None  # the reference takes anything
+    monkeypatch.setattr(fused, "kernel_path", lambda d: "triton")
+    assert "rank 1024" in fused.shape_reason("cuda", 64, 64, 1024, 1)
+    assert fused.shape_reason("cuda", 64, 64, 16, 1) is None
+    monkeypatch.setattr(fused, "kernel_path", lambda d: "cute")
+    ops = types.SimpleNamespace(lora_linear_fp8_unsupported=lambda n, k, r, s: "K % 16" if k % 16 else None)
+    monkeypatch.setattr(fused, "_ops_module", lambda: ops)
+    assert fused.shape_reason("cuda", 64, 72, 16, 1) == "K % 16"
+    assert fused.shape_reason("cuda", 64, 64, 16, 1) is None

@@ -448,6 +448,24 @@ def test_fallback_to_stock_class_with_one_log_line(vcfg, plugin_on, log, monkeyp
     assert reason in lines[0], lines
 
 
+def test_kernel_shape_limit_keeps_vllm_math(vcfg, plugin_on, log, monkeypatch):
+    """Shapes the kernel can't take (asked once the buffers exist): vLLM's kernels compute."""
+    import vllm.lora.layers as vl
+
+    from vllm_adapter import fused
+
+    monkeypatch.setattr(fused, "shape_reason", lambda *a: "rank 8 unsupported here")
+    layer = _fp8_layer(vcfg, "row")
+    lora_layer = _from_layer(vcfg, layer, "row")
+    assert type(lora_layer).__name__ == "EpiLoRARowParallelLinearWithLoRA" and not lora_layer._epilora_active
+    assert any("computes with vLLM's kernels: rank 8 unsupported here" in r.getMessage() for r in log)
+    _load_adapters(lora_layer, "row")
+    _punica(lora_layer, [1, 2])
+    x = torch.randn(2, K).to(BF16)
+    assert lora_layer._epilora_state is None
+    assert torch.equal(lora_layer(x)[0], vl.RowParallelLinearWithLoRA.forward(lora_layer, x)[0])
+
+
 def test_non_linear_layers_untouched_and_silent(vcfg, plugin_on, log):
     import vllm.lora.utils as lu
     from vllm.config import set_current_vllm_config

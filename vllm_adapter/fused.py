@@ -89,6 +89,20 @@ def device_ok(device: torch.device) -> tuple[bool, str]:
                    "epilora_cute.ops.lora_linear_fp8 exists; Triton path: sm_89 or EPILORA_FORCE_TRITON=1)")
 
 
+def shape_reason(device, n: int, k: int, rank: int, num_slices: int) -> str | None:
+    """Why the kernel for ``device`` can't take this layer's shapes (None: it can). Asked once,
+    when vLLM has made the adapter buffers, so a layer falls back at load, not mid-serving."""
+    path = kernel_path(device)
+    if path == "cute":
+        check = getattr(_ops_module(), "lora_linear_fp8_unsupported", None)
+        return check(n, k, rank, num_slices) if check is not None else None
+    if path == "triton":
+        from .triton_path import MAX_RANK
+
+        return f"rank {rank} > the Triton path's {MAX_RANK}" if rank > MAX_RANK else None
+    return None
+
+
 def _reference(x, w_q, w_scale, lora_a, lora_b, meta: LoRABatchMeta) -> torch.Tensor:
     from epilora_cute.reference import lora_linear
 

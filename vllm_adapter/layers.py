@@ -133,7 +133,8 @@ def check_buffers(layer) -> eligibility.Verdict:
     for t in (*a, *b):
         if t.dtype not in eligibility.SUPPORTED_ACT_DTYPES or t.device != w.device or t.shape[1] != 1:
             return eligibility.Verdict(False, f"adapter buffer {tuple(t.shape)} {t.dtype} on {t.device}")
-    return eligibility.OK
+    why = fused.shape_reason(w.device, n, k, ranks.pop(), len(a))
+    return eligibility.Verdict(False, why) if why else eligibility.OK
 
 
 class EpiLoRALinearMixin:
