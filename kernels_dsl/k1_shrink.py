@@ -564,7 +564,8 @@ def choose_splits(k: int, m: int, cfg: Config, target_ctas: int = TARGET_CTAS) -
         raise ValueError(f"K = {k} needs {need} splits of {cfg.kc}; the cluster holds {MAX_SPLITS}")
     tiles = -(-m // cfg.bm)
     want = -(-target_ctas // max(tiles, 1))
-    return max(need, min(MAX_SPLITS, want, nkb))
+    s = max(need, min(MAX_SPLITS, want, nkb))
+    return -(-nkb // -(-nkb // s))  # drop splits the ceil(nkb / s) share would leave empty
 
 
 def grid(k: int, m: int, cfg: Config, splits: int | None = None) -> tuple[tuple[int, int, int], tuple[int, int, int]]:

@@ -1,0 +1,403 @@
+"""K1 for large batches (kernels_dsl/k1_shrink.py): fused FP8 per-token quantization + split-K LoRA
+shrink. CPU emulation against the reference, compile/PTX/ABI checks with nvidia-cutlass-dsl 4.8
+and 4.6 (subprocess), GPU checks (marked gpu).
+
+The emulation (k1_shrink.emulate) follows the kernel: sorted BM-row tiles, the cluster's k-block
+split (ceil(nkb / splits) per CTA), per-split partials of every (slice, group) pass with other
+groups' rows zeroed and rank columns beyond the effective rank skipped, the fixed-order split sum,
+and quantization from the folded per-split row maxima.
+
+Run as a script (`python tests/test_k1_shrink.py fast|all`) it compiles and checks the
+configurations and prints one RESULTS JSON line (how the 4.6.0 venv is tested).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from epilora_cute import reference  # noqa: E402
+from epilora_cute.compile_cache import dsl_version  # noqa: E402
+from epilora_cute.metadata import build_meta  # noqa: E402
+from kernels_dsl import k1_shrink as K1  # noqa: E402
+from tests.test_expand_add import check_config, run_dsl46  # noqa: E402
+
+needs_dsl = pytest.mark.skipif(dsl_version() is None, reason="nvidia-cutlass-dsl is not installed")
+
+FAST = [
+    K1.Config(rank=64, num_slices=3, bm=64, kc=512),
+    K1.Config(rank=256, num_slices=1, bm=16, kc=4096, stages=2),
+    K1.Config(rank=8, num_slices=2, bm=32, kc=1024),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Problem generator and a grouped fp32 reference (reference.lora_shrink materialises [M, R, K])
+# ---------------------------------------------------------------------------------------------
+
+
+def make_case(M, L, R, K, S, seed=0, neg_frac=0.2, slot_ranks=None, device="cpu", spread=False, specials=False):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, L, (M,), generator=g)
+    ids[torch.rand(M, generator=g) < neg_frac] = -1
+    ids = ids.to(torch.int32)
+    x = torch.randn(M, K, generator=g)
+    if spread:  # rows over 12 decades: scales from the MIN_SCALE clamp to large
+        x = x * torch.logspace(-8, 4, M)[torch.randperm(M, generator=g)][:, None]
+    x = x.bfloat16()
+    if specials:  # only in rows without an adapter: h of such rows is 0 by definition
+        neg = (ids < 0).nonzero().flatten().tolist()
+        nan, inf = float("nan"), float("inf")
+        for j, r in enumerate(neg[:5]):
+            if j == 0:
+                x[r] = 0
+            elif j == 1:
+                x[r, ::7] = nan
+            elif j == 2:
+                x[r, 1], x[r, 3] = inf, -inf
+            elif j == 3:
+                x[r] = (torch.randn(K, generator=g) * 1e-39).bfloat16()
+            else:
+                x[r] = nan
+    As = [(torch.randn(L, 1, R, K, generator=g) * 0.05).bfloat16() for _ in range(S)]
+    if slot_ranks is not None:
+        for lid, r in enumerate(slot_ranks.tolist()):
+            for a in As:
+                a[lid, :, r:] = 0
+    meta = build_meta(ids, L)
+    case = dict(ids=ids, x=x, As=As, meta=meta, slot_ranks=slot_ranks)
+    if device != "cpu":
+        case = dict(ids=ids.to(device), x=x.to(device), As=[a.to(device) for a in As],
+                    meta=build_meta(ids.to(device), L),
+                    slot_ranks=None if slot_ranks is None else slot_ranks.to(device))
+    return case
+
+
+def grouped_h(x, As, ids):
+    """reference.lora_shrink, one slot at a time (same fp32 math, no [M, R, K] temporaries)."""
+    M = x.shape[0]
+    out = []
+    for a in As:
+        a3 = a[:, 0] if a.dim() == 4 else a
+        h = torch.zeros(M, a3.shape[1], dtype=torch.float32, device=x.device)
+        for lid in torch.unique(ids).tolist():
+            if lid < 0:
+                continue
+            sel = ids == lid
+            h[sel] = x[sel].float() @ a3[lid].float().t()
+        out.append(h)
+    return torch.stack(out)
+
+
+def assert_quant_exact(codes, scales, x):
+    rc, rs = reference.quantize_fp8_per_token(x.cpu())
+    assert torch.equal(scales.reshape(-1, 1).cpu().view(torch.int32), rs.view(torch.int32)), "scales differ"
+    diff = codes.cpu().view(torch.uint8) != rc.view(torch.uint8)
+    assert not diff.any(), f"{int(diff.sum())} codes differ, first at {diff.nonzero()[0].tolist()}"
+
+
+def assert_h_close(h, want, K):
+    """fp32 sums of K exact bf16 products in another order: error ~ sqrt(K) ulps of the terms."""
+    scale = want.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)
+    tol = 1e-6 * math.sqrt(K) * 8
+    d = ((h - want).abs() / scale).nan_to_num(0.0)
+    assert torch.equal(h.isnan(), want.isnan()), "NaN positions differ"
+    assert float(d.max()) <= tol, f"relative error {float(d.max())} > {tol}"
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the kernel's tiling, split and reduction order (emulated) against the reference
+# ---------------------------------------------------------------------------------------------
+
+EMU_CASES = [
+    # M, adapters, rank, K, slices, slot ranks?, splits (None: the launch rule)
+    (33, 1, 16, 1024, 1, False, None),
+    (101, 8, 64, 1040, 3, False, 3),  # K tail of 16 inside the last k-block
+    (257, 32, 64, 520, 2, True, None),  # K tail of 8
+    (599, 8, 128, 2048, 4, True, 8),
+    (599, 32, 16, 4096, 3, False, None),
+    (130, 32, 8, 3696, 1, True, None),  # Qwen2.5-72B down at TP 8: K % 64 == 48
+]
+
+
+@pytest.mark.parametrize("M,L,R,K,S,ranked,splits", EMU_CASES, ids=lambda v: str(v))
+def test_emulation_matches_reference(M, L, R, K, S, ranked, splits):
+    slot_ranks = None
+    if ranked:
+        choices = torch.tensor([r for r in (0, 8, 16, 24, 40, 64, 128) if r <= R])
+        slot_ranks = choices[torch.randint(0, len(choices), (L,), generator=torch.Generator().manual_seed(M))]
+        slot_ranks = slot_ranks.to(torch.int32)
+    case = make_case(M, L, R, K, S, seed=M + K, slot_ranks=slot_ranks, spread=True, specials=True)
+    codes, scales, h = K1.emulate(case["x"], case["As"], case["meta"], slot_ranks, splits=splits)
+    assert_quant_exact(codes, scales, case["x"])
+    want = grouped_h(case["x"], case["As"], case["ids"])
+    assert_h_close(h, want, K)
+    assert not h[:, case["ids"] < 0].any()  # tokens without an adapter: exactly 0
+
+
+def test_emulation_split_invariance_of_codes():
+    case = make_case(77, 8, 64, 4096, 2, seed=4, spread=True)
+    cfg = K1.Config(rank=64, num_slices=2, bm=16, kc=4096)
+    outs = [K1.emulate(case["x"], case["As"], case["meta"], config=cfg, splits=s) for s in (1, 3, 8)]
+    for c, s, h in outs[1:]:
+        assert torch.equal(c.view(torch.uint8), outs[0][0].view(torch.uint8)) and torch.equal(s, outs[0][1])
+        assert_h_close(h, outs[0][2], 4096)
+
+
+def test_grouped_reference_equals_reference_module():
+    case = make_case(30, 4, 16, 64, 2, seed=1)
+    torch.testing.assert_close(grouped_h(case["x"], case["As"], case["ids"]),
+                               torch.stack(reference.lora_shrink(case["x"], case["As"], case["ids"])),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_select_splits_and_capacity():
+    pre = set(K1.prebuild_configs())
+    for s, ks in K1.projection_ks().items():
+        for k in ks:
+            for r in K1.RANKS:
+                cfg = K1.select(s, k, r)
+                assert cfg in pre
+                assert cfg.smem_bytes <= K1.SMEM_LIMIT
+                for m in (33, 64, 100, 511, 2048, 8192):
+                    (sx, ty, _), cl = K1.grid(k, m, cfg)
+                    assert cl == (sx, 1, 1) and 1 <= sx <= K1.MAX_SPLITS and ty == -(-m // cfg.bm)
+                    nkb = -(-k // K1.BK)
+                    per = -(-nkb // sx)
+                    assert per <= cfg.nkb  # the resident chunk holds every CTA's share
+                    assert nkb - (sx - 1) * per >= 1  # no split without k-blocks
+    with pytest.raises(ValueError, match="exceeds"):
+        K1.select(1, 40000, 64)
+
+
+def test_config_shapes():
+    for c in K1.prebuild_configs():
+        assert c.rank_pad % (c.wn * 16) == 0 and c.threads <= 256
+        assert c.threads // 8 <= min(c.bm, c.rank_pad)
+        assert c.rank_pad // c.wn // 2 <= 64  # fp32 accumulators per thread
+
+
+def test_params_declaration():
+    p = K1.params(K1.Config(rank=64, num_slices=3))
+    assert [x.size for x in p] == [24, 24, 16, 24] + [16] * 5 + [24] * 3 + [4]
+
+
+def _cpu_case():
+    return make_case(20, 4, 16, 64, 2, seed=2)
+
+
+@pytest.mark.parametrize("mutate,exc,match", [
+    (lambda c: c.update(x=c["x"].float()), TypeError, "bfloat16"),
+    (lambda c: c.update(x=c["x"][:, :60]), ValueError, "K % 8"),
+    (lambda c: c.update(As=[c["As"][0], c["As"][1][:, :, :8].contiguous()]), ValueError, "every slice"),
+    (lambda c: c.update(As=[c["As"][0].float()]), TypeError, "bfloat16"),
+    (lambda c: c.update(As=[c["As"][0]] * 5), ValueError, "1..4"),
+    (lambda c: c.update(codes=torch.empty(20, 64, dtype=torch.uint8)), ValueError, "codes"),
+    (lambda c: c.update(scales=torch.empty(19, 1)), ValueError, "scales"),
+    (lambda c: c.update(h=torch.empty(2, 20, 8)), ValueError, "h must be"),
+    (lambda c: c.update(meta=build_meta(c["ids"][:10], 4)), ValueError, "metadata"),
+    (lambda c: c.update(slot_ranks=torch.ones(4)), TypeError, "int32"),
+    (lambda c: None, ValueError, "CUDA"),
+])
+def test_bad_input(mutate, exc, match):
+    c = _cpu_case()
+    c.update(codes=None, scales=None, h=None, slot_ranks=None)
+    mutate(c)
+    with pytest.raises(exc, match=match):
+        K1.k1_quant_shrink(c["x"], c["As"], c["meta"], c["codes"], c["scales"], c["h"], c["slot_ranks"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Compile for sm_90a (no GPU): PTX instructions, parameter ABI, shared memory
+# ---------------------------------------------------------------------------------------------
+
+
+def ptx_problems(ptx: str) -> list[str]:
+    import re
+
+    bad = []
+    for ins in ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+                "cp.async.cg.shared.global", "barrier.cluster.arrive", "barrier.cluster.wait",
+                "mapa.shared::cluster.u32", "ld.shared::cluster.f32",  # DSMEM split-K reduction
+                "div.rn.f32", "cvt.rn.satfinite.e4m3x2.f32", "max.f32", "min.f32", "abs.f32"):  # exact quant
+        if ins not in ptx:
+            bad.append(f"missing {ins}")
+    for ins in ("div.approx", "div.full", ".ftz", "max.NaN", "min.NaN", "griddepcontrol"):
+        if ins in ptx:
+            bad.append(f"unexpected {ins}")
+    for pat in (r"\.local\b", r"^\s*(?:@%p\d+\s+)?(?:atom|red)\."):  # no spills, no atomics
+        if re.search(pat, ptx, re.M):
+            bad.append(f"unexpected {pat}")
+    return bad
+
+
+@needs_dsl
+@pytest.mark.parametrize("cfg", FAST, ids=lambda c: c.name())
+def test_compiles_with_required_instructions(cfg):
+    r = check_config(K1, cfg, ptx_problems)
+    assert not r["problems"], r
+
+
+@needs_dsl
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", K1.prebuild_configs(), ids=lambda c: c.name())
+def test_prebuild_set_compiles(cfg):
+    r = check_config(K1, cfg, ptx_problems)
+    assert not r["problems"], r
+
+
+def test_dsl46_fast_subset():
+    run_dsl46(Path(__file__).resolve(), "fast", 600)
+
+
+@pytest.mark.slow
+def test_dsl46_prebuild_set():
+    run_dsl46(Path(__file__).resolve(), "all", 3600)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (the integrator runs these on the H200): launches through epilora_cute.kernels.get_kernel
+# ---------------------------------------------------------------------------------------------
+
+GPU_MS = (33, 64, 100, 256, 511, 2048, 8192)
+
+
+def _hopper():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+
+
+def _poisoned(M, K, S, R):
+    codes = torch.full((M, K), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)  # NaN codes
+    scales = torch.full((M, 1), float("nan"), device="cuda")
+    h = torch.full((S, M, R), float("nan"), device="cuda")
+    return codes, scales, h
+
+
+def _check(case, codes, scales, h, K):
+    assert_quant_exact(codes, scales, case["x"])
+    want = grouped_h(case["x"], case["As"], case["ids"])
+    assert_h_close(h, want, K)
+    assert not h[:, case["ids"] < 0].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("L", (1, 8, 32))
+@pytest.mark.parametrize("M", GPU_MS)
+def test_gpu_matches_reference(M, L):
+    """qkv-like: K = 4096, three slices, rank 64, mixed effective ranks, -1 tokens, poisoned outputs."""
+    _hopper()
+    K, S, R = 4096, 3, 64
+    slot_ranks = torch.tensor([(16, 32, 64, 0)[i % 4] if L > 1 else 64 for i in range(L)], dtype=torch.int32)
+    case = make_case(M, L, R, K, S, seed=M * 3 + L, slot_ranks=slot_ranks, device="cuda", spread=True,
+                     specials=True)
+    codes, scales, h = _poisoned(M, K, S, R)
+    out = K1.k1_quant_shrink(case["x"], case["As"], case["meta"], codes, scales, h, case["slot_ranks"])
+    assert out[0] is codes and out[1] is scales and out[2] is h
+    torch.cuda.synchronize()
+    _check(case, codes, scales, h, K)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,R", [(12288, 64), (14336, 128), (3696, 16), (29568, 64), (4096, 256), (2048, 8)])
+@pytest.mark.parametrize("M", (64, 2048))
+def test_gpu_down_projection_shapes(M, K, R):
+    """One slice, long K (the resident-chunk configurations with bm 32/16), no slot ranks."""
+    _hopper()
+    case = make_case(M, 8, R, K, 1, seed=K + R + M, device="cuda", spread=True)
+    codes, scales, h = _poisoned(M, K, 1, R)
+    K1.k1_quant_shrink(case["x"], case["As"], case["meta"], codes, scales, h)
+    torch.cuda.synchronize()
+    _check(case, codes, scales, h, K)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", (1, 2, 5, 8))
+def test_gpu_explicit_splits(splits):
+    _hopper()
+    K = 4096
+    case = make_case(300, 8, 64, K, 1, seed=splits, device="cuda")
+    cfg = K1.select(1, 8 * 4096, 64)  # a prebuilt configuration holding K = 4096 in one CTA
+    assert cfg.kc == 4096
+    codes, scales, h = _poisoned(300, K, 1, 64)
+    K1.k1_quant_shrink(case["x"], case["As"], case["meta"], codes, scales, h, config=cfg, splits=splits)
+    torch.cuda.synchronize()
+    _check(case, codes, scales, h, K)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", (100, 2048))
+def test_gpu_bitwise_deterministic(M):
+    _hopper()
+    K, S, R = 4096, 3, 64
+    case = make_case(M, 32, R, K, S, seed=11, device="cuda")
+    first = None
+    for _ in range(5):
+        codes, scales, h = _poisoned(M, K, S, R)
+        K1.k1_quant_shrink(case["x"], case["As"], case["meta"], codes, scales, h)
+        cur = (codes.view(torch.uint8).clone(), scales.view(torch.int32).clone(), h.view(torch.int32).clone())
+        if first is None:
+            first = cur
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(cur, first))
+
+
+@pytest.mark.gpu
+def test_gpu_k1_then_expand_add_equals_reference_delta():
+    """The hybrid path's adapter part end to end: y + expand(K1's h) vs y + reference delta."""
+    _hopper()
+    from kernels_dsl import expand_add as E
+
+    M, L, R, K, widths = 700, 8, 64, 4096, (4096, 1024, 1024)
+    case = make_case(M, L, R, K, len(widths), seed=21, device="cuda")
+    g = torch.Generator().manual_seed(22)
+    bs = [(torch.randn(L, 1, w, R, generator=g) * 0.05).bfloat16().cuda() for w in widths]
+    y = torch.randn(M, sum(widths), generator=g).bfloat16().cuda()
+    y0 = y.clone()
+    _, _, h = K1.k1_quant_shrink(case["x"], case["As"], case["meta"])
+    E.expand_add(y, h, bs, case["meta"])
+    torch.cuda.synchronize()
+    ids = case["ids"]
+    d = reference.lora_expand(list(grouped_h(case["x"], case["As"], ids).to(torch.bfloat16).float()), bs, ids)
+    want = (y0.float() + d).to(torch.bfloat16)
+    err = (y.float() - want.float()).abs()
+    assert float((err - want.float().abs() * 2.0 ** -6).max()) <= 0.02
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay():
+    _hopper()
+    K, S, R, M = 4096, 2, 64, 256
+    case = make_case(M, 8, R, K, S, seed=31, device="cuda")
+    codes, scales, h = _poisoned(M, K, S, R)
+    K1.k1_quant_shrink(case["x"], case["As"], case["meta"], codes, scales, h)  # load outside the capture
+    codes, scales, h = _poisoned(M, K, S, R)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        K1.k1_quant_shrink(case["x"], case["As"], case["meta"], codes, scales, h)
+    g.replay()
+    torch.cuda.synchronize()
+    _check(case, codes, scales, h, K)
+
+
+if __name__ == "__main__":
+    import importlib.metadata
+
+    which = sys.argv[1] if len(sys.argv) > 1 else "fast"
+    results = []
+    for cfg in (FAST if which == "fast" else K1.prebuild_configs()):
+        try:
+            results.append(check_config(K1, cfg, ptx_problems))
+        except Exception as e:  # report, don't stop: one JSON line with everything
+            results.append({"family": K1.FAMILY, "config": cfg.name(), "problems": [f"{type(e).__name__}: {e}"[:2000]]})
+    print("RESULTS " + json.dumps({"dsl_version": importlib.metadata.version("nvidia-cutlass-dsl"),
+                                   "results": results}))
