@@ -9,6 +9,7 @@ Columns, all from one run (CUDA-graph replays, L2 flushed before each, median):
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,19 +95,26 @@ class VllmPath:
 OUR_PATHS: dict[str, object] = {}
 
 
+# Which of our paths to time (EPILORA_BENCH_OURS, comma-separated; default all of them).
+OUR_PATH_ARGS = {"no_adapter": ("no_adapter", True), "decode": ("decode", True),
+                 "decode_nopdl": ("decode", False), "triton": ("triton", True)}
+
+
 def _register_our_paths() -> None:
     try:
         from epilora_cute import ops
     except Exception:
         return
-    if hasattr(ops, "lora_linear_fp8"):
-        def make(path: str, pdl: bool = True):
-            def build(c: LayerCase):
-                return lambda: ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=c.y,
-                                                   path=path, pdl=pdl)
-            return build
-        OUR_PATHS.update({"ours_no_adapter": make("no_adapter"), "ours_decode": make("decode"),
-                          "ours_decode_nopdl": make("decode", pdl=False)})
+    wanted = os.environ.get("EPILORA_BENCH_OURS", ",".join(OUR_PATH_ARGS)).split(",")
+
+    def make(path: str, pdl: bool):
+        def build(c: LayerCase):
+            return lambda: ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=c.y,
+                                               path=path, pdl=pdl)
+        return build
+    for name in wanted:
+        if name in OUR_PATH_ARGS:
+            OUR_PATHS[f"ours_{name}"] = make(*OUR_PATH_ARGS[name])
 
 
 def bench_layer(quick: bool) -> list[dict]:
@@ -119,7 +127,9 @@ def bench_layer(quick: bool) -> list[dict]:
     _register_our_paths()
     bw = read_bandwidth_gbs()
     rows = []
-    tokens = [1, 4, 16, 32] if quick else [1, 2, 4, 8, 16, 32]
+    env_tokens = os.environ.get("EPILORA_BENCH_TOKENS")
+    tokens = ([int(t) for t in env_tokens.split(",")] if env_tokens else
+              [1, 4, 16, 32] if quick else [1, 2, 4, 8, 16, 32])
     ranks = [64] if quick else [16, 64, 128]
     for rank in ranks:
         for m in tokens:
@@ -137,9 +147,10 @@ def bench_layer(quick: bool) -> list[dict]:
                     row[f"{name}_us"] = time_graph(lambda: [f() for f in fns])
                 except Exception as e:  # a path that can't run is reported, not fatal to the bench
                     row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
-            if "vllm_lora_us" in row and "ours_decode_us" in row:
-                row["decode_over_vllm"] = row["ours_decode_us"] / row["vllm_lora_us"]
-                row["decode_over_floor"] = row["ours_decode_us"] / row["floor_us"]
+            if "vllm_lora_us" in row:
+                for name in OUR_PATHS:
+                    if f"{name}_us" in row:
+                        row[f"{name}_over_vllm"] = row[f"{name}_us"] / row["vllm_lora_us"]
             rows.append(row)
             print("layer " + "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                                        for k, v in row.items() if k != "section"), flush=True)
