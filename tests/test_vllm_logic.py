@@ -368,3 +368,16 @@ def test_shape_reason(monkeypatch):
     monkeypatch.setattr(fused, "_ops_module", lambda: ops)
     assert fused.shape_reason("cuda", 64, 72, 16, 1) == "K % 16"
     assert fused.shape_reason("cuda", 64, 64, 16, 1) is None
+
+
+def test_call_contract_with_epilora_cute_ops():
+    """The arguments the plugin hands epilora_cute.ops.lora_linear_fp8 (on the CPU it takes its
+    reference path): vLLM-shaped buffers, a [1] scale view, metadata rebuilt inside the custom op."""
+    op = fused.fused_op()
+    if op is None:
+        pytest.skip("epilora_cute.ops.lora_linear_fp8 not present")
+    x, w_q, w_s, a, b, ids = _problem()
+    meta = custom_op._meta_from_tensors(x, [getattr(build_meta(ids, 3, 16), f) for f in custom_op.META_FIELDS])
+    assert meta.num_tokens == x.shape[0] and meta.max_loras == 3
+    y = op(x, w_q, w_s.reshape(()).reshape(1), list(a), list(b), meta)
+    assert torch.equal(y, lora_linear(x, w_q, w_s, list(a), list(b), ids).to(torch.bfloat16))

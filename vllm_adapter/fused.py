@@ -2,8 +2,8 @@
 
 ``lora_linear_fp8`` picks, per call:
 
-1. ``epilora_cute.ops.lora_linear_fp8`` (CuTe-DSL, Hopper) on a CUDA device of capability
-   >= 9.0, when that function exists;
+1. ``epilora_cute.ops.lora_linear_fp8`` on a CUDA device of capability >= 9.0 (its own "auto"
+   path: the CuTe-DSL decode kernels on sm_90a for small batches, else the Triton kernels);
 2. the portable Triton path (``vllm_adapter.triton_path.triton_lora_linear``) where
    ``triton_path_applies(device)`` (Ada, or any GPU with EPILORA_FORCE_TRITON=1);
 3. the reference math (``epilora_cute.reference.lora_linear``) otherwise: CPU tests, and
