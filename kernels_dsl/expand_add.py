@@ -530,7 +530,7 @@ def expand_add(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks
         raise TypeError("h must be a 3-D float32 tensor [num_slices, M, rank]")
     if h.shape[0] != S or h.shape[1] < M or h.shape[2] != R or h.device != y.device:
         raise ValueError(f"h must be [{S}, >= {M}, {R}] on {y.device}, got {tuple(h.shape)}")
-    if h.stride(2) != 1 or h.stride(1) != R or h.stride(0) % 4 or h.data_ptr() % 16:
+    if h.stride(2) != 1 or h.stride(1) != R or h.stride(0) % R or h.data_ptr() % 16:
         raise ValueError("h must be row-major over [M, rank] with a 16-byte aligned base")
     _check_meta(meta, M, y.device)
     check_slot_ranks(slot_ranks, L, y.device)
