@@ -5,9 +5,10 @@ run:            ## the main job: prebuild the kernel set + reference demo (no GP
 	@tools/setup_env.sh
 	@.venv/bin/python -m epilora_cute.main
 
-test:           ## the test suite (GPU tests skip cleanly without a GPU)
+test:           ## the test suite (GPU tests skip cleanly without a GPU), then the plugin against real vLLM
 	@tools/setup_env.sh
 	@.venv/bin/python -m pytest -q
+	@tools/test_vllm_cpu.sh tests/test_metadata.py
 
 prebuild:       ## compile every kernel for sm_90a into ./.epilora_cache (carried to the H200)
 	@tools/setup_env.sh

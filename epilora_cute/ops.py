@@ -103,6 +103,36 @@ def quantize_fp8_per_token(x: torch.Tensor, codes: torch.Tensor | None = None,
 
 DECODE_MAX_TOKENS = 32
 PATHS = ("auto", "decode", "no_adapter", "triton", "reference")
+# The CuTe decode path (shrink + K2) compiles and passes its CPU emulation but has not yet run
+# correctly on a GPU (first H200 contact: K2 hangs, docs/perf.md v0.3). Until a GPU record shows it
+# correct, "auto" never picks it; EPILORA_DECODE_PATH=1 opts in (tests and benchmarks pass
+# path="decode" explicitly).
+DECODE_PATH_ENV = "EPILORA_DECODE_PATH"
+
+
+def _decode_enabled() -> bool:
+    import os
+
+    return os.environ.get(DECODE_PATH_ENV, "0") == "1"
+
+
+def supports_device(device: torch.device) -> bool:
+    """Whether lora_linear_fp8 has a GPU path for this device (the Triton path: sm_89 and newer)."""
+    device = torch.device(device)
+    return device.type == "cuda" and tuple(torch.cuda.get_device_capability(device)) >= (8, 9)
+
+
+def lora_linear_fp8_unsupported(n: int, k: int, rank: int, num_slices: int) -> str | None:
+    """Why no GPU path can take a layer of these shapes (None: one can); asked once per layer."""
+    from vllm_adapter.triton_path import MAX_RANK
+
+    if not 1 <= rank <= MAX_RANK:
+        return f"rank {rank} outside 1..{MAX_RANK}"
+    if k % 8:
+        return f"K={k} is not a multiple of 8 (16-byte rows)"
+    if num_slices < 1 or n < num_slices:
+        return f"{num_slices} output slices for N={n}"
+    return None
 
 
 class _Persistent:
@@ -225,8 +255,9 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     Paths: "decode" (≤ 32 tokens, sm_90a: the shrink kernel with the quantization CTAs, then K2
     as its PDL dependent — two launches; ``pdl=False`` serializes them), "no_adapter" (quantize +
     K2 without the epilogue add: for batches where no token has an adapter), "triton" (the
-    portable two-kernel path), "reference" (torch, any device). "auto" takes the decode path where
-    it applies, else the Triton path on GPUs, else the reference.
+    portable two-kernel path), "reference" (torch, any device). "auto" takes the Triton path on
+    GPUs and the reference elsewhere; with EPILORA_DECODE_PATH=1 it takes the decode path where
+    that applies (opt-in until the decode path has a GPU record).
     """
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
@@ -240,7 +271,7 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     if path == "auto":
         if not x.is_cuda:
             path = "reference"
-        elif _decode_reason(x, w_q, widths, rank, a, b) is None:
+        elif _decode_enabled() and _decode_reason(x, w_q, widths, rank, a, b) is None:
             path = "decode"
         else:
             path = "triton"

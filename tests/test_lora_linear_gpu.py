@@ -33,7 +33,8 @@ def _reference(x, wq, ws, a, b, mapping):
 @pytest.mark.parametrize("proj", list(QWEN3_8B))
 @pytest.mark.parametrize("m", [1, 3, 8, 16, 31, 32])
 @pytest.mark.parametrize("path", ["decode", "auto"])
-def test_decode_path_matches_reference(proj, m, path):
+def test_decode_path_matches_reference(proj, m, path, monkeypatch):
+    monkeypatch.setenv("EPILORA_DECODE_PATH", "1")
     widths, k = QWEN3_8B[proj]
     x, wq, ws, a, b, mapping = _case(widths, k, m, seed=m)
     meta = build_meta(mapping, 4)

@@ -78,3 +78,17 @@ def test_lora_linear_bad_input(mutate, exc, match):
     mutate(c)
     with pytest.raises(exc, match=match):
         ops.lora_linear_fp8(c["x"], c["wq"], c["ws"], c["a"], c["b"], meta, out=c["out"], path=c["path"])
+
+
+def test_auto_never_takes_the_unverified_decode_path_by_default(monkeypatch):
+    monkeypatch.delenv("EPILORA_DECODE_PATH", raising=False)
+    assert not ops._decode_enabled()
+    monkeypatch.setenv("EPILORA_DECODE_PATH", "1")
+    assert ops._decode_enabled()
+
+
+def test_plugin_hooks():
+    assert ops.supports_device(torch.device("cpu")) is False
+    assert ops.lora_linear_fp8_unsupported(6144, 4096, 64, 3) is None
+    assert "rank" in ops.lora_linear_fp8_unsupported(6144, 4096, 1024, 3)
+    assert "multiple of 8" in ops.lora_linear_fp8_unsupported(6144, 4100, 64, 3)
