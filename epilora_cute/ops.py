@@ -102,7 +102,7 @@ def quantize_fp8_per_token(x: torch.Tensor, codes: torch.Tensor | None = None,
 # The fused LoRA linear: y = quant(x) @ W_q^T * s_x * s_w + per-token adapter update.
 
 DECODE_MAX_TOKENS = 32
-PATHS = ("auto", "decode", "no_adapter", "triton", "reference")
+PATHS = ("auto", "decode", "no_adapter", "hybrid", "triton", "reference")
 # The CuTe decode path (shrink + K2) compiles and passes its CPU emulation but has not yet run
 # correctly on a GPU (first H200 contact: K2 hangs, docs/perf.md v0.3). Until a GPU record shows it
 # correct, "auto" never picks it; EPILORA_DECODE_PATH=1 opts in (tests and benchmarks pass
@@ -252,7 +252,8 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     optional int32 [max_loras] of effective ranks (work beyond them is skipped). Returns y [M, N]
     bf16 (written into ``out`` when given).
 
-    Paths: "decode" (≤ 32 tokens, sm_90a: the shrink kernel with the quantization CTAs, then K2
+    Paths: "hybrid" (K1 + the vendor FP8 GEMM + our expand-add; any batch size on sm_90a; not yet
+    verified on a GPU, so never chosen by "auto"), "decode" (≤ 32 tokens, sm_90a: the shrink kernel with the quantization CTAs, then K2
     as its PDL dependent — two launches; ``pdl=False`` serializes them), "no_adapter" (quantize +
     K2 without the epilogue add: for batches where no token has an adapter), "triton" (the
     portable two-kernel path), "reference" (torch, any device). "auto" takes the Triton path on
@@ -281,12 +282,46 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     if path == "triton":
         from vllm_adapter.triton_path import triton_lora_linear
         return triton_lora_linear(x, w_q, w_scale, a, b, meta, out=out)
+    if path == "hybrid":
+        if arch_of(x) is None:
+            raise ValueError("path='hybrid' does not apply: it needs a CUDA GPU with a CuTe target")
+        return _hybrid_path(x, w_q, w_scale, a, b, meta, out, slot_ranks)
     reason = _decode_reason(x, w_q, widths, rank, a, b)
     if reason is not None:
         raise ValueError(f"path={path!r} does not apply: {reason}")
     if path == "no_adapter":
         return _k2_no_adapter(x, w_q, w_scale, widths, out)
     return _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl)
+
+
+def vendor_fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """The vendor FP8 GEMM with per-token x and per-tensor W scales: vLLM's CUTLASS kernel when
+    vLLM is importable, else cuBLAS through torch._scaled_mm (row-wise scales)."""
+    try:
+        from vllm import _custom_ops as vops
+    except Exception:  # noqa: BLE001 - vLLM absent or its ops unbuilt: use cuBLAS
+        vops = None
+    sx = x_scale.reshape(-1, 1)
+    if vops is not None and hasattr(vops, "cutlass_scaled_mm"):
+        y = vops.cutlass_scaled_mm(x_q, w_q.t(), scale_a=sx, scale_b=w_scale.reshape(1), out_dtype=torch.bfloat16)
+    else:
+        sw = w_scale.reshape(1, 1).expand(1, w_q.shape[0]).contiguous()
+        y = torch._scaled_mm(x_q, w_q.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16)
+    if out is None:
+        return y
+    return out.copy_(y)
+
+
+def _hybrid_path(x, w_q, w_scale, a, b, meta, out, slot_ranks):
+    """K1 (bit-exact quantization + split-K shrink, one launch), the vendor FP8 GEMM, then our
+    expand-add into its output: three launches instead of vLLM's four."""
+    from kernels_dsl.expand_add import expand_add
+    from kernels_dsl.k1_shrink import k1_quant_shrink
+
+    codes, scales, h = k1_quant_shrink(x, a, meta, slot_ranks=slot_ranks)
+    vendor_fp8_gemm(codes, scales, w_q, w_scale, out=out)
+    return expand_add(out, h, b, meta, slot_ranks=slot_ranks)
 
 
 def _launch_spec(kernel, spec, pdl: bool) -> None:

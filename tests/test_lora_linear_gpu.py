@@ -94,3 +94,22 @@ def test_auto_above_decode_sizes_takes_the_triton_path(m):
     x, wq, ws, a, b, mapping = _case(widths, k, m, seed=m)
     y = ops.lora_linear_fp8(x, wq, ws, a, b, build_meta(mapping, 4))
     assert _rel_err(y, _reference(x, wq, ws, a, b, mapping)) < 1e-2
+
+
+@pytest.mark.parametrize("m", [33, 256, 2048])
+@pytest.mark.parametrize("proj", ["qkv", "down"])
+def test_hybrid_path_matches_reference(proj, m):
+    widths, k = QWEN3_8B[proj]
+    x, wq, ws, a, b, mapping = _case(widths, k, m, seed=m + 1)
+    out = torch.full((m, sum(widths)), float("nan"), dtype=torch.bfloat16, device="cuda")
+    y = ops.lora_linear_fp8(x, wq, ws, a, b, build_meta(mapping, 4), out=out, path="hybrid")
+    assert not torch.isnan(y).any()
+    assert _rel_err(y, _reference(x, wq, ws, a, b, mapping)) < 1e-2
+
+
+def test_vendor_gemm_is_the_base_gemm():
+    widths, k = QWEN3_8B["o"]
+    x, wq, ws, _, _, _ = _case(widths, k, 64, seed=3)
+    codes, scales = ops.quantize_fp8_per_token(x)
+    y = ops.vendor_fp8_gemm(codes, scales, wq, ws)
+    assert _rel_err(y, reference.fp8_scaled_mm(codes, scales, wq, ws)) < 5e-3

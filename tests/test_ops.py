@@ -92,3 +92,9 @@ def test_plugin_hooks():
     assert ops.lora_linear_fp8_unsupported(6144, 4096, 64, 3) is None
     assert "rank" in ops.lora_linear_fp8_unsupported(6144, 4096, 1024, 3)
     assert "multiple of 8" in ops.lora_linear_fp8_unsupported(6144, 4100, 64, 3)
+
+
+def test_hybrid_path_needs_a_gpu():
+    x, wq, ws, a, b, meta, _ = _linear_case()
+    with pytest.raises(ValueError, match="hybrid"):
+        ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="hybrid")
