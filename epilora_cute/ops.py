@@ -7,6 +7,7 @@ taken only where the result is identical (the quantization) or explicitly reques
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -77,24 +78,25 @@ def quantize_fp8_per_token(x: torch.Tensor, codes: torch.Tensor | None = None,
                            or scales.stride(0) != 1):
         reason = "codes must be row-contiguous (stride multiple of 8, 16-byte aligned) and scales contiguous"
     if reason is not None:
-        if x.is_cuda:
-            _warn_once(reason, f"quantize_fp8_per_token: using the torch reference ({reason})")
-        c, s = reference.quantize_fp8_per_token(x)
-        codes.copy_(c)
-        scales.copy_(s)
-        return codes, scales
+        return _reference_quant_into(x, codes, scales, reason if x.is_cuda else None)
     from kernels_dsl import fp8_quant
 
     cfg = fp8_quant.config_for(k)
     try:
         kernel = get_kernel(fp8_quant, cfg, arch_of(x))
     except KernelUnavailable as e:  # no cached build and no DSL to make one: same result, slower
-        _warn_once(str(e), f"quantize_fp8_per_token: using the torch reference ({e})")
-        c, s = reference.quantize_fp8_per_token(x)
-        codes.copy_(c)
-        scales.copy_(s)
-        return codes, scales
+        return _reference_quant_into(x, codes, scales, str(e))
     kernel(x, codes, scales, grid=(m, 1, 1), smem=cfg.smem_bytes)
+    return codes, scales
+
+
+def _reference_quant_into(x, codes, scales, warn_reason: str | None):
+    """The bit-identical torch fallback, written into the caller's buffers (warned once)."""
+    if warn_reason is not None:
+        _warn_once(warn_reason, f"quantize_fp8_per_token: using the torch reference ({warn_reason})")
+    c, s = reference.quantize_fp8_per_token(x)
+    codes.copy_(c)
+    scales.copy_(s)
     return codes, scales
 
 
@@ -111,8 +113,6 @@ DECODE_PATH_ENV = "EPILORA_DECODE_PATH"
 
 
 def _decode_enabled() -> bool:
-    import os
-
     return os.environ.get(DECODE_PATH_ENV, "0") == "1"
 
 
