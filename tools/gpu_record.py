@@ -22,27 +22,49 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def run_tests(out: Path, paths: list[str]) -> dict:
-    junit = out / "gpu_tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *paths]
-    t0 = time.time()
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    (out / "gpu_tests.log").write_text(r.stdout + r.stderr)
-    cases = []
-    if junit.exists():
-        for tc in ET.parse(junit).getroot().iter("testcase"):
-            outcome = "passed"
-            msg = ""
-            for tag in ("failure", "error", "skipped"):
-                el = tc.find(tag)
-                if el is not None:
-                    outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
-                    msg = (el.get("message") or "")[:300]
-            cases.append({"test": f"{tc.get('classname')}::{tc.get('name')}", "outcome": outcome,
-                          "seconds": float(tc.get("time", 0)), "message": msg})
+def _gpu_test_files(paths: list[str]) -> list[Path]:
+    files = []
+    for p in paths:
+        p = ROOT / p
+        files += sorted(p.glob("test_*.py")) if p.is_dir() else [p]
+    return files
+
+
+def run_tests(out: Path, paths: list[str], file_timeout: int) -> dict:
+    """Each test file in its own pytest process with a time limit, so that a kernel that hangs
+    costs one file's results (reported as such), not the whole record."""
+    cases, logs, exit_code, t0 = [], [], 0, time.time()
+    for f in _gpu_test_files(paths):
+        junit = out / f"junit_{f.stem}.xml"
+        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
+               str(f.relative_to(ROOT))]
+        try:
+            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=file_timeout)
+            logs.append(r.stdout + r.stderr)
+            if r.returncode not in (0, 5):  # 5: nothing selected in this file
+                exit_code = r.returncode
+        except subprocess.TimeoutExpired as e:
+            out_txt = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            logs.append(out_txt + f"\n[gpu_record] {f.name} killed after {file_timeout} s")
+            cases.append({"test": f"{f.stem}::*", "outcome": "error", "seconds": float(file_timeout),
+                          "message": f"the file did not finish within {file_timeout} s (a kernel hang?)"})
+            exit_code = exit_code or 124
+            continue
+        if junit.exists():
+            for tc in ET.parse(junit).getroot().iter("testcase"):
+                outcome, msg = "passed", ""
+                for tag in ("failure", "error", "skipped"):
+                    el = tc.find(tag)
+                    if el is not None:
+                        outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+                        msg = (el.get("message") or "")[:300]
+                cases.append({"test": f"{tc.get('classname')}::{tc.get('name')}", "outcome": outcome,
+                              "seconds": float(tc.get("time", 0)), "message": msg})
+    (out / "gpu_tests.log").write_text("\n".join(logs))
     counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error", "skipped")}
-    return {"command": " ".join(cmd[1:]), "exit_code": r.returncode, "seconds": time.time() - t0,
-            "counts": counts, "cases": cases, "tail": (r.stdout + r.stderr)[-4000:]}
+    return {"command": f"pytest -m gpu per file ({file_timeout} s each): " + " ".join(paths),
+            "exit_code": exit_code, "seconds": time.time() - t0, "counts": counts, "cases": cases,
+            "tail": "\n".join(logs)[-4000:]}
 
 
 def run_bench(out: Path, sections: str | None, quick: bool) -> dict:
@@ -69,7 +91,7 @@ def write_markdown(rep: dict, path: Path) -> None:
              f"triton {env.get('triton')}, vLLM {env.get('vllm')}, nvidia-cutlass-dsl on the GPU machine: "
              f"{env.get('nvidia-cutlass-dsl')}, kernels built by: {rep.get('kernel_builds')}",
              f"- git commit: {rep['git']}",
-             f"- command: `python tools/gpu_record.py` ({rep['seconds']:.0f} s)",
+             f"- command: `python tools/gpu_record.py` ({rep["seconds"]:.0f} s)",
              f"- measured read bandwidth: {env.get('read_bandwidth_gbs', float('nan')):.0f} GB/s", "",
              f"## Tests: {t['counts']['passed']} passed, {t['counts']['failed']} failed, "
              f"{t['counts']['error']} errors, {t['counts']['skipped']} skipped (exit {t['exit_code']})", ""]
@@ -98,6 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tests", nargs="*", default=["tests"])
     ap.add_argument("--bench-sections", default=None)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--file-timeout", type=int, default=300, help="seconds per test file before it is killed")
     args = ap.parse_args(argv)
     import torch
     if not torch.cuda.is_available():
@@ -110,7 +133,7 @@ def main(argv=None) -> int:
         ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
     dirty = os.environ.get("EPILORA_GIT_DIRTY", "") or subprocess.run(
         ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    tests = run_tests(args.out, args.tests)
+    tests = run_tests(args.out, args.tests, args.file_timeout)
     print(f"tests: {tests['counts']}", flush=True)
     bench = run_bench(args.out, args.bench_sections, args.quick)
     print(bench.get("tail", "")[-2500:], flush=True)
