@@ -91,7 +91,7 @@ def write_markdown(rep: dict, path: Path) -> None:
              f"triton {env.get('triton')}, vLLM {env.get('vllm')}, nvidia-cutlass-dsl on the GPU machine: "
              f"{env.get('nvidia-cutlass-dsl')}, kernels built by: {rep.get('kernel_builds')}",
              f"- git commit: {rep['git']}",
-             f"- command: `python tools/gpu_record.py` ({rep["seconds"]:.0f} s)",
+             f"- command: `python tools/gpu_record.py` ({rep['seconds']:.0f} s)",
              f"- measured read bandwidth: {env.get('read_bandwidth_gbs', float('nan')):.0f} GB/s", "",
              f"## Tests: {t['counts']['passed']} passed, {t['counts']['failed']} failed, "
              f"{t['counts']['error']} errors, {t['counts']['skipped']} skipped (exit {t['exit_code']})", ""]
