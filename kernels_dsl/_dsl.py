@@ -217,3 +217,12 @@ def fake_stream():
     return cuda.CUstream(0)
 
 
+def compile_with_smem(kernel, fake_args, options: str):
+    """cute.compile(kernel, *fake_args) with no GPU; the result carries ``epilora_smem_bytes``, the
+    DSL's own size of the kernel's shared-storage struct (what the launch must reserve)."""
+    f = cute.compile(kernel, *fake_args, options=options)
+    try:
+        f.epilora_smem_bytes = int(kernel.smem_size)
+    except AttributeError:  # a compiled object that refuses new attributes
+        pass
+    return f

@@ -52,6 +52,8 @@ try:  # the DSL is needed to compile, not to launch a cached build
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.nvgpu import cpasync, warp
+
+    from . import _dsl
 except ImportError:  # pragma: no cover - GPU machines without nvidia-cutlass-dsl
     cutlass = cute = None
 
@@ -410,13 +412,7 @@ def _fake_args(cfg: Config):
 def compile(config: Config, options: str = "--gpu-arch sm_90a"):
     """Compile for the target in ``options`` from fake tensors (no GPU needed). The result carries
     ``epilora_smem_bytes``: the DSL's own size of the kernel's shared-storage struct."""
-    k = _ExpandAddKernel(config)
-    f = cute.compile(k, *_fake_args(config), options=options)
-    try:
-        f.epilora_smem_bytes = int(k.smem_size)
-    except AttributeError:  # a compiled object that refuses new attributes
-        pass
-    return f
+    return _dsl.compile_with_smem(_ExpandAddKernel(config), _fake_args(config), options)
 
 
 # ---------------------------------------------------------------------------------------------

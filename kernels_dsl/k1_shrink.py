@@ -500,13 +500,7 @@ def _fake_args(cfg: Config):
 def compile(config: Config, options: str = "--gpu-arch sm_90a"):
     """Compile for the target in ``options`` from fake tensors (no GPU needed). The result carries
     ``epilora_smem_bytes``: the DSL's own size of the kernel's shared-storage struct."""
-    k = _K1Kernel(config)
-    f = cute.compile(k, *_fake_args(config), options=options)
-    try:
-        f.epilora_smem_bytes = int(k.smem_size)
-    except AttributeError:  # a compiled object that refuses new attributes
-        pass
-    return f
+    return D.compile_with_smem(_K1Kernel(config), _fake_args(config), options)
 
 
 # ---------------------------------------------------------------------------------------------

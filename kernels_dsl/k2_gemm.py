@@ -540,13 +540,7 @@ def _fake_args(cfg: Config):
 def compile(config: Config, options: str = "--gpu-arch sm_90a"):
     """cute.compile of one configuration with fake tensors (no GPU needed). The result carries
     `epilora_smem_bytes`: the dynamic shared memory the launch needs."""
-    k = _K2Kernel(config)
-    f = cute.compile(k, *_fake_args(config), options=options)
-    try:
-        f.epilora_smem_bytes = int(k.smem_size)
-    except AttributeError:  # a compiled object that refuses new attributes: keep it reachable
-        pass
-    return f
+    return D.compile_with_smem(_K2Kernel(config), _fake_args(config), options)
 
 
 def params(config: Config) -> list:

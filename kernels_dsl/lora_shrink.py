@@ -348,13 +348,7 @@ def _fake_args(cfg: Config):
 
 def compile(config: Config, options: str = "--gpu-arch sm_90a"):
     """cute.compile with fake tensors; the result carries `epilora_smem_bytes`."""
-    k = _ShrinkKernel(config)
-    f = cute.compile(k, *_fake_args(config), options=options)
-    try:
-        f.epilora_smem_bytes = int(k.smem_size)
-    except AttributeError:
-        pass
-    return f
+    return D.compile_with_smem(_ShrinkKernel(config), _fake_args(config), options)
 
 
 def params(config: Config) -> list:
