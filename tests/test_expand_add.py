@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -31,8 +30,8 @@ from epilora_cute.compile_cache import dsl_version  # noqa: E402
 from epilora_cute.kernel_abi import check_params, ptx_entries  # noqa: E402
 from epilora_cute.metadata import build_meta  # noqa: E402
 from kernels_dsl import expand_add as E  # noqa: E402
+from tests.dsl46 import run_dsl46  # noqa: E402
 
-DSL46_PYTHON = ROOT / ".venv-dsl46" / "bin" / "python"
 needs_dsl = pytest.mark.skipif(dsl_version() is None, reason="nvidia-cutlass-dsl is not installed")
 
 FAST = [E.Config(rank=64, num_slices=3), E.Config(rank=8, num_slices=1, bm=128), E.Config(rank=256, num_slices=2, bn=64)]
@@ -274,20 +273,6 @@ def test_compiles_with_required_instructions(cfg):
 def test_prebuild_set_compiles(cfg):
     r = check_config(E, cfg)
     assert not r["problems"], r
-
-
-def run_dsl46(script: Path, which: str, timeout: int):
-    if not DSL46_PYTHON.exists():
-        pytest.skip(f"no 4.6.0 venv at {DSL46_PYTHON}")
-    r = subprocess.run([str(DSL46_PYTHON), str(script), which], cwd=ROOT, capture_output=True, text=True,
-                       timeout=timeout)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert lines, f"4.6.0 run failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
-    res = json.loads(lines[-1][8:])
-    assert res["dsl_version"].startswith("4.6"), res["dsl_version"]
-    bad = [x for x in res["results"] if x["problems"]]
-    assert not bad, bad
-    return res
 
 
 def test_dsl46_fast_subset():

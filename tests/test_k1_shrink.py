@@ -29,7 +29,8 @@ from epilora_cute import reference  # noqa: E402
 from epilora_cute.compile_cache import dsl_version  # noqa: E402
 from epilora_cute.metadata import build_meta  # noqa: E402
 from kernels_dsl import k1_shrink as K1  # noqa: E402
-from tests.test_expand_add import check_config, run_dsl46  # noqa: E402
+from tests.dsl46 import run_dsl46  # noqa: E402
+from tests.test_expand_add import check_config  # noqa: E402
 
 needs_dsl = pytest.mark.skipif(dsl_version() is None, reason="nvidia-cutlass-dsl is not installed")
 

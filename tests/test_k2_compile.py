@@ -14,9 +14,7 @@ results: that is how the 4.6.0 venv checks the same configurations in a subproce
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -29,8 +27,8 @@ import pytest  # noqa: E402
 
 from kernels_dsl import k2_gemm, lora_shrink  # noqa: E402
 from kernels_dsl._abi import ptx_entry_params  # noqa: E402
+from tests.dsl46 import run_dsl46  # noqa: E402
 
-DSL46_PYTHON = ROOT / ".venv-dsl46" / "bin" / "python"
 
 FAST_K2 = [
     k2_gemm.Config(bn=8, lora=False),
@@ -295,27 +293,13 @@ def test_shrink_host_capture_matches_declared_abi():
 # ---------------------------------------------------------------------------------------------
 
 
-def _run_dsl46(which: str, timeout: int):
-    if not DSL46_PYTHON.exists():
-        pytest.skip(f"no 4.6.0 venv at {DSL46_PYTHON}")
-    r = subprocess.run([str(DSL46_PYTHON), str(Path(__file__).resolve()), which], cwd=ROOT,
-                       capture_output=True, text=True, timeout=timeout)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert lines, f"4.6.0 run failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
-    res = json.loads(lines[-1][8:])
-    assert res["dsl_version"].startswith("4.6"), res["dsl_version"]
-    bad = [x for x in res["results"] if x["problems"]]
-    assert not bad, bad
-    return res
-
-
 def test_dsl46_fast_subset():
-    _run_dsl46("fast", 600)
+    run_dsl46(Path(__file__).resolve(), "fast", 600)
 
 
 @pytest.mark.slow
 def test_dsl46_prebuild_set():
-    _run_dsl46("all", 3600)
+    run_dsl46(Path(__file__).resolve(), "all", 3600)
 
 
 if __name__ == "__main__":
