@@ -12,4 +12,4 @@ test:           ## the test suite (GPU tests skip cleanly without a GPU), then t
 
 prebuild:       ## compile every kernel for sm_90a into ./.epilora_cache (carried to the H200)
 	@tools/setup_env.sh
-	@EPILORA_CACHE_DIR=.epilora_cache .venv/bin/python -m epilora_cute.prebuild --arch sm_90a
+	@EPILORA_CACHE_DIR=.epilora_cache .venv/bin/python -m epilora_cute.prebuild --arch sm_90a --prune

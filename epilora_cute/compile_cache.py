@@ -32,6 +32,7 @@ from types import ModuleType
 
 from filelock import FileLock
 
+from .cubin_info import register_pool_problem
 from .kernel_abi import ptx_entries
 
 log = logging.getLogger("epilora_cute.compile")
@@ -120,6 +121,9 @@ def _build(module: ModuleType, config, arch: str, version: str, dest: Path) -> N
         if len(entries) != 1:
             raise RuntimeError(f"{module.FAMILY}: expected one kernel in the module, found {list(entries)}")
         (name, sizes), = entries.items()
+        problem = register_pool_problem(ptx, cubin)
+        if problem:
+            raise RuntimeError(f"{module.FAMILY}/{config.name()}: {problem}")
         (tmp / "kernel.cubin").write_bytes(cubin)
         (tmp / "kernel.ptx").write_text(ptx)
         meta = {"family": module.FAMILY, "config": dataclasses.asdict(config), "arch": arch, "dsl_version": version,

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
 
-from .compile_cache import dsl_version, get_artifact
+from .compile_cache import cache_root, dsl_version, get_artifact
 from .kernel_abi import check_params
 from .kernels import families
 
@@ -39,11 +40,34 @@ def prebuild(arch: str, cache_dir: Path | None = None, only: list[str] | None = 
     return rows
 
 
+def prune(arch: str, rows: list[dict], cache_dir: Path | None = None) -> list[Path]:
+    """Delete this arch's cache entries that the prebuild did not produce or reuse: builds of
+    older kernel sources (their key changed) and other DSL versions. Keeps the directory that is
+    carried to the GPU machine down to the current kernel set."""
+    kept = {Path(r["path"]).resolve() for r in rows}
+    kept_entries = {p.parent for p in kept}
+    arch_dir = (cache_dir or cache_root()) / arch
+    removed = []
+    for family_dir in sorted(p for p in arch_dir.iterdir() if p.is_dir()) if arch_dir.is_dir() else []:
+        for entry in sorted(p for p in family_dir.iterdir() if p.is_dir()):
+            if entry.resolve() not in kept_entries:
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry)
+                continue
+            for version in sorted(p for p in entry.iterdir() if p.is_dir()):
+                if version.resolve() not in kept:
+                    shutil.rmtree(version, ignore_errors=True)
+                    removed.append(version)
+    return removed
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--cache-dir", type=Path, default=None, help="default: EPILORA_CACHE_DIR or ~/.cache/epilora_cute")
     ap.add_argument("--family", action="append", help="only these families (repeatable)")
+    ap.add_argument("--prune", action="store_true",
+                    help="then delete the arch's entries not in the kernel set (stale sources, other DSL versions)")
     args = ap.parse_args(argv)
     if args.cache_dir is not None:
         os.environ["EPILORA_CACHE_DIR"] = str(args.cache_dir)
@@ -52,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"prebuilding for {args.arch} with nvidia-cutlass-dsl {dsl_version()}", flush=True)
     rows = prebuild(args.arch, args.cache_dir, args.family)
     print(f"{len(rows)} kernels ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    if args.prune:
+        if args.family:
+            raise SystemExit("--prune needs the whole kernel set (no --family)")
+        removed = prune(args.arch, rows, args.cache_dir)
+        print(f"pruned {len(removed)} stale cache entries", flush=True)
     return 0
 
 

@@ -57,7 +57,7 @@ class TmaSpec:
     torch_dtype: torch.dtype
     box: tuple  # (box cols, box rows)
     swizzle: str = "128B"  # NONE / 32B / 64B / 128B
-    l2_promotion: str = "L2_256B"
+    l2_promotion: str = "L2_128B"  # the DSL host code's choice
     oob_fill: str = "NONE"  # zeros; K tails rely on it
     interleave: str = "NONE"
 

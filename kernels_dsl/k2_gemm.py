@@ -220,7 +220,11 @@ if cute is not None:
             n_tiles = cute.size(w, mode=[0]) // self.bm
             self.kernel(
                 tma_w, mW, tma_x, mX, sx, sw, y, sync, n_quant, lora_pack, sW_layout, sX_layout, sB_layout, sH_layout,
-            ).launch(grid=(1, n_tiles, 1), block=(THREADS, 1, 1), cluster=(1, 1, 1), stream=stream)
+            ).launch(grid=(1, n_tiles, 1), block=(THREADS, 1, 1), cluster=(1, 1, 1), stream=stream,
+                     # .minnctapersm 1: ptxas then gives the launch the full register budget. Without
+                     # it the kernel launched with ~40-90 registers per thread, a pool too small for
+                     # setmaxnreg.inc 232, and the consumer warpgroup waited forever (the H200 hang).
+                     min_blocks_per_mp=1)
 
         # -----------------------------------------------------------------------------------------
         @cute.kernel

@@ -69,3 +69,20 @@ def test_without_dsl_loads_any_prebuilt_version_or_explains(isolated_cache, monk
     assert get_artifact(fp8_quant, CFG, "sm_90a").cubin == art.cubin
     with pytest.raises(KernelUnavailable, match="prebuild"):
         get_artifact(fp8_quant, fp8_quant.Config(128, 2), "sm_90a")
+
+
+def test_prebuild_prune_keeps_only_the_current_kernel_set(tmp_path):
+    from epilora_cute.prebuild import prune
+
+    arch = tmp_path / "sm_90a"
+    keep = arch / "fam" / "cfgA-1111" / "4.8.1"
+    stale_key = arch / "fam" / "cfgA-0000" / "4.8.1"
+    other_version = arch / "fam" / "cfgA-1111" / "4.6.0"
+    other_arch = tmp_path / "sm_100a" / "fam" / "cfgA-0000" / "4.8.1"
+    for d in (keep, stale_key, other_version, other_arch):
+        d.mkdir(parents=True)
+        (d / "kernel.cubin").write_bytes(b"x")
+    removed = prune("sm_90a", [{"path": str(keep)}], tmp_path)
+    assert keep.is_dir() and other_arch.is_dir()
+    assert not stale_key.parent.exists() and not other_version.exists()
+    assert len(removed) == 2

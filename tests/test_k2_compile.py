@@ -26,6 +26,7 @@ if str(ROOT) not in sys.path:
 import pytest  # noqa: E402
 
 from kernels_dsl import k2_gemm, lora_shrink  # noqa: E402
+from epilora_cute.cubin_info import register_pool_problem  # noqa: E402
 from kernels_dsl._abi import ptx_entry_params  # noqa: E402
 from tests.dsl46 import run_dsl46  # noqa: E402
 
@@ -128,13 +129,18 @@ def check_config(mod, cfg) -> dict:
         ptxs = sorted(Path(d).glob("*.ptx"))
         cubins = sorted(Path(d).glob("*.cubin"))
         ptx = ptxs[0].read_text() if ptxs else ""
-        cubin_ok = bool(cubins) and cubins[0].read_bytes()[:4] == b"\x7fELF"
+        cubin = cubins[0].read_bytes() if cubins else b""
+        cubin_ok = cubin[:4] == b"\x7fELF"
     bad = (k2_ptx_problems(cfg, ptx) if mod is k2_gemm else shrink_ptx_problems(cfg, ptx))
     bad += param_problems(mod, cfg, ptx)
     if ".target sm_90a" not in ptx:
         bad.append("not sm_90a")
     if not cubin_ok:
         bad.append("no cubin")
+    else:
+        pool = register_pool_problem(ptx, cubin)
+        if pool:
+            bad.append(pool)
     smem = getattr(f, "epilora_smem_bytes", None)
     if smem is not None and smem != cfg.smem_bytes():
         bad.append(f"smem_bytes() {cfg.smem_bytes()} != DSL struct {smem}")

