@@ -4,26 +4,41 @@ A decision is keyed by (device name, projection shape, token bucket, active-adap
 
 * the projection shape is (K, output slices, rank),
 * token buckets are powers of two (1, 2, 4, ..., 8192: a batch uses the bucket at or above it),
-* active-adapter buckets are 0 (no adapter), 1, 2-4, 5-8, 9-32, 33+,
+* active-adapter buckets are 0 (no adapter), 1, 2-4, 5-8, 9-32, 33+ when the number of distinct
+  adapters in the batch is known on the host (``LoRABatchMeta.host_num_adapters``: set by
+  ``prepare``/``build_meta`` from a host mapping, or by the caller), and ``<=`` the bucket of
+  ``max_loras`` when it is not (the count lives on the device, ``meta.num_active``, and reading it
+  would be a host sync; the vLLM plugin prepares from a device mapping, so it always keys by
+  ``max_loras`` — which is also all a captured graph can know: it is replayed for every count),
 * mode is "graph" (timed as CUDA-graph replays: what a captured decode step pays) or "eager"
   (timed as direct calls, host launch cost included: what a prefill outside graphs pays).
 
-Every applicable candidate path is timed once per key, the fastest is kept, and the table is
-persisted as JSON next to the kernel cache, so the next start reuses it. ``EPILORA_FORCE_PATH``
-forces one path everywhere (debugging, benchmarks). Each new decision is logged in one line, and
+``lora_linear_fp8(path="auto")`` on a CUDA device calls ``auto_path``: the candidates are the
+paths that apply to the call (``applicable_paths``) and are allowed (``VERIFIED_PATHS``, or
+opted in through ``OPT_IN_ENV``). The call's mode is "graph" while the current stream is capturing
+a CUDA graph (or inside ``with call_mode("graph")``), else "eager". On the first call of a bucket
+outside capture every candidate is timed (``timing.py``) in *both* modes, so a later capture of
+the same bucket finds its graph decision already made; the fastest is kept per mode, persisted as
+JSON next to the kernel cache and reused on the next start. Nothing is timed during capture: a
+capture that meets an undecided key takes ``default_path`` (logged as a warning) and the key is
+timed at its next call outside capture. Per process, a key is timed at most once; the steady
+state is a dict lookup (no host sync, no timing). ``EPILORA_FORCE_PATH`` forces one path
+everywhere (debugging, benchmarks; any applicable path, opted in or not, or "reference"). Each
+decision is logged in one line (logger ``epilora_cute.dispatch``, INFO; defaults at WARNING), and
 ``python -m epilora_cute.dispatch`` prints the table.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import os
 import sys
 import threading
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping, NamedTuple
 
 from .compile_cache import cache_root
 
@@ -32,6 +47,18 @@ log = logging.getLogger("epilora_cute.dispatch")
 FORCE_ENV = "EPILORA_FORCE_PATH"
 TOKEN_BUCKETS = tuple(2 ** i for i in range(14))  # 1 .. 8192
 ADAPTER_BUCKETS = ((0, 0), (1, 1), (2, 4), (5, 8), (9, 32), (33, 1 << 30))
+MODES = ("graph", "eager")
+
+# Which applicable paths "auto" may time and choose without an opt-in: those with a passing GPU
+# record (docs/gpu_record/). A path joins by adding it here (one line).
+VERIFIED_PATHS = frozenset({"triton"})
+# Unverified paths join the candidates only when their variable is "1". "no_adapter" runs K2, so
+# it follows the decode path's opt-in.
+OPT_IN_ENV = {"decode": "EPILORA_DECODE_PATH", "no_adapter": "EPILORA_DECODE_PATH",
+              "hybrid": "EPILORA_HYBRID_PATH"}
+# What a key gets when it cannot be timed (under capture, or every candidate failed): the first of
+# these among the candidates — what "auto" took before the timed dispatch existed.
+DEFAULT_ORDER = ("decode", "triton", "hybrid", "no_adapter", "reference")
 
 
 def token_bucket(num_tokens: int) -> int:
@@ -48,8 +75,15 @@ def adapter_bucket(num_active: int) -> str:
     raise ValueError(num_active)
 
 
-@dataclass(frozen=True)
-class DispatchKey:
+def adapter_key(host_adapters: int | None, max_loras: int) -> str:
+    """The adapter bucket of a batch: its own count when known on the host, else ``<=`` the
+    bucket of ``max_loras`` (an upper bound, known without reading the device)."""
+    if host_adapters is not None:
+        return adapter_bucket(host_adapters)
+    return "<=" + adapter_bucket(max(max_loras, 1))
+
+
+class DispatchKey(NamedTuple):  # a NamedTuple: made and hashed on every "auto" call, cheaply
     device: str
     k: int
     slices: tuple[int, ...]
@@ -64,41 +98,81 @@ class DispatchKey:
 
 
 class DispatchTable:
-    """Decisions in memory, mirrored to a JSON file; safe to share between threads."""
+    """Decisions in memory, mirrored to a JSON file; safe to share between threads and between
+    processes (a save merges with what other processes wrote, under a file lock)."""
 
     def __init__(self, path: Path | None = None):
-        self.path = path or (cache_root() / "dispatch.json")
+        self.path = Path(path) if path is not None else cache_root() / "dispatch.json"
         self._lock = threading.Lock()
-        self._table: dict[str, dict] = {}
+        self._mine: set[str] = set()  # keys recorded by this process: they win a merge
+        self._table: dict[str, dict] = self._read()
+
+    def _read(self) -> dict[str, dict]:
         try:
-            self._table = json.loads(self.path.read_text())
+            t = json.loads(self.path.read_text())
+            return t if isinstance(t, dict) else {}
         except (OSError, ValueError):
-            self._table = {}
+            return {}
 
     def get(self, key: DispatchKey) -> str | None:
         e = self._table.get(key.text())
         return e["path"] if e else None
 
+    def lookup(self, key: DispatchKey, candidates) -> str | None:
+        """The remembered path for ``key`` if that decision covered every one of ``candidates``
+        (each was timed or failed then), so opting a path in later makes the key be timed again."""
+        e = self._table.get(key.text())
+        if not e or e.get("path") not in candidates:
+            return None
+        covered = set(e.get("times_us", {})) | set(e.get("failed", {}))
+        return e["path"] if set(candidates) <= covered else None
+
     def entries(self) -> dict[str, dict]:
         return dict(self._table)
 
-    def record(self, key: DispatchKey, times_us: Mapping[str, float]) -> str:
+    def record(self, key: DispatchKey, times_us: Mapping[str, float],
+               failed: Mapping[str, str] | None = None) -> str:
         best = min(times_us, key=times_us.get)
+        entry = {"path": best, "times_us": {k: round(v, 2) for k, v in times_us.items()}}
+        if failed:
+            entry["failed"] = {k: str(v)[:200] for k, v in failed.items()}
         with self._lock:
-            self._table[key.text()] = {"path": best, "times_us": {k: round(v, 2) for k, v in times_us.items()}}
+            self._table[key.text()] = entry
+            self._mine.add(key.text())
             self._save()
         others = ", ".join(f"{p} {t:.1f}" for p, t in sorted(times_us.items(), key=lambda kv: kv[1]))
-        log.info("dispatch %s -> %s (µs: %s)", key.text(), best, others)
+        log.info("dispatch %s -> %s (µs: %s%s)", key.text(), best, others,
+                 f"; failed: {', '.join(sorted(failed))}" if failed else "")
         return best
 
     def _save(self) -> None:
         try:
+            from filelock import FileLock
+
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(self._table, indent=1, sort_keys=True))
-            os.replace(tmp, self.path)
+            with FileLock(str(self.path) + ".lock", timeout=30):
+                merged = {**self._table, **self._read(), **{k: self._table[k] for k in self._mine}}
+                tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+                tmp.write_text(json.dumps(merged, indent=1, sort_keys=True))
+                os.replace(tmp, self.path)
+                self._table = merged
         except OSError as e:  # a read-only cache must not break serving: keep deciding in memory
             log.warning("cannot persist the dispatch table at %s: %s", self.path, e)
+
+
+def measure(table: DispatchTable, key: DispatchKey, candidates: Mapping[str, Callable[[], None]],
+            timer: Callable[[Callable[[], None], str], float]) -> str:
+    """Time every candidate in ``key.mode``, record the fastest (and the failures), return it."""
+    times, failed = {}, {}
+    for name, fn in candidates.items():
+        try:
+            times[name] = timer(fn, key.mode)
+        except Exception as e:  # noqa: BLE001 - a broken candidate is reported, not fatal
+            log.warning("dispatch: path %s failed for %s: %s: %s", name, key.text(), type(e).__name__, e)
+            failed[name] = f"{type(e).__name__}: {e}"
+    if not times:
+        raise RuntimeError(f"every candidate path failed for {key.text()}")
+    return table.record(key, times, failed)
 
 
 def choose(table: DispatchTable, key: DispatchKey, candidates: Mapping[str, Callable[[], None]],
@@ -115,26 +189,291 @@ def choose(table: DispatchTable, key: DispatchKey, candidates: Mapping[str, Call
         if forced not in candidates:
             raise ValueError(f"{FORCE_ENV}={forced} is not a path for {key.text()}; have {sorted(candidates)}")
         return forced
-    known = table.get(key)
-    if known in candidates:
+    known = table.lookup(key, candidates)
+    if known is not None:
         return known
-    times = {}
-    for name, fn in candidates.items():
+    return measure(table, key, candidates, timer)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which paths apply to a call, which of those "auto" may take.
+
+class Call(NamedTuple):
+    """What the dispatch needs to know about one ``lora_linear_fp8`` call on a CUDA device."""
+    device: str  # device name (part of the key)
+    arch: str | None  # CuTe target ("sm_90a", ...), None for GPUs without one
+    k: int
+    slices: tuple[int, ...]
+    rank: int
+    tokens: int
+    max_loras: int
+    host_adapters: int | None  # distinct adapters in the batch when known on the host
+    decode_reason: str | None  # why the decode kernels can't take the call (None: they can)
+
+
+def applicable_paths(call: Call) -> tuple[str, ...]:
+    """Every path that can compute ``call`` (before the opt-in filter), in a fixed order.
+
+    "decode": ≤ 32 tokens on sm_90a with shapes its kernels take; "no_adapter": the same, and the
+    host knows no token has an adapter (it would drop the adapters otherwise); "hybrid": sm_90a;
+    "triton": any CUDA GPU. "reference" is never a candidate on a GPU. Whether a kernel can be
+    loaded (cached or compiled here) shows when it is timed: a candidate that fails is dropped.
+    """
+    paths = []
+    if call.decode_reason is None:
+        paths.append("decode")
+        if call.host_adapters == 0:
+            paths.append("no_adapter")
+    if call.arch == "sm_90a":
+        paths.append("hybrid")
+    paths.append("triton")
+    return tuple(paths)
+
+
+def path_allowed(path: str) -> bool:
+    """Whether "auto" may take ``path``: verified on a GPU, or opted in."""
+    env = OPT_IN_ENV.get(path)
+    return path in VERIFIED_PATHS or (env is not None and os.environ.get(env, "0") == "1")
+
+
+def _allowed(paths: tuple[str, ...]) -> tuple[str, ...]:
+    """``paths`` filtered by ``path_allowed``, reading each opt-in variable at most once."""
+    seen: dict[str, bool] = {}
+    out = []
+    for p in paths:
+        env = OPT_IN_ENV.get(p)
+        if p in VERIFIED_PATHS:
+            out.append(p)
+        elif env is not None:
+            if env not in seen:
+                seen[env] = os.environ.get(env, "0") == "1"
+            if seen[env]:
+                out.append(p)
+    return tuple(out)
+
+
+def default_path(candidates) -> str:
+    for p in DEFAULT_ORDER:
+        if p in candidates:
+            return p
+    return sorted(candidates)[0]
+
+
+def key_for(call: Call, mode: str) -> DispatchKey:
+    return DispatchKey(call.device, call.k, tuple(call.slices), call.rank, token_bucket(call.tokens),
+                       adapter_key(call.host_adapters, call.max_loras), mode)
+
+
+# ---------------------------------------------------------------------------------------------
+# The call's mode.
+
+_override = threading.local()
+
+
+@contextlib.contextmanager
+def call_mode(mode: str) -> Iterator[None]:
+    """Declare the mode of the calls inside (e.g. warm-up runs of a step that will be captured);
+    without it a call is "graph" while the current stream captures, else "eager"."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    prev = getattr(_override, "mode", None)
+    _override.mode = mode
+    try:
+        yield
+    finally:
+        _override.mode = prev
+
+
+def capturing() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def current_mode(is_capturing: bool) -> str:
+    return getattr(_override, "mode", None) or ("graph" if is_capturing else "eager")
+
+
+# ---------------------------------------------------------------------------------------------
+# The dispatcher: this process's decisions.
+
+class Dispatcher:
+    """Decides per key, at most one timing per key per process; ``timer`` and the candidate
+    runner are injectable (tests use fakes on the CPU)."""
+
+    def __init__(self, table: DispatchTable | None = None,
+                 timer: Callable[[Callable[[], None], str], float] | None = None):
+        self._table = table
+        self.timer = timer or cuda_timer
+        self._decided: dict[DispatchKey, str] = {}
+        self._provisional: set[DispatchKey] = set()  # defaults taken under capture, to be timed
+        self._timed: set[DispatchKey] = set()
+        self._noted: set[tuple] = set()
+        self._lock = threading.RLock()
+
+    @property
+    def table(self) -> DispatchTable:
+        if self._table is None:
+            self._table = DispatchTable()
+        return self._table
+
+    def decisions(self) -> dict[DispatchKey, str]:
+        return dict(self._decided)
+
+    def path_for(self, call: Call, run: Callable[[str], None], *, mode: str, capturing: bool) -> str:
+        """The path for ``call``. ``run(path)`` computes the call with ``path`` into scratch
+        output (only invoked to time candidates, never while ``capturing``)."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        applicable = applicable_paths(call)
+        key = key_for(call, mode)
+        forced = os.environ.get(FORCE_ENV)
+        if forced:
+            if forced not in applicable and forced != "reference":
+                raise ValueError(f"{FORCE_ENV}={forced} is not a path for {key.text()}; "
+                                 f"applicable: {sorted(applicable + ('reference',))}")
+            self._note(key, forced, f"forced by {FORCE_ENV}")
+            return forced
+        names = _allowed(applicable)
+        if not names:
+            raise ValueError(f"no allowed path for {key.text()} (applicable: {list(applicable)}; "
+                             f"VERIFIED_PATHS / {sorted(set(OPT_IN_ENV.values()))} decide)")
+        path = self._decided.get(key)
+        if path is None or (not capturing and self._provisional and self._unsettled(key)):
+            with self._lock:
+                path = self._settle_all(key, names, run, capturing)
+        if path not in names:  # this call's inputs rule the key's path out (e.g. alignment)
+            path = default_path(names)
+            self._note(key, path, "default: the key's decision does not apply to this call")
+        return path
+
+    def _unsettled(self, key: DispatchKey) -> bool:
+        """Whether a mode of ``key``'s bucket still holds a default taken under capture."""
+        return any(key._replace(mode=m) in self._provisional for m in MODES)
+
+    def _settle_all(self, key: DispatchKey, names: tuple[str, ...], run, capturing: bool) -> str:
+        if key in self._decided and (capturing or not self._unsettled(key)):
+            return self._decided[key]  # another thread settled it while we waited
+        candidates = {p: functools.partial(run, p) for p in names}
+        if capturing:
+            return self._settle(key, candidates, may_time=False)
+        # Outside capture: settle this bucket in every mode now — a graph key cannot be timed
+        # later, under capture.
+        timed_before = len(self._timed)
         try:
-            times[name] = timer(fn, key.mode)
-        except Exception as e:  # noqa: BLE001 - a broken candidate is reported, not fatal
-            log.warning("dispatch: path %s failed for %s: %s", name, key.text(), e)
-    if not times:
-        raise RuntimeError(f"every candidate path failed for {key.text()}")
-    return table.record(key, times)
+            for m in (key.mode,) + tuple(m for m in MODES if m != key.mode):
+                k = key._replace(mode=m)
+                if k not in self._decided or k in self._provisional:
+                    self._settle(k, candidates, may_time=True)
+        finally:
+            if len(self._timed) != timed_before and self.timer is cuda_timer:
+                from . import timing
+
+                timing.release()  # the L2-flush buffer: serving needs the memory
+        return self._decided[key]
+
+    def _settle(self, key: DispatchKey, candidates: Mapping[str, Callable[[], None]], may_time: bool) -> str:
+        names = tuple(candidates)
+        provisional = False
+        if len(names) == 1:
+            path, why, level = names[0], "the only candidate", logging.INFO
+        elif (known := self.table.lookup(key, names)) is not None:
+            path, why, level = known, f"from {self.table.path}", logging.INFO
+        elif may_time and key not in self._timed:
+            self._timed.add(key)
+            try:
+                path, why, level = measure(self.table, key, candidates, self.timer), None, logging.INFO
+            except RuntimeError as e:
+                path, why, level = default_path(names), f"default: {e}", logging.WARNING
+        else:
+            provisional = not may_time
+            path, level = default_path(names), logging.WARNING
+            why = ("default: not timed during CUDA-graph capture; timed at the next call outside capture"
+                   if provisional else "default")
+        self._decided[key] = path
+        (self._provisional.add if provisional else self._provisional.discard)(key)
+        if why is not None:
+            self._note(key, path, why, level)
+        return path
+
+    def _note(self, key: DispatchKey, path: str, why: str, level: int = logging.INFO) -> None:
+        if (key, path, why) not in self._noted:
+            self._noted.add((key, path, why))
+            log.log(level, "dispatch %s -> %s (%s)", key.text(), path, why)
+
+
+_default: Dispatcher | None = None
+_default_lock = threading.Lock()
+
+
+def dispatcher() -> Dispatcher:
+    """The process's dispatcher (its table: ``<kernel cache>/dispatch.json``)."""
+    global _default
+    if _default is None:
+        with _default_lock:
+            if _default is None:
+                _default = Dispatcher()
+    return _default
+
+
+def set_dispatcher(d: Dispatcher | None) -> None:
+    """Replace the process's dispatcher (tests, benchmarks); None: a fresh one on next use."""
+    global _default
+    _default = d
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(index)
+
+
+def describe(x, w_q, widths, rank, lora_a, lora_b, meta) -> Call | None:
+    """The dispatch's view of a validated ``lora_linear_fp8`` call; None off CUDA."""
+    if not x.is_cuda:
+        return None
+    import torch
+
+    from . import ops
+    from .arch import arch_of
+
+    arch = arch_of(x)
+    decode_reason = (ops._decode_reason(x, w_q, widths, rank, lora_a, lora_b) if arch == "sm_90a"
+                     else "the decode path needs sm_90a")
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return Call(device=_device_name(index), arch=arch, k=int(x.shape[1]), slices=tuple(widths), rank=int(rank),
+                tokens=int(x.shape[0]), max_loras=int(meta.max_loras),
+                host_adapters=getattr(meta, "host_num_adapters", None), decode_reason=decode_reason)
+
+
+def auto_path(x, w_q, w_scale, lora_a, lora_b, meta, *, widths, rank, out, slot_ranks=None, pdl=True) -> str:
+    """The path ``lora_linear_fp8(path="auto")`` takes for this call: "reference" off CUDA, else
+    the process dispatcher's decision (timing the candidates first if the key is new; the timed
+    runs write into a scratch output, never into ``out``)."""
+    call = describe(x, w_q, widths, rank, lora_a, lora_b, meta)
+    if call is None:
+        return "reference"
+    scratch = []
+
+    def run(path: str) -> None:
+        from . import ops
+
+        if not scratch:
+            scratch.append(out.new_empty(out.shape))
+        ops.lora_linear_fp8(x, w_q, w_scale, lora_a, lora_b, meta, out=scratch[0], slot_ranks=slot_ranks,
+                            path=path, pdl=pdl)
+
+    is_capturing = capturing()
+    return dispatcher().path_for(call, run, mode=current_mode(is_capturing), capturing=is_capturing)
 
 
 def cuda_timer(fn: Callable[[], None], mode: str) -> float:
-    """The project's timing: graph replays with the L2 flushed, or eager calls (host included)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tools.gpu_timing import time_eager, time_graph
+    """The runtime's timing (``timing.py``): graph replays with the L2 flushed, or eager calls
+    with host time included."""
+    from .timing import cuda_timer as timer
 
-    return time_graph(fn, reps=20, warmup=3) if mode == "graph" else time_eager(fn, reps=20, warmup=3)
+    return timer(fn, mode)
 
 
 def main(argv=None) -> int:
@@ -144,12 +483,15 @@ def main(argv=None) -> int:
     ap.add_argument("--path", type=Path, default=None)
     args = ap.parse_args(argv)
     t = DispatchTable(args.path)
+    opted = ", ".join(f"{p} ({env}=1)" for p, env in sorted(OPT_IN_ENV.items()))
+    print(f"# table: {t.path}\n# auto candidates: {', '.join(sorted(VERIFIED_PATHS))}; opt-in: {opted}")
     if not t.entries():
         print(f"no decisions recorded yet at {t.path}")
         return 0
     for key, e in sorted(t.entries().items()):
         times = "  ".join(f"{p}={v}" for p, v in sorted(e["times_us"].items(), key=lambda kv: kv[1]))
-        print(f"{key:70s} -> {e['path']:18s} {times}")
+        failed = f"  failed: {', '.join(sorted(e['failed']))}" if e.get("failed") else ""
+        print(f"{key:70s} -> {e['path']:18s} {times}{failed}")
     return 0
 
 

@@ -17,8 +17,15 @@ plugin can also hand vLLM's own object through) plus what tile kernels need:
 
 Everything is built with fixed-size device ops and no host synchronization (vLLM's own
 ``prepare_tensors`` syncs twice: ``torch.all(...)`` read as a bool and ``torch.unique``), so the
-buffers can be refreshed in place between CUDA-graph replays. ``num_tokens`` is the only host
-value and it comes from the shape of the mapping.
+buffers can be refreshed in place between CUDA-graph replays. ``num_tokens`` is a host value
+and it comes from the shape of the mapping.
+
+``host_num_adapters`` (optional, host int): how many distinct adapter slots (>= 0) the tokens use,
+for the timed dispatch's adapter bucket (``dispatch.py``). ``prepare`` sets it when it is given the
+mapping on the host (counted there, no device read) and clears it to None for a device mapping,
+where the count exists only on the device (``num_active``) and reading it would be a sync; a
+caller that knows the count on the host may set it after ``prepare``. None: unknown, the
+dispatch then buckets by ``max_loras``.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ class LoRABatchMeta:
     sorted_lora_ids: torch.Tensor
     row_group: torch.Tensor
     num_active: torch.Tensor
+    host_num_adapters: int | None = None
 
     @staticmethod
     def make(max_loras: int, max_num_tokens: int, device="cpu") -> "LoRABatchMeta":
@@ -76,8 +84,12 @@ class LoRABatchMeta:
         if n > self.max_num_tokens:
             raise ValueError(f"{n} tokens exceed this metadata's capacity of {self.max_num_tokens}")
         dev = self.device
-        m = m.to(device=dev, dtype=torch.int32)
         L = self.max_loras
+        if m.device.type == "cpu":  # host data: count the distinct valid slots here, without a sync
+            self.host_num_adapters = int(torch.unique(m[(m >= 0) & (m < L)]).numel())
+        else:
+            self.host_num_adapters = None
+        m = m.to(device=dev, dtype=torch.int32)
         # Slot ids outside [-1, max_loras) would index adapter buffers out of bounds: map them to
         # "no adapter" rather than trust them (a validating caller checks them on the host first).
         m = torch.where((m >= -1) & (m < L), m, torch.full_like(m, -1))

@@ -253,12 +253,14 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     bf16 (written into ``out`` when given).
 
     Paths: "hybrid" (K1 + the vendor FP8 GEMM + our expand-add; any batch size on sm_90a; not yet
-    verified on a GPU, so never chosen by "auto"), "decode" (≤ 32 tokens, sm_90a: the shrink kernel with the quantization CTAs, then K2
+    verified on a GPU, so "auto" takes it only when opted in), "decode" (≤ 32 tokens, sm_90a: the shrink kernel with the quantization CTAs, then K2
     as its PDL dependent — two launches; ``pdl=False`` serializes them), "no_adapter" (quantize +
     K2 without the epilogue add: for batches where no token has an adapter), "triton" (the
-    portable two-kernel path), "reference" (torch, any device). "auto" takes the Triton path on
-    GPUs and the reference elsewhere; with EPILORA_DECODE_PATH=1 it takes the decode path where
-    that applies (opt-in until the decode path has a GPU record).
+    portable two-kernel path), "reference" (torch, any device). "auto" takes the reference off
+    CUDA; on a GPU the timed dispatch (``dispatch.py``) takes the fastest applicable path per
+    (shape, token bucket, adapter bucket, graph/eager), measured once and remembered across starts.
+    Its candidates are the GPU-verified paths (Triton) plus the opted-in ones: EPILORA_DECODE_PATH=1
+    adds "decode" and "no_adapter", EPILORA_HYBRID_PATH=1 "hybrid"; EPILORA_FORCE_PATH forces one.
     """
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
@@ -269,13 +271,10 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
         out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return out
-    if path == "auto":
-        if not x.is_cuda:
-            path = "reference"
-        elif _decode_enabled() and _decode_reason(x, w_q, widths, rank, a, b) is None:
-            path = "decode"
-        else:
-            path = "triton"
+    if path == "auto":  # the timed dispatch decides (epilora_cute/dispatch.py); the reference off CUDA
+        from .dispatch import auto_path
+        path = auto_path(x, w_q, w_scale, a, b, meta, widths=widths, rank=rank, out=out,
+                         slot_ranks=slot_ranks, pdl=pdl)
     if path == "reference":
         y = reference.lora_linear(x, w_q, w_scale, a, b, meta.token_lora_mapping[:m])
         return out.copy_(y)

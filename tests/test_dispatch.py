@@ -1,10 +1,15 @@
-"""Timed dispatch on the CPU, with an injected timer."""
+"""Timed dispatch on the CPU: the table, and the dispatcher behind lora_linear_fp8(path="auto") with
+injected fake timers and paths."""
 
 import json
+import logging
 
 import pytest
+import torch
 
 from epilora_cute import dispatch as d
+from epilora_cute import ops, reference
+from epilora_cute.metadata import build_meta
 
 
 def key(**kw):
@@ -65,3 +70,295 @@ def test_print_table(tmp_path, capsys):
     t.record(key(), {"decode": 1.0, "hybrid": 2.0})
     d.main(["--path", str(tmp_path / "t.json")])
     assert "-> decode" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------
+# The dispatcher behind lora_linear_fp8(path="auto"), with fake paths and timers (no GPU).
+
+OPT_INS = ("EPILORA_DECODE_PATH", "EPILORA_HYBRID_PATH", d.FORCE_ENV)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for v in OPT_INS:
+        monkeypatch.delenv(v, raising=False)
+    d.set_dispatcher(None)
+    yield
+    d.set_dispatcher(None)
+
+
+def call(**kw):
+    base = dict(device="H200", arch="sm_90a", k=4096, slices=(4096, 1024, 1024), rank=64, tokens=7,
+                max_loras=8, host_adapters=None, decode_reason=None)
+    base.update(kw)
+    return d.Call(**base)
+
+
+class FakeTimer:
+    """Microseconds per (path, mode); counts every timing."""
+
+    def __init__(self, graph=None, eager=None):
+        self.us = {"graph": graph or {"decode": 10.0, "hybrid": 30.0, "triton": 20.0, "no_adapter": 5.0},
+                   "eager": eager or {"decode": 40.0, "hybrid": 60.0, "triton": 35.0, "no_adapter": 50.0}}
+        self.calls = []
+
+    def __call__(self, fn, mode):
+        path = fn()
+        self.calls.append((path, mode))
+        if isinstance(self.us[mode].get(path), Exception):
+            raise self.us[mode][path]
+        return self.us[mode][path]
+
+
+def run(path):  # a candidate run: returns its name so the fake timer knows it
+    return path
+
+
+def test_candidates_follow_applicability_and_opt_in(monkeypatch):
+    assert d.applicable_paths(call()) == ("decode", "hybrid", "triton")
+    assert d.applicable_paths(call(host_adapters=0)) == ("decode", "no_adapter", "hybrid", "triton")
+    assert d.applicable_paths(call(tokens=64, decode_reason="64 tokens")) == ("hybrid", "triton")
+    assert d.applicable_paths(call(arch=None, decode_reason="needs sm_90a")) == ("triton",)
+    assert [p for p in d.applicable_paths(call(host_adapters=0)) if d.path_allowed(p)] == ["triton"]
+    monkeypatch.setenv("EPILORA_DECODE_PATH", "1")
+    assert [p for p in d.applicable_paths(call(host_adapters=0)) if d.path_allowed(p)] == ["decode", "no_adapter", "triton"]
+    monkeypatch.setenv("EPILORA_HYBRID_PATH", "1")
+    assert [p for p in d.applicable_paths(call()) if d.path_allowed(p)] == ["decode", "hybrid", "triton"]
+    assert "reference" not in d.applicable_paths(call())
+    assert d.OPT_IN_ENV["decode"] == ops.DECODE_PATH_ENV
+
+
+def test_keys_bucket_tokens_and_adapters():
+    assert d.key_for(call(tokens=7, host_adapters=3), "graph").text() == \
+        "H200|K=4096|N=4096+1024+1024|r=64|M<=8|A=2-4|graph"
+    assert d.key_for(call(tokens=33, host_adapters=0), "eager").text().endswith("M<=64|A=0|eager")
+    # Unknown on the host: bucketed by max_loras (an upper bound), and said so in the key.
+    assert d.key_for(call(host_adapters=None, max_loras=8), "graph").adapters == "<=5-8"
+    assert d.key_for(call(host_adapters=None, max_loras=64), "graph").adapters == "<=33-inf"
+
+
+def test_host_adapter_count_from_a_host_mapping():
+    assert build_meta(torch.tensor([2, -1, 0, 2, 0], dtype=torch.int32), 4).host_num_adapters == 2
+    assert build_meta(torch.tensor([-1, -1], dtype=torch.int32), 4).host_num_adapters == 0
+    # Out-of-range slots are "no adapter" in the metadata, so they are not counted either.
+    assert build_meta(torch.tensor([7, 1, -5], dtype=torch.int32), 4).host_num_adapters == 1
+    from epilora_cute.metadata import LoRABatchMeta
+    assert LoRABatchMeta.make(4, 16).host_num_adapters is None
+
+
+def test_one_timing_per_key_both_modes_then_lookups(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("EPILORA_DECODE_PATH", "1")
+    monkeypatch.setenv("EPILORA_HYBRID_PATH", "1")
+    timer = FakeTimer()
+    disp = d.Dispatcher(d.DispatchTable(tmp_path / "t.json"), timer)
+    with caplog.at_level(logging.INFO, logger="epilora_cute.dispatch"):
+        assert disp.path_for(call(), run, mode="eager", capturing=False) == "triton"
+    # Both modes of the bucket were timed at this first call outside capture, every candidate once.
+    assert sorted(timer.calls) == sorted((p, m) for p in ("decode", "hybrid", "triton") for m in d.MODES)
+    assert any("-> triton (µs: triton 35.0, decode 40.0, hybrid 60.0)" in r.getMessage() for r in caplog.records)
+    assert any("|graph -> decode" in r.getMessage() for r in caplog.records)
+    n = len(timer.calls)
+    for tokens in (5, 6, 8):  # same bucket
+        assert disp.path_for(call(tokens=tokens), run, mode="eager", capturing=False) == "triton"
+        assert disp.path_for(call(tokens=tokens), run, mode="graph", capturing=True) == "decode"
+    assert len(timer.calls) == n
+    disp.path_for(call(tokens=9), run, mode="graph", capturing=False)  # a new bucket: timed
+    assert len(timer.calls) == 2 * n
+
+
+def test_table_is_reused_by_a_new_dispatcher(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("EPILORA_HYBRID_PATH", "1")
+    t1 = FakeTimer()
+    d.Dispatcher(d.DispatchTable(tmp_path / "t.json"), t1).path_for(call(), run, mode="eager", capturing=False)
+    t2 = FakeTimer()
+    disp2 = d.Dispatcher(d.DispatchTable(tmp_path / "t.json"), t2)  # the next start
+    with caplog.at_level(logging.INFO, logger="epilora_cute.dispatch"):
+        assert disp2.path_for(call(), run, mode="graph", capturing=True) == "triton"
+        assert disp2.path_for(call(), run, mode="eager", capturing=False) == "triton"
+    assert t2.calls == []
+    assert any("(from " in r.getMessage() for r in caplog.records)
+    # Opting a path in later: the remembered decision did not time it, so the key is timed again.
+    monkeypatch.setenv("EPILORA_DECODE_PATH", "1")
+    disp3 = d.Dispatcher(d.DispatchTable(tmp_path / "t.json"), t2)
+    assert disp3.path_for(call(), run, mode="graph", capturing=False) == "decode"
+    assert {p for p, _ in t2.calls} == {"decode", "hybrid", "triton"}
+
+
+def test_force_env(tmp_path, monkeypatch):
+    timer = FakeTimer()
+    disp = d.Dispatcher(d.DispatchTable(tmp_path / "t.json"), timer)
+    monkeypatch.setenv(d.FORCE_ENV, "decode")  # applicable; forcing needs no opt-in
+    assert disp.path_for(call(), run, mode="graph", capturing=True) == "decode"
+    monkeypatch.setenv(d.FORCE_ENV, "reference")
+    assert disp.path_for(call(), run, mode="eager", capturing=False) == "reference"
+    monkeypatch.setenv(d.FORCE_ENV, "no_adapter")  # adapters unknown: it would drop them
+    with pytest.raises(ValueError, match="EPILORA_FORCE_PATH=no_adapter"):
+        disp.path_for(call(), run, mode="eager", capturing=False)
+    assert timer.calls == []
+
+
+def test_capture_takes_a_logged_default_and_times_later(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("EPILORA_HYBRID_PATH", "1")
+    timer = FakeTimer(graph={"hybrid": 1.0, "triton": 2.0})
+    disp = d.Dispatcher(d.DispatchTable(tmp_path / "t.json"), timer)
+    with caplog.at_level(logging.INFO, logger="epilora_cute.dispatch"):
+        assert disp.path_for(call(), run, mode="graph", capturing=True) == "triton"
+        assert disp.path_for(call(), run, mode="graph", capturing=True) == "triton"
+    assert timer.calls == []
+    warn = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warn) == 1 and "not timed during CUDA-graph capture" in warn[0].getMessage()
+    assert not (tmp_path / "t.json").exists()  # a default is not a measurement
+    # The next call outside capture times the bucket; later captures get the measured path.
+    assert disp.path_for(call(), run, mode="eager", capturing=False) == "triton"
+    assert len(timer.calls) == 4
+    assert disp.path_for(call(), run, mode="graph", capturing=True) == "hybrid"
+    # With the decode path opted in, the capture default is the decode path (what "auto" took).
+    monkeypatch.setenv("EPILORA_DECODE_PATH", "1")
+    assert d.Dispatcher(d.DispatchTable(tmp_path / "u.json"), timer).path_for(
+        call(), run, mode="graph", capturing=True) == "decode"
+    assert d.default_path(("hybrid", "triton")) == "triton"
+
+
+def test_failures_are_dropped_recorded_and_printed(tmp_path, monkeypatch, capsys, caplog):
+    monkeypatch.setenv("EPILORA_HYBRID_PATH", "1")
+    timer = FakeTimer(graph={"hybrid": RuntimeError("cannot capture"), "triton": 2.0},
+                      eager={"hybrid": 1.0, "triton": 2.0})
+    disp = d.Dispatcher(d.DispatchTable(tmp_path / "t.json"), timer)
+    assert disp.path_for(call(), run, mode="graph", capturing=False) == "triton"
+    assert disp.path_for(call(), run, mode="eager", capturing=False) == "hybrid"
+    saved = json.loads((tmp_path / "t.json").read_text())
+    graph_key = d.key_for(call(), "graph").text()
+    assert saved[graph_key]["failed"] == {"hybrid": "RuntimeError: cannot capture"}
+    # The failure counts as covered: a new start reuses the decision without timing again.
+    t2 = FakeTimer()
+    assert d.Dispatcher(d.DispatchTable(tmp_path / "t.json"), t2).path_for(
+        call(), run, mode="graph", capturing=True) == "triton" and t2.calls == []
+    d.main(["--path", str(tmp_path / "t.json")])
+    out = capsys.readouterr().out
+    assert "-> triton" in out and "failed: hybrid" in out and "-> hybrid" in out
+    # Every candidate failing: the default, with a warning, and still only one timing per key.
+    bad = FakeTimer(graph={"hybrid": RuntimeError("x"), "triton": RuntimeError("y")},
+                    eager={"hybrid": RuntimeError("x"), "triton": RuntimeError("y")})
+    disp = d.Dispatcher(d.DispatchTable(tmp_path / "v.json"), bad)
+    with caplog.at_level(logging.WARNING, logger="epilora_cute.dispatch"):
+        assert disp.path_for(call(), run, mode="eager", capturing=False) == "triton"
+        assert disp.path_for(call(), run, mode="eager", capturing=False) == "triton"
+    assert len(bad.calls) == 4
+    assert any("every candidate path failed" in r.getMessage() for r in caplog.records)
+
+
+def test_single_candidate_is_not_timed(tmp_path):
+    timer = FakeTimer()
+    disp = d.Dispatcher(d.DispatchTable(tmp_path / "t.json"), timer)  # no opt-in: triton only
+    assert disp.path_for(call(), run, mode="eager", capturing=False) == "triton"
+    assert timer.calls == [] and not (tmp_path / "t.json").exists()
+
+
+def test_a_decision_that_does_not_apply_to_this_call(tmp_path, monkeypatch):
+    monkeypatch.setenv("EPILORA_DECODE_PATH", "1")
+    timer = FakeTimer()
+    disp = d.Dispatcher(d.DispatchTable(tmp_path / "t.json"), timer)
+    assert disp.path_for(call(), run, mode="graph", capturing=False) == "decode"
+    # Same key, but these inputs rule the decode path out (say, a misaligned x): the default.
+    assert disp.path_for(call(decode_reason="buffers must be 16-byte aligned"), run, mode="graph",
+                         capturing=True) == "triton"
+
+
+def test_call_mode():
+    assert d.current_mode(False) == "eager" and d.current_mode(True) == "graph"
+    with d.call_mode("graph"):
+        assert d.current_mode(False) == "graph"
+    assert d.current_mode(False) == "eager"
+    with pytest.raises(ValueError):
+        with d.call_mode("replay"):
+            pass
+
+
+def test_concurrent_writers_merge(tmp_path):
+    a, b = d.DispatchTable(tmp_path / "t.json"), d.DispatchTable(tmp_path / "t.json")
+    a.record(key(tokens=1), {"x": 1.0, "y": 2.0})
+    b.record(key(tokens=2), {"x": 2.0, "y": 1.0})  # b never read a's entry, and must not drop it
+    t = d.DispatchTable(tmp_path / "t.json")
+    assert t.get(key(tokens=1)) == "x" and t.get(key(tokens=2)) == "y"
+
+
+def _linear_case(m=5, k=64, widths=(32, 16, 16), rank=8, loras=3):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    wq, ws = reference.quantize_fp8_per_tensor(torch.randn(sum(widths), k, generator=g))
+    a = [torch.randn(loras, 1, rank, k, generator=g).bfloat16() for _ in widths]
+    b = [torch.randn(loras, 1, n, rank, generator=g).bfloat16() for n in widths]
+    mapping = torch.tensor([0, -1, 2, 0, 1][:m], dtype=torch.int32)
+    return x, wq, ws, a, b, build_meta(mapping, loras), mapping
+
+
+def test_auto_on_cpu_is_the_reference_and_never_dispatches():
+    class Refuse:
+        def path_for(self, *a, **kw):
+            raise AssertionError("the dispatcher must not be asked off CUDA")
+    d.set_dispatcher(Refuse())
+    x, wq, ws, a, b, meta, mapping = _linear_case()
+    y = ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="auto")
+    assert torch.equal(y, reference.lora_linear(x, wq, ws, a, b, mapping).bfloat16())
+
+
+def test_auto_through_the_op_times_into_scratch(tmp_path, monkeypatch):
+    """ops.lora_linear_fp8(path="auto") as on an sm_90a GPU (device facts faked): the candidates
+    run through the op into a scratch output; the final call writes ``out``."""
+    import vllm_adapter.triton_path as tp
+
+    monkeypatch.setenv("EPILORA_HYBRID_PATH", "1")  # on the CPU the hybrid path raises: dropped
+    x, wq, ws, a, b, meta, mapping = _linear_case()
+    seen = []
+
+    def fake_triton(x_, wq_, ws_, a_, b_, meta_, out):
+        seen.append(out)
+        return out.copy_(reference.lora_linear(x_, wq_, ws_, a_, b_, meta_.token_lora_mapping[:x_.shape[0]]))
+    monkeypatch.setattr(tp, "triton_lora_linear", fake_triton)
+    monkeypatch.setattr(d, "describe", lambda x_, w_, widths, rank, a_, b_, meta_: call(
+        k=x_.shape[1], slices=tuple(widths), rank=rank, tokens=x_.shape[0], max_loras=meta_.max_loras,
+        host_adapters=meta_.host_num_adapters, decode_reason="fake: no decode kernels"))
+    calls = []
+
+    def fake_timer(fn, mode):
+        calls.append(mode)
+        fn()
+        return 1.0
+    disp = d.Dispatcher(d.DispatchTable(tmp_path / "t.json"), fake_timer)
+    d.set_dispatcher(disp)
+    out = torch.full((5, 64), float("nan"), dtype=torch.bfloat16)
+    with d.call_mode("graph"):
+        y = ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path="auto")
+    assert y is out and torch.equal(out, reference.lora_linear(x, wq, ws, a, b, mapping).bfloat16())
+    assert sorted(calls) == ["eager", "eager", "graph", "graph"]  # hybrid and triton, both modes
+    assert len(seen) == 3 and seen[-1] is out and all(s is not out for s in seen[:-1])  # timed runs: scratch
+    entries = json.loads((tmp_path / "t.json").read_text())
+    key_text = "H200|K=64|N=32+16+16|r=8|M<=8|A=2-4|graph"  # 3 adapters, counted on the host
+    assert entries[key_text]["path"] == "triton" and "hybrid" in entries[key_text]["failed"]
+    ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path="auto")  # decided: no more timing
+    assert len(calls) == 4
+
+
+def test_a_capture_default_is_timed_by_the_next_eager_call_of_its_bucket(tmp_path, monkeypatch):
+    monkeypatch.setenv("EPILORA_HYBRID_PATH", "1")
+    timer = FakeTimer(graph={"hybrid": 1.0, "triton": 2.0})
+    disp = d.Dispatcher(d.DispatchTable(tmp_path / "t.json"), timer)
+    # An eager-mode call under capture (say, declared with call_mode("eager")): a default too.
+    assert disp.path_for(call(), run, mode="eager", capturing=True) == "triton"
+    assert disp.path_for(call(), run, mode="graph", capturing=True) == "triton"
+    assert timer.calls == []
+    assert disp.path_for(call(), run, mode="eager", capturing=False) == "triton"  # times both modes
+    assert len(timer.calls) == 4
+    assert disp.path_for(call(), run, mode="graph", capturing=True) == "hybrid"
+    assert disp.path_for(call(), run, mode="eager", capturing=False) == "triton" and len(timer.calls) == 4
+
+
+def test_the_runtime_timer_is_its_own():
+    import inspect
+
+    from epilora_cute import timing
+    for mod in (d, timing):
+        src = inspect.getsource(mod)
+        assert "from tools" not in src and "import tools" not in src
+    with pytest.raises(ValueError, match="mode"):
+        timing.cuda_timer(lambda: None, "bogus")
