@@ -1,0 +1,100 @@
+"""One kernel launch per invocation, for debugging on the GPU under a time limit, compute-sanitizer
+or cuda-gdb (a hang or a fault then costs one small process, not a test file).
+
+    python tools/kernel_diag.py CASE [SPLIT]
+
+CASE: k2_nolora (K2 alone, x_q given, no adapter, n_quant 0), shrink (the shrink+quant kernel
+alone), decode (shrink then K2 with PDL), expand (expand_add), k1 (K1 quant+shrink).
+Prints "CASE ok" with the maximum error against the reference, after a device synchronize.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from epilora_cute.reference import quantize_fp8_per_token  # noqa: E402
+
+
+def k2_nolora(split: int) -> float:
+    from kernels_dsl import k2_gemm
+    from tests.test_k2_gpu import DecodePath, _kernel, _launch, _x
+
+    M, K, N = 8, 1024, 256
+    dp = DecodePath((N,), K, 16, 2, M, seed=3)
+    x = _x(M, K, 3)
+    xq, sx = quantize_fp8_per_token(x)
+    dp.x_q.copy_(xq)
+    dp.x_scale.copy_(sx.reshape(-1))
+    _, cfg = k2_gemm.select((N,), M)
+    spec = k2_gemm.launch(cfg, w_q=dp.w_codes, w_scale=dp.w_scale, x_q=dp.x_q, x_scale=dp.x_scale, y=dp.y,
+                          sync=dp.sync, n_quant=0, split=split)
+    dp.y.fill_(float("nan"))
+    print("launch", {k: v for k, v in spec.items() if k != "args"}, flush=True)
+    _launch(_kernel(k2_gemm, cfg), spec, pdl=False)
+    torch.cuda.synchronize()
+    ref = (xq.float() * sx) @ (dp.w_codes.float() * dp.w_scale).t()
+    return (dp.y.float() - ref).abs().max().item()
+
+
+def _decode_path(M=3):
+    from tests.test_k2_gpu import DecodePath, _tokens, _x
+
+    widths, K = (128, 128, 128), 1024
+    dp = DecodePath(widths, K, 64, 4, M, seed=1)
+    return dp, _x(M, K, 1), _tokens(M, 3, 1)
+
+
+def shrink(split: int) -> float:
+    from epilora_cute.metadata import build_meta
+    from kernels_dsl import lora_shrink as shrink_mod
+    from tests.test_k2_gpu import _kernel, _launch
+
+    dp, x, tok = _decode_path()
+    meta = build_meta(tok.cuda(), dp.L)
+    cfg = shrink_mod.select(3, dp.M, dp.rank)
+    spec = shrink_mod.launch(cfg, x=x, lora_a=dp.lora_a, h=dp.h, x_q=dp.x_q, x_scale=dp.x_scale, sync=dp.sync,
+                             token_lora=meta.token_lora_mapping[:dp.M], active_lora_ids=meta.active_lora_ids,
+                             num_active=meta.num_active, slot_ranks=dp.slot_ranks, split=split)
+    print("launch", {k: v for k, v in spec.items() if k != "args"}, flush=True)
+    _launch(_kernel(shrink_mod, cfg), spec)
+    torch.cuda.synchronize()
+    xq, sx = quantize_fp8_per_token(x)
+    assert torch.equal(dp.x_q.view(torch.uint8), xq.view(torch.uint8)), "x_q differs"
+    return (dp.x_scale - sx.reshape(-1)).abs().max().item()
+
+
+def decode(split: int) -> float:
+    dp, x, tok = _decode_path()
+    y = dp.run(x, tok, split_k2=split, split_shrink=1)
+    torch.cuda.synchronize()
+    dp.check(x, tok, y)
+    return 0.0
+
+
+def expand(_split: int) -> float:
+    from tests import test_expand_add as T
+
+    T.test_gpu_matches_reference(33, 1)
+    return 0.0
+
+
+def k1(_split: int) -> float:
+    from tests import test_k1_shrink as T
+
+    T.test_gpu_matches_reference(33, 1)
+    return 0.0
+
+
+CASES = {f.__name__: f for f in (k2_nolora, shrink, decode, expand, k1)}
+
+if __name__ == "__main__":
+    case = sys.argv[1]
+    split = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    err = CASES[case](split)
+    print(f"{case} ok (split {split}) max error {err:.3g}", flush=True)
