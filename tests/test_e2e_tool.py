@@ -1,0 +1,460 @@
+"""tools/e2e_vllm.py, e2e_model.py and e2e_report.py on the CPU, without vLLM: the checkpoint
+and adapter writers at tiny sizes, the entry-point shim, the workers' environment and logging,
+the comparison and the report, and the whole pipeline with a stand-in engine (tests/e2e_fake.py).
+One test loads the files with vLLM 0.26.0's own Qwen3 model and LoRA loader in .venv-vllm
+(tools/install_vllm_cpu.sh); it skips when that venv is absent."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests import e2e_fake  # noqa: E402
+from tools import e2e_model as m  # noqa: E402
+from tools import e2e_report as rpt  # noqa: E402
+from tools import e2e_vllm as e  # noqa: E402
+
+TINY = m.SIZES["tiny"]
+
+
+def _hf_names(layers: int) -> set[str]:
+    """The tensor names of a Hugging Face Qwen3ForCausalLM checkpoint, written out by hand."""
+    names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    for i in range(layers):
+        names |= {f"model.layers.{i}.{n}.weight" for n in (
+            "input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm",
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    return names
+
+
+# ----------------------------------------------------------------------------- checkpoint and adapters
+
+def test_checkpoint_layout(tmp_path):
+    d = m.write_model(tmp_path / "model", "tiny", seed=3)
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["model_type"] == "qwen3"
+    assert cfg["tie_word_embeddings"] is False and cfg["torch_dtype"] == "bfloat16"
+    for k in ("rms_norm_eps", "rope_theta", "max_position_embeddings", "head_dim", "num_key_value_heads"):
+        assert k in cfg
+    assert m.model_config("qwen3-8b")["hidden_size"] == 4096 and m.model_config("qwen3-8b")["num_hidden_layers"] == 36
+    header, t = m.read_safetensors(d / "model.safetensors")
+    assert set(t) == _hf_names(2)
+    h, i, hd = TINY["hidden_size"], TINY["intermediate_size"], TINY["head_dim"]
+    q, kv = TINY["num_attention_heads"] * hd, TINY["num_key_value_heads"] * hd
+    shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+              "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i),
+              "self_attn.q_norm": (hd,), "input_layernorm": (h,)}
+    for name, shape in shapes.items():
+        assert tuple(t[f"model.layers.1.{name}.weight"].shape) == shape, name
+    assert tuple(t["lm_head.weight"].shape) == tuple(t["model.embed_tokens.weight"].shape) == (TINY["vocab_size"], h)
+    assert all(v.dtype == torch.bfloat16 for v in t.values())
+    assert torch.equal(t["model.norm.weight"], torch.ones(h, dtype=torch.bfloat16))
+    assert abs(t["lm_head.weight"].float().std().item() - m.WEIGHT_STD) < 0.002
+    # safetensors layout: 8-byte aligned header, contiguous data to the end of the file
+    ends = sorted(v["data_offsets"] for k, v in header.items() if k != "__metadata__")
+    assert ends[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ends, ends[1:]))
+    n = int.from_bytes((d / "model.safetensors").read_bytes()[:8], "little")
+    assert n % 8 == 0 and (d / "model.safetensors").stat().st_size == 8 + n + ends[-1][1]
+
+
+def test_checkpoint_deterministic_prefix_and_cached(tmp_path):
+    a = m.write_model(tmp_path / "a", "tiny", seed=1, threads=1)
+    b = m.write_model(tmp_path / "b", "tiny", seed=1, threads=4)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    c = m.write_model(tmp_path / "c", "tiny", layers=3, seed=1)
+    _, ta = m.read_safetensors(a / "model.safetensors")
+    _, tc = m.read_safetensors(c / "model.safetensors")
+    assert all(torch.equal(v, tc[k]) for k, v in ta.items())  # layers 0-1 of 3 = the 2-layer model
+    _, td = m.read_safetensors(m.write_model(tmp_path / "d", "tiny", seed=2) / "model.safetensors")
+    assert not torch.equal(td["lm_head.weight"], ta["lm_head.weight"])
+    mtime = (a / "model.safetensors").stat().st_mtime_ns
+    m.write_model(a, "tiny", seed=1)  # same stamp: kept
+    assert (a / "model.safetensors").stat().st_mtime_ns == mtime
+    m.write_model(a, "tiny", seed=5)  # different: rewritten
+    assert (a / "model.safetensors").read_bytes() != (b / "model.safetensors").read_bytes()
+
+
+def test_adapter_layout(tmp_path):
+    r = 16
+    d = m.write_adapter(tmp_path / "a", "tiny", rank=r, seed=7)
+    peft = json.loads((d / "adapter_config.json").read_text())
+    assert peft["peft_type"] == "LORA" and peft["r"] == r and peft["lora_alpha"] == r and peft["bias"] == "none"
+    assert sorted(peft["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                     "up_proj", "down_proj"])
+    _, t = m.read_safetensors(d / "adapter_model.safetensors")
+    assert len(t) == 2 * 7 * TINY["num_hidden_layers"]
+    h, i, hd = TINY["hidden_size"], TINY["intermediate_size"], TINY["head_dim"]
+    kv = TINY["num_key_value_heads"] * hd
+    p = "base_model.model.model.layers.1."
+    assert tuple(t[p + "self_attn.k_proj.lora_A.weight"].shape) == (r, h)
+    assert tuple(t[p + "self_attn.k_proj.lora_B.weight"].shape) == (kv, r)
+    assert tuple(t[p + "mlp.down_proj.lora_A.weight"].shape) == (r, i)
+    assert tuple(t[p + "mlp.down_proj.lora_B.weight"].shape) == (h, r)
+    a = torch.cat([v.float().flatten() for k, v in t.items() if "gate_proj.lora_A" in k])
+    b = torch.cat([v.float().flatten() for k, v in t.items() if "lora_B" in k])
+    assert abs(a.std().item() * h ** 0.5 - 1) < 0.1 and abs(b.std().item() - m.LORA_B_STD) < 0.002
+    _, t2 = m.read_safetensors(m.write_adapter(tmp_path / "b", "tiny", rank=r, seed=8) / "adapter_model.safetensors")
+    assert not torch.equal(t2[p + "mlp.up_proj.lora_B.weight"], t[p + "mlp.up_proj.lora_B.weight"])
+
+
+# ----------------------------------------------------------------------------- plugin shim and environment
+
+_EP_CODE = ("import importlib.metadata as md; "
+            "print(json.dumps([[x.name, x.value, x.dist.version] for x in md.entry_points(group='vllm.general_plugins')]))")
+
+
+def test_plugin_shim_visible_in_subprocess(tmp_path):
+    shim = m.make_plugin_shim(tmp_path / "shim")
+    # Only the shim on the path (-S: no site-packages, where this venv's editable install lives).
+    r = subprocess.run([sys.executable, "-S", "-c", "import json; " + _EP_CODE], cwd=tmp_path, capture_output=True,
+                       text=True, env={"PYTHONPATH": str(shim)}, check=True)
+    assert ["epilora_cute", "vllm_adapter.plugin:register", "0.0.0"] in json.loads(r.stdout)
+    # As the workers get it, through a spawned grandchild (how vLLM starts its engine core): the
+    # shim comes first on the path, and the entry point loads the repository's register().
+    env = e.engine_env("ours", {"PATH": os.environ.get("PATH", "")}, shim, tmp_path / "c", tmp_path / "l.json", {})
+    code = textwrap.dedent("""
+        import json, multiprocessing as mp
+        def probe(q):
+            import importlib.metadata as md
+            ep = [x for x in md.entry_points(group="vllm.general_plugins") if x.name == "epilora_cute"][0]
+            fn = ep.load()
+            q.put([ep.dist.version, fn.__module__, fn.__name__, __import__(fn.__module__).__file__])
+        if __name__ == "__main__":
+            ctx = mp.get_context("spawn")
+            q = ctx.Queue()
+            p = ctx.Process(target=probe, args=(q,))
+            p.start()
+            print(json.dumps(q.get(timeout=120)))
+            p.join()
+    """)
+    (tmp_path / "probe.py").write_text(code)
+    r = subprocess.run([sys.executable, str(tmp_path / "probe.py")], cwd=tmp_path, capture_output=True, text=True,
+                       env=env, timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    version, mod, name, path = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (version, mod, name) == ("0.0.0", "vllm_adapter.plugin", "register")
+    assert Path(path).resolve().is_relative_to(ROOT)
+
+
+def test_engine_env(tmp_path):
+    base = {"PYTHONPATH": "/x", "EPILORA_DISABLE": "0", "EPILORA_CACHE_DIR": "/c", "HF_HUB_OFFLINE": "0"}
+    args = (tmp_path / "shim", tmp_path / "cache", tmp_path / "log.json")
+    stock = e.engine_env("stock", base, args[0], args[1] / "s", args[2], {"EPILORA_FORCE_TRITON": "1"})
+    ours = e.engine_env("ours", base, args[0], args[1] / "o", args[2], {"EPILORA_FORCE_TRITON": "1"})
+    assert stock["EPILORA_DISABLE"] == "1" and "EPILORA_FORCE_TRITON" not in stock
+    assert "EPILORA_DISABLE" not in ours and ours["EPILORA_FORCE_TRITON"] == "1"
+    for env in (stock, ours):
+        assert env["PYTHONPATH"].split(os.pathsep) == [str(args[0]), str(ROOT), "/x"]
+        assert env["EPILORA_CACHE_DIR"] == "/c" and env["HF_HUB_OFFLINE"] == "0"  # the caller's wins
+        assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0" and env["VLLM_LOGGING_CONFIG_PATH"] == str(args[2])
+    assert stock["VLLM_CACHE_ROOT"] != ours["VLLM_CACHE_ROOT"]  # no shared AOT compile cache
+    assert base["EPILORA_DISABLE"] == "0"  # not modified
+
+
+def test_worker_probe_counts_lora_classes(monkeypatch):
+    monkeypatch.setenv("EPILORA_DECODE_PATH", "1")
+
+    def layer(name, active=None):
+        mod = type(name, (torch.nn.Linear,), {})(4, 4)
+        if active is not None:
+            mod._epilora_active = active
+        return mod
+
+    model = torch.nn.ModuleDict({"qkv": layer("EpiLoRAQKVParallelLinearWithLoRA", True),
+                                 "o": layer("EpiLoRARowParallelLinearWithLoRA", False),
+                                 "gate_up": layer("MergedColumnParallelLinearWithLoRA"),
+                                 "norm": layer("RMSNorm")})
+    worker = type("FakeWorker", (m.WorkerProbe,), {"get_model": lambda self: model, "model_runner": object()})()
+    r = worker.e2e_lora_layers()
+    assert r["lora_classes"] == {"EpiLoRAQKVParallelLinearWithLoRA": 1, "EpiLoRARowParallelLinearWithLoRA": 1,
+                                 "MergedColumnParallelLinearWithLoRA": 1}
+    assert (r["epilora_layers"], r["epilora_active"]) == (2, 1)
+    assert r["env"]["EPILORA_DECODE_PATH"] == "1" and r["gpu"] == "cpu" and r["model_runner"] == "builtins.object"
+    assert r["kernel_path"] == "plugin not registered"  # this process never ran register()
+
+
+def test_parse_env_pairs():
+    assert e.parse_env_pairs(["A=1", "B_2=x=y", "C="]) == {"A": "1", "B_2": "x=y", "C": ""}
+    for bad in ("A", "=1", "1A=2"):
+        with pytest.raises(ValueError):
+            e.parse_env_pairs([bad])
+
+
+def test_logging_config_shows_plugin_debug_only(tmp_path):
+    cfg = tmp_path / "log.json"
+    cfg.write_text(json.dumps(e.logging_config()))
+    code = ("import json, logging, logging.config, sys; logging.config.dictConfig(json.load(open(sys.argv[1]))); "
+            "logging.getLogger('vllm.epilora').debug('EpiLoRA: model.layers.0.mlp.down_proj -> "
+            "EpiLoRARowParallelLinearWithLoRA (fused FP8 LoRA)'); "
+            "logging.getLogger('vllm.worker').debug('hidden'); logging.getLogger('vllm.worker').info('shown')")
+    out = subprocess.run([sys.executable, "-c", code, str(cfg)], capture_output=True, text=True, check=True).stdout
+    assert "hidden" not in out and "shown" in out and "vllm.epilora" in out
+    s = rpt.plugin_log_summary(out)
+    assert s["taken_over"] == 1 and s["taken_over_classes"] == ["EpiLoRARowParallelLinearWithLoRA"]
+
+
+def test_plugin_log_summary():
+    text = "\n".join([
+        "INFO vllm.epilora: EpiLoRA plugin active: fused FP8 LoRA for 12 LoRA linear classes (vLLM 0.26.0 ...)",
+        "DEBUG vllm.epilora: EpiLoRA: model.layers.0.self_attn.qkv_proj -> EpiLoRAQKVParallelLinearWithLoRA (fused FP8 LoRA)",
+        "DEBUG vllm.epilora: EpiLoRA: model.layers.0.self_attn.qkv_proj -> EpiLoRAQKVParallelLinearWithLoRA (fused FP8 LoRA)",
+        "DEBUG vllm.epilora: EpiLoRA: model.layers.0.mlp.down_proj -> EpiLoRARowParallelLinearWithLoRA (fused FP8 LoRA)",
+        "INFO vllm.epilora: EpiLoRA: model.layers.0.mlp.gate_up_proj stays on vLLM's MergedColumnParallelLinearWithLoRA: "
+        "block-scaled FP8 weights (block [128, 128])",
+        "INFO vllm.epilora: EpiLoRA: model.layers.1.self_attn.o_proj computes with vLLM's kernels: rank 600 > 512",
+        "INFO vllm: Directly load AOT compilation from path /x"])
+    s = rpt.plugin_log_summary(text)
+    assert s["plugin_active"] and not s["plugin_disabled"] and s["aot_cache_loaded"]
+    assert (s["taken_over"], s["stays_on_vllm"], s["computes_with_vllm"]) == (2, 1, 1)
+    assert s["fallback_reasons"] == {"block-scaled FP8 weights (block [128, 128])": 1, "rank 600 > 512": 1}
+    assert rpt.plugin_log_summary("EpiLoRA plugin disabled by EPILORA_DISABLE")["plugin_disabled"]
+
+
+# ----------------------------------------------------------------------------- comparison and report
+
+def test_compare_greedy():
+    r = rpt.compare_greedy([[1, 2, 3], [1, 2, 3], [4, 5]], [[1, 2, 3], [1, 9, 3], [4, 5, 6]])
+    assert r == {"identical": 1, "total": 3, "first_divergence": [None, 1, 2]}
+
+
+def test_compare_logprobs():
+    a = {"lp": [[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]], "top1": [[1, 2, 3], [4, 5, 6]]}
+    b = {"lp": [[-1.01, -2.0, -3.1], [-1.0, -1.0, -1.0]], "top1": [[1, 2, 3], [4, 5, 7]]}
+    r = rpt.compare_logprobs(a, b, prompt_len=3, gen_len=4)
+    assert r["positions"] == 6 and r["max_abs"] == pytest.approx(0.1) and r["mean_abs"] == pytest.approx(0.11 / 6)
+    assert r["gen_max_abs"] == pytest.approx(0.1) and r["gen_mean_abs"] == pytest.approx(0.05)  # positions j >= 2
+    assert r["top1_agreement"] == pytest.approx(5 / 6) and r["expected_identical"] == pytest.approx(2 * (5 / 6) ** 4)
+    assert r["within_tolerance"] == (0.1 <= rpt.TOL_MAX_NATS and 0.11 / 6 <= rpt.TOL_MEAN_NATS)
+    far = {"lp": [[x - 0.5 for x in s] for s in a["lp"]], "top1": a["top1"]}
+    assert not rpt.compare_logprobs(a, far, 3)["within_tolerance"]
+    assert rpt.compare_logprobs({"lp": [], "top1": []}, {"lp": [], "top1": []}, 3) == {"positions": 0}
+
+
+def test_perf_rows_and_targets():
+    runs = {"stock": {"phases": {"tpot": {"one_adapter": {"tpot_ms": 6.0}},
+                                 "throughput": {"eight_adapters": {"output_tok_s": 3300.0, "total_tok_s": 16500.0}}}},
+            "ours": {"phases": {"tpot": {"one_adapter": {"tpot_ms": 3.6}},
+                                "throughput": {"eight_adapters": {"output_tok_s": 5000.0, "total_tok_s": 25000.0}}}}}
+    rows = {r["metric"]: r for r in rpt.perf_rows(runs)}
+    t = rows["TPOT batch 1, one adapter (ms)"]
+    assert t["met"] is True and t["ratio"] == pytest.approx(0.6) and t["anchor"] == rpt.ANCHORS["tpot_one_adapter_ms"]
+    assert rows["64×(512+128), 8 adapters: output tok/s"]["met"] is False
+    assert rows["TPOT batch 1, no adapter (ms)"]["stock"] is None and rows["TPOT batch 1, no adapter (ms)"]["met"] is None
+
+
+def test_prompts_deterministic():
+    p = e.prompts(0, "greedy", 16, 64, 151936)
+    assert p == e.prompts(0, "greedy", 16, 64, 151936) and len(p) == 16 and all(len(x) == 64 for x in p)
+    assert p != e.prompts(0, "tpot", 16, 64, 151936) and max(max(x) for x in p) < 151936
+
+
+# ----------------------------------------------------------------------------- the whole pipeline, stand-in engine
+
+def _run_tool(tmp_path, *extra, fail=None, slow=None, out="out"):
+    env = dict(os.environ, EPILORA_E2E_LLM_FACTORY="tests.e2e_fake:FakeLLM", PYTHONPATH=str(ROOT))
+    env.pop("OUT", None)
+    if fail:
+        env["EPILORA_E2E_FAKE_FAIL"] = fail
+    if slow:
+        env["EPILORA_E2E_FAKE_SLOW"] = str(slow)
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "e2e_vllm.py"), "--size", "tiny", "--reps", "1",
+                        "--out", str(tmp_path / out), "--work-dir", str(tmp_path / "work"), *extra],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    rep = json.loads((tmp_path / out / "e2e.json").read_text()) if (tmp_path / out / "e2e.json").exists() else None
+    return r, rep
+
+
+@pytest.mark.parametrize("mode", [[], ["--sequential"]])
+def test_pipeline_with_stand_in_engine(tmp_path, mode):
+    r, rep = _run_tool(tmp_path, "--ours-env", "EPILORA_FORCE_TRITON=1", *mode)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    c = rep["comparison"]
+    assert c["greedy"]["none"]["identical"] == 16
+    flipped = 16 // m.NUM_ADAPTERS  # prompts on adapter id FLIP_ADAPTER_ID
+    assert c["greedy"]["adapters"]["identical"] == 16 - flipped
+    assert sorted(x for x in c["greedy"]["adapters"]["first_divergence"] if x is not None) == [e2e_fake.FLIP_AT] * flipped
+    assert c["logprobs"]["none"]["max_abs"] == pytest.approx(e2e_fake.OURS_LP_SHIFT) and c["logprobs"]["none"]["within_tolerance"]
+    assert c["logprobs"]["adapters"]["top1_agreement"] < 1 and c["logprobs"]["adapters"]["within_tolerance"]
+    assert c["stock_floor_greedy"]["adapters"]["identical"] == 16 and c["stock_adapters_change_tokens"] == 16
+    assert rep["runs"]["ours"]["phases"]["logprobs"]["tokens_from"] == "stock"
+    assert rep["plugin_log"]["ours"]["taken_over"] == 4 * 2 and rep["plugin_log"]["stock"]["plugin_disabled"]
+    assert rep["runs"]["ours"]["probe"]["epilora_active"] == 8 and rep["ours_env"] == {"EPILORA_FORCE_TRITON": "1"}
+    assert rep["concurrent"] == (not mode)
+    perf = {x["metric"]: x for x in rep["performance"]}
+    assert all(x["stock"] is not None and x["ours"] is not None for x in perf.values())
+    md = (tmp_path / "out" / "e2e.md").read_text()
+    assert "| greedy 32 tokens, no adapter: identical | 16/16 | 16/16 |" in md
+    assert "≥ 5300" in md and "layers taken over: 8" in md
+    assert rep["entry_point"].startswith("vllm_adapter.plugin:register from epilora-cute 0.0.0; module at " + str(ROOT))
+    assert _leftover_processes(tmp_path) == []
+
+
+def _leftover_processes(tmp_path) -> list[str]:
+    """Processes still running whose command line names this test's directory."""
+    left = []
+    for p in Path("/proc").iterdir():
+        try:
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(tmp_path) in cmd and "--worker" in cmd:
+            left.append(cmd)
+    return left
+
+
+def test_hanging_engine_start_does_not_block_the_other(tmp_path):
+    r, rep = _run_tool(tmp_path, "--start-timeout", "4", "--phases", "greedy", slow="ours:60")
+    assert r.returncode == 1 and "not up after 4 s" in rep["notes"]["ours"] and "stock" not in rep["notes"]
+    assert rep["runs"]["stock"]["done"] and "greedy" in rep["runs"]["stock"]["phases"]
+    assert _leftover_processes(tmp_path) == []
+
+
+def test_sigterm_stops_workers_and_still_reports(tmp_path):
+    env = dict(os.environ, EPILORA_E2E_LLM_FACTORY="tests.e2e_fake:FakeLLM", PYTHONPATH=str(ROOT),
+               EPILORA_E2E_FAKE_SLOW="60")
+    p = subprocess.Popen([sys.executable, str(ROOT / "tools" / "e2e_vllm.py"), "--size", "tiny", "--out",
+                          str(tmp_path / "out"), "--work-dir", str(tmp_path / "work")], cwd=tmp_path, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in p.stdout:  # wait until the engines are starting
+        if "starting ours" in line:
+            break
+    p.terminate()
+    p.communicate(timeout=120)
+    assert p.returncode == 1
+    rep = json.loads((tmp_path / "out" / "e2e.json").read_text())
+    assert rep["notes"] == {"stock": "interrupted", "ours": "interrupted"}
+    assert _leftover_processes(tmp_path) == []
+
+
+def test_time_budget_stops_workers_and_still_reports(tmp_path):
+    r, rep = _run_tool(tmp_path, "--time-budget", "4", slow=60)
+    assert r.returncode == 1 and rep is not None
+    assert "time budget ran out" in rep["notes"]["stock"]
+    assert _leftover_processes(tmp_path) == []
+
+
+def test_only_ours_against_earlier_stock(tmp_path):
+    r, rep = _run_tool(tmp_path, "--only", "stock", "--skip-throughput", out="first")
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "throughput" not in rep["runs"]["stock"]["phases"]
+    r, rep = _run_tool(tmp_path, "--only", "ours", "--phases", "greedy,logprobs",
+                       "--stock-from", str(tmp_path / "first" / "e2e.json"))
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert rep["runs"]["ours"]["phases"]["logprobs"]["tokens_from"] == "stock"
+    assert rep["comparison"]["greedy"]["none"]["identical"] == 16
+    assert rep["comparison"]["logprobs"]["none"]["positions"] == 16 * 95
+
+
+def test_failing_engine_is_reported(tmp_path):
+    r, rep = _run_tool(tmp_path, "--phases", "greedy", fail="ours")
+    assert r.returncode == 1
+    assert rep["runs"]["stock"]["done"] and "greedy" in rep["runs"]["stock"]["phases"]
+    assert "before its engine was up" in rep["notes"]["ours"] and "fake engine failure" in rep["runs"]["ours"]["log_tail"]
+    assert "**ours**" in (tmp_path / "out" / "e2e.md").read_text()
+
+
+# ----------------------------------------------------------------------------- vLLM's own loaders (.venv-vllm)
+
+_VLLM = ROOT / ".venv-vllm" / "bin" / "python"
+
+_XCHECK = r'''
+import json, sys, tempfile
+import torch
+import vllm.platforms as platforms
+from vllm.platforms.cpu import CpuPlatform
+if type(platforms._current_platform).__name__ != "CpuPlatform":
+    platforms._current_platform = CpuPlatform()
+import vllm.utils.torch_utils as torch_utils
+torch_utils.PIN_MEMORY = False
+if not hasattr(torch.ops._C, "silu_and_mul"):  # vllm._C is not loaded on a CPU torch; the MLP only looks the op up
+    _lib = torch.library.Library("_C", "FRAGMENT")
+    _lib.define("silu_and_mul(Tensor! out, Tensor x) -> ()")
+from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.lora.lora_model import LoRAModel
+from vllm.lora.peft_helper import PEFTHelper
+from vllm.lora.utils import get_supported_lora_modules
+from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+
+model_dir, adapter_dir, root = sys.argv[1], sys.argv[2], sys.argv[3]
+sys.path.insert(0, root)
+from tools import e2e_model, e2e_vllm
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.worker.gpu_worker import Worker
+
+# the engine keywords and the worker extension, as vLLM will take them
+ecfg = EngineArgs(**e2e_vllm.engine_kwargs(model_dir, 0)).create_engine_config()
+out = {"engine": [ecfg.model_config.quantization, ecfg.lora_config.max_loras, ecfg.lora_config.max_lora_rank,
+                  ecfg.cache_config.kv_cache_memory_bytes, ecfg.parallel_config.worker_extension_cls],
+       "probe_conflicts": [a for a in dir(e2e_model.WorkerProbe) if not a.startswith("__") and hasattr(Worker, a)]}
+ctx = e2e_vllm.Ctx(None, {"adapters": [adapter_dir] * 8, "seed": 0, "vocab_size": 512}, None, {})
+sp = ctx.sampling(4, skip_reading_prefix_cache=True)
+out["sampling"] = [type(sp).__name__, sp.max_tokens, sp.temperature, sp.skip_reading_prefix_cache, sp.ignore_eos]
+out["lora_request"] = [type(ctx.lora(2)).__name__, ctx.lora(2).lora_int_id, ctx.lora(2).lora_path]
+cfg = VllmConfig(model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16"))
+out.update(architecture=cfg.model_config.architectures, vllm=__import__("vllm").__version__)
+with set_current_vllm_config(cfg):
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method=f"file://{tempfile.mkstemp()[1]}")
+    initialize_model_parallel(1, 1)
+    from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+    model = Qwen3ForCausalLM(vllm_config=cfg)
+    loaded = model.load_weights(safetensors_weights_iterator([model_dir + "/model.safetensors"], False))
+    params = {n for n, _ in model.named_parameters()}
+    out["params_not_loaded"] = sorted(params - loaded)
+    out["loaded_not_params"] = sorted(loaded - params)
+    # the adapter, as vLLM's worker manager loads it (expected modules from the model's packing)
+    expected = set()
+    for mod in get_supported_lora_modules(model):
+        expected |= set(model.packed_modules_mapping.get(mod, [mod]))
+    helper = PEFTHelper.from_local_dir(adapter_dir, cfg.model_config.max_model_len)
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    lora = LoRAModel.from_local_checkpoint(adapter_dir, expected, peft_helper=helper, lora_model_id=1, device="cpu",
+                                           dtype=torch.bfloat16, model_vocab_size=cfg.model_config.get_vocab_size(),
+                                           weights_mapper=mapper.get_unstacked_mapper() if mapper else None)
+    out["expected_lora_modules"] = sorted(expected)
+    out["lora"] = {k: [list(v.lora_a.shape), list(v.lora_b.shape), v.rank] for k, v in lora.loras.items()}
+    out["scaling"] = helper.vllm_lora_scaling_factor
+print("XCHECK " + json.dumps(out))
+'''
+
+
+@pytest.mark.skipif(not _VLLM.exists(), reason="no .venv-vllm (tools/install_vllm_cpu.sh makes it)")
+def test_files_load_with_vllm_qwen3_and_lora_loaders(tmp_path):
+    rank = 8
+    model = m.write_model(tmp_path / "model", "tiny")
+    adapter = m.write_adapter(tmp_path / "adapter", "tiny", rank=rank)
+    (tmp_path / "x.py").write_text(_XCHECK)
+    r = subprocess.run([str(_VLLM), str(tmp_path / "x.py"), str(model), str(adapter), str(ROOT)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=""))
+    lines = [x for x in r.stdout.splitlines() if x.startswith("XCHECK ")]
+    assert r.returncode == 0 and lines, (r.stdout + r.stderr)[-4000:]
+    out = json.loads(lines[-1][len("XCHECK "):])
+    assert out["architecture"] == ["Qwen3ForCausalLM"]
+    assert out["engine"] == ["fp8", 8, 64, 16 << 30, "tools.e2e_model.WorkerProbe"] and out["probe_conflicts"] == []
+    assert out["sampling"] == ["SamplingParams", 4, 0.0, True, True]
+    assert out["lora_request"] == ["LoRARequest", 3, str(adapter)]
+    assert out["params_not_loaded"] == [] and out["loaded_not_params"] == []
+    assert set(m.TARGET_MODULES) <= set(out["expected_lora_modules"])
+    h, i = TINY["hidden_size"], TINY["intermediate_size"]
+    q = TINY["num_attention_heads"] * TINY["head_dim"]
+    kv = TINY["num_key_value_heads"] * TINY["head_dim"]
+    dims = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+            "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    want = {f"model.layers.{layer}.{name}" for layer in range(TINY["num_hidden_layers"]) for name in dims}
+    assert set(out["lora"]) == want
+    for key, (a, b, r_) in out["lora"].items():
+        n_out, n_in = dims[key.split(".", 3)[3]]
+        assert r_ == rank and sorted([a, b]) == sorted([[rank, n_in], [n_out, rank]]), key
+    assert out["scaling"] == 1.0

@@ -1,0 +1,257 @@
+"""Helpers of tools/e2e_vllm.py that need no vLLM: the random Qwen3 checkpoint, the PEFT
+adapters, the entry-point shim that makes the plugin visible to vLLM's processes, and the probe
+that vLLM mixes into its GPU worker.
+
+Checkpoint (HF layout, what vLLM's Qwen3 loader reads): ``config.json`` + one
+``model.safetensors`` of bf16 tensors, written by a small streaming safetensors writer (no
+``safetensors`` package needed; 16.4 GB for Qwen3-8B's sizes never sit in memory at once).
+Every tensor has its own seed derived from (seed, name), so the first N layers of a 36-layer
+model are the N-layer model, and the files do not depend on the thread count. Linear weights and
+the embeddings are N(0, 0.02^2) (activations stay O(1): q_proj's output rms is
+0.02 * sqrt(4096) ~ 1.3 on a unit-rms input, logits' std ~ 1.3); RMSNorm weights are 1.
+
+Adapters (PEFT layout): rank r on q/k/v/o/gate/up/down, lora_alpha = r (vLLM folds alpha/r = 1
+into B). A ~ N(0, 1/in): h = x A^T keeps the input's rms; B ~ N(0, 0.02^2): the update
+h B^T has rms ~ sqrt(r) * 0.02 = 0.16 per unit-rms input, ~12 % of q_proj's base output and ~7 %
+of down_proj's. Large enough that an adapter changes greedy tokens within a few steps (a dropped
+or misrouted adapter shows in every comparison), small enough that no value leaves bf16's
+comfortable range.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+# torch is imported where it is used: tools/e2e_vllm.py's workers import this module without it.
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SIZES = {
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    # CPU tests and pipeline smoke runs (dims multiples of 16 for vLLM's FP8 kernels, head_dim 64 for FA3).
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, vocab_size=1024),
+}
+WEIGHT_STD = 0.02
+LORA_B_STD = 0.02
+NUM_ADAPTERS = 8
+RANK = 64
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FORMAT_VERSION = 1  # bump when the generated values change (invalidates cached checkpoints)
+
+
+def model_config(size: str = "qwen3-8b", layers: int | None = None) -> dict:
+    """config.json of a Qwen3 model with the given sizes."""
+    s = dict(SIZES[size])
+    if layers is not None:
+        s["num_hidden_layers"] = layers
+    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **s,
+            "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "rope_scaling": None, "max_position_embeddings": 40960,
+            "max_window_layers": s["num_hidden_layers"], "use_sliding_window": False, "sliding_window": None,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "initializer_range": WEIGHT_STD,
+            "use_cache": True, "bos_token_id": min(151643, s["vocab_size"] - 2),
+            "eos_token_id": min(151645, s["vocab_size"] - 1)}
+
+
+def _proj_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
+    """(out, in) of each linear layer of a decoder layer."""
+    h, i, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    return {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+            "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+
+
+def checkpoint_entries(cfg: dict) -> list[tuple[str, tuple[int, ...], float | None]]:
+    """(name, shape, std) of every tensor of the checkpoint; std None means all ones (norms)."""
+    h, v, hd = cfg["hidden_size"], cfg["vocab_size"], cfg["head_dim"]
+    out = [("model.embed_tokens.weight", (v, h), WEIGHT_STD)]
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        out += [(p + "input_layernorm.weight", (h,), None), (p + "post_attention_layernorm.weight", (h,), None),
+                (p + "self_attn.q_norm.weight", (hd,), None), (p + "self_attn.k_norm.weight", (hd,), None)]
+        out += [(p + name + ".weight", shape, WEIGHT_STD) for name, shape in _proj_shapes(cfg).items()]
+    out += [("model.norm.weight", (h,), None), ("lm_head.weight", (v, h), WEIGHT_STD)]
+    return out
+
+
+def adapter_entries(cfg: dict, rank: int) -> list[tuple[str, tuple[int, ...], float]]:
+    """(name, shape, std) of a PEFT adapter's tensors: lora_A [r, in], lora_B [out, r]."""
+    out = []
+    for layer in range(cfg["num_hidden_layers"]):
+        for name, (n_out, n_in) in _proj_shapes(cfg).items():
+            p = f"base_model.model.model.layers.{layer}.{name}."
+            out += [(p + "lora_A.weight", (rank, n_in), n_in ** -0.5), (p + "lora_B.weight", (n_out, rank), LORA_B_STD)]
+    return out
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
+
+
+def make_tensor(seed: int, name: str, shape, std: float | None):
+    import torch
+
+    if std is None:
+        return torch.ones(shape, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(tensor_seed(seed, name))
+    return torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, std, generator=g)
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+def write_safetensors(path: Path, entries, make, threads: int | None = None, metadata: dict | None = None) -> None:
+    """Write ``entries`` [(name, shape, arg)] as bf16 safetensors, tensors made by ``make(name,
+    shape, arg)`` on a thread pool (torch's RNG releases the GIL) and written in order."""
+    header, offset = {"__metadata__": {"format": "pt", **(metadata or {})}}, 0
+    for name, shape, _ in entries:
+        nbytes = 2 * math.prod(shape)
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as the safetensors library writes it
+    threads = threads or min(32, os.cpu_count() or 1)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f, ThreadPoolExecutor(threads) as pool:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        pending = []
+        for name, shape, arg in entries:
+            pending.append(pool.submit(make, name, shape, arg))
+            if len(pending) >= 2 * threads:
+                f.write(_bytes(pending.pop(0).result()))
+        for fut in pending:
+            f.write(_bytes(fut.result()))
+    os.replace(tmp, path)
+
+
+def _bytes(t) -> memoryview:
+    import torch
+
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def read_safetensors(path: Path, names=None) -> tuple[dict, dict]:
+    """(header, tensors) of a bf16 safetensors file (tests; no safetensors package needed)."""
+    import torch
+
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        base, tensors = 8 + n, {}
+        for name, e in header.items():
+            if name == "__metadata__" or (names is not None and name not in names):
+                continue
+            assert e["dtype"] == "BF16", e
+            b0, b1 = e["data_offsets"]
+            f.seek(base + b0)
+            raw = bytearray(f.read(b1 - b0))
+            tensors[name] = torch.frombuffer(raw, dtype=torch.bfloat16).reshape(e["shape"]) if raw else \
+                torch.empty(e["shape"], dtype=torch.bfloat16)
+    return header, tensors
+
+
+# ----------------------------------------------------------------------------- model and adapters
+
+def _cached(directory: Path, stamp: dict) -> bool:
+    p = directory / "e2e_stamp.json"
+    return p.exists() and json.loads(p.read_text()) == stamp
+
+
+def write_model(directory: Path, size: str = "qwen3-8b", layers: int | None = None, seed: int = 0,
+                threads: int | None = None) -> Path:
+    """The random checkpoint in ``directory`` (kept when a previous call wrote the same one)."""
+    directory = Path(directory)
+    cfg = model_config(size, layers)
+    stamp = {"config": cfg, "seed": seed, "std": WEIGHT_STD, "format": FORMAT_VERSION}
+    if _cached(directory, stamp):
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "e2e_stamp.json").unlink(missing_ok=True)
+    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
+    write_safetensors(directory / "model.safetensors", checkpoint_entries(cfg),
+                      lambda name, shape, std: make_tensor(seed, name, shape, std), threads)
+    (directory / "e2e_stamp.json").write_text(json.dumps(stamp))
+    return directory
+
+
+def write_adapter(directory: Path, size: str = "qwen3-8b", layers: int | None = None, rank: int = 64,
+                  seed: int = 1, threads: int | None = None) -> Path:
+    directory = Path(directory)
+    cfg = model_config(size, layers)
+    peft = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank, "lora_dropout": 0.0,
+            "target_modules": list(TARGET_MODULES), "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "use_dora": False, "modules_to_save": None, "base_model_name_or_path": "e2e-qwen3"}
+    stamp = {"config": cfg, "peft": peft, "seed": seed, "b_std": LORA_B_STD, "format": FORMAT_VERSION}
+    if _cached(directory, stamp):
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "e2e_stamp.json").unlink(missing_ok=True)
+    (directory / "adapter_config.json").write_text(json.dumps(peft, indent=1))
+    write_safetensors(directory / "adapter_model.safetensors", adapter_entries(cfg, rank),
+                      lambda name, shape, std: make_tensor(seed, name, shape, std), threads)
+    (directory / "e2e_stamp.json").write_text(json.dumps(stamp))
+    return directory
+
+
+# ----------------------------------------------------------------------------- plugin visibility
+
+SHIM_DIST = "epilora_cute-0.0.0.dist-info"
+ENTRY_POINT = ("vllm.general_plugins", "epilora_cute", "vllm_adapter.plugin:register")
+
+
+def make_plugin_shim(directory: Path) -> Path:
+    """A minimal installed-distribution record for the plugin's entry point (the repository is not
+    pip-installed on the GPU machine). Put ``directory`` and the repository root on PYTHONPATH
+    and ``importlib.metadata.entry_points(group="vllm.general_plugins")`` lists the plugin in every
+    process vLLM starts (they inherit the environment)."""
+    d = Path(directory) / SHIM_DIST
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: epilora-cute\nVersion: 0.0.0\n")
+    group, name, value = ENTRY_POINT
+    (d / "entry_points.txt").write_text(f"[{group}]\n{name} = {value}\n")
+    return Path(directory)
+
+
+# ----------------------------------------------------------------------------- worker probe
+
+class WorkerProbe:
+    """Mixed into vLLM's GPU worker (``LLM(worker_extension_cls="tools.e2e_model.WorkerProbe")``);
+    ``llm.collective_rpc("e2e_lora_layers")`` returns, from inside the engine, which class each
+    LoRA layer got and which kernel path the plugin routes to."""
+
+    def e2e_lora_layers(self) -> dict:
+        import torch
+
+        model = self.get_model()
+        classes: dict[str, int] = {}
+        epi = active = 0
+        for _, mod in model.named_modules():
+            name = type(mod).__name__
+            if "WithLoRA" in name or "WithShardedLoRA" in name:
+                classes[name] = classes.get(name, 0) + 1
+                if name.startswith("EpiLoRA"):
+                    epi += 1
+                    active += bool(getattr(mod, "_epilora_active", False))
+        device = next(model.parameters()).device
+        out = {"lora_classes": classes, "epilora_layers": epi, "epilora_active": active,
+               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
+               "torch": torch.__version__, "env": {k: v for k, v in os.environ.items() if k.startswith("EPILORA_")}}
+        runner = getattr(self, "model_runner", None)
+        out["model_runner"] = f"{type(runner).__module__}.{type(runner).__name__}"
+        try:
+            from vllm_adapter import fused, plugin
+
+            out["kernel_path"] = fused.kernel_path(device) if plugin.is_registered() else "plugin not registered"
+        except Exception as e:  # the plugin is not importable
+            out["kernel_path"] = f"unknown ({type(e).__name__}: {e})"
+        if out["kernel_path"] == "cute":  # epilora_cute.ops.lora_linear_fp8, path="auto"
+            out["ops_auto_path"] = ("decode (CuTe, <= 32 tokens) else triton"
+                                    if os.environ.get("EPILORA_DECODE_PATH", "0") == "1" else "triton")
+        return out

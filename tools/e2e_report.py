@@ -1,0 +1,237 @@
+"""Comparison and report of tools/e2e_vllm.py (pure functions on the workers' JSON results).
+
+Targets are issue #5's; anchors are stock vLLM on the H200 with the same setup, from
+../shared/notes/vllm-on-h200.md. The anchors' tok/s are read as output tokens/s: 64 x 128 output
+tokens at 6531 tok/s is 1.25 s, ~10 ms per batch-64 decode step (3.5 ms at batch 1), while 6531
+total (prompt + output) tok/s would mean 6.3 s. The report gives both conventions.
+"""
+
+from __future__ import annotations
+
+import re
+
+from tools.e2e_model import NUM_ADAPTERS, RANK
+
+CONFIGS = ("stock", "ours")
+
+TARGET_TPOT_ONE_ADAPTER_MS = 3.7
+TARGET_TPUT_8_ADAPTERS = 5300.0  # output tokens/s
+TARGET_GREEDY_ADAPTERS = 14  # of 16 identical to stock; without adapter: all 16
+ANCHORS = {"tpot_none_ms": 3.51, "tpot_one_adapter_ms": 5.97,
+           "tput_none": 6531.0, "tput_one_adapter": 4160.0, "tput_eight_adapters": 3310.0}
+
+# Teacher-forced |logprob(ours) - logprob(stock)| tolerances, nats. Both paths quantize the
+# activations to the same FP8 codes and scales (bit-exact, docs/perf.md), so the base GEMMs differ
+# only in accumulation order / the tensor cores' FP8 accumulation (~2^-14 relative or less): a
+# few % of outputs land on the neighbouring bf16 value (2^-8 relative). With an adapter, stock
+# rounds the base output to bf16, adds the LoRA update and rounds again, the fused op rounds
+# once: ~1/4 of those outputs differ by one ulp, ~1.5e-3 relative rms per layer. Through 36
+# random layers that is a few 1e-3 of the final hidden state: ~0.005-0.01 nats per token on
+# logits of std ~1.3 (WEIGHT_STD * sqrt(hidden)), tails ~5x that. A dropped, misrouted or
+# mis-scaled adapter moves each layer's output by ~10 % (tools/e2e_model.py): 0.1-1 nats per
+# token (the report shows it as "adapter effect"). The bounds sit between the two.
+# Greedy identity is a much blunter check on a random model: its top-2 logit gap is
+# ~ std / sqrt(2 ln vocab) ~ 0.26 on average (exponentially distributed), so a 0.01 logit
+# perturbation flips a few % of the steps and 32-step runs diverge often; the report therefore
+# also gives the per-position top-1 agreement and the identical count it predicts.
+TOL_MEAN_NATS = 0.02
+TOL_MAX_NATS = 0.2
+
+PLUGIN_LOG_PATTERNS = {
+    "taken_over": re.compile(r"EpiLoRA: (\S+) -> (EpiLoRA\w+) \(fused FP8 LoRA\)"),
+    "stays_on_vllm": re.compile(r"EpiLoRA: (\S+) stays on vLLM's (\w+): (.*)"),
+    "computes_with_vllm": re.compile(r"EpiLoRA: (\S+) computes with vLLM's kernels: (.*)"),
+}
+
+def plugin_log_summary(text: str) -> dict:
+    """What the ``vllm.epilora`` lines of an engine log say (each layer counted once)."""
+    found = {k: {} for k in PLUGIN_LOG_PATTERNS}
+    for line in text.splitlines():
+        if "EpiLoRA" not in line:
+            continue
+        for key, pat in PLUGIN_LOG_PATTERNS.items():
+            m = pat.search(line)
+            if m:
+                found[key][m.group(1)] = m.group(m.lastindex)
+    reasons: dict[str, int] = {}
+    for key in ("stays_on_vllm", "computes_with_vllm"):
+        for why in found[key].values():
+            reasons[why] = reasons.get(why, 0) + 1
+    return {"plugin_active": "EpiLoRA plugin active" in text,
+            "plugin_disabled": "EpiLoRA plugin disabled" in text,
+            "plugin_off": re.findall(r"EpiLoRA plugin off: .*", text)[:1],
+            **{k: len(v) for k, v in found.items()},
+            "taken_over_classes": sorted(set(found["taken_over"].values())),
+            "fallback_reasons": reasons,
+            "aot_cache_loaded": "Directly load AOT compilation" in text}
+
+
+def compare_greedy(a: list[list[int]], b: list[list[int]]) -> dict:
+    first = [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), None if len(s) == len(t) else min(len(s), len(t)))
+             for s, t in zip(a, b)]
+    return {"identical": sum(f is None for f in first), "total": len(first), "first_divergence": first}
+
+
+def compare_logprobs(a: dict, b: dict, prompt_len: int, gen_len: int = 32) -> dict:
+    """|Δlogprob| over every scored position (and over the generated positions only) and the
+    top-1 agreement; ``expected_identical`` is how many of the greedy runs (``gen_len`` tokens
+    each) stay identical if every position flips independently at the measured disagreement."""
+    d_all, d_gen, agree, n = [], [], 0, 0
+    for la, lb, ta, tb in zip(a["lp"], b["lp"], a["top1"], b["top1"]):
+        for j, (x, y) in enumerate(zip(la, lb)):
+            d_all.append(abs(x - y))
+            if j >= prompt_len - 1:
+                d_gen.append(abs(x - y))
+        agree += sum(x == y for x, y in zip(ta, tb))
+        n += len(ta)
+    if not d_all:
+        return {"positions": 0}
+    frac = agree / n
+    return {"positions": len(d_all), "max_abs": max(d_all), "mean_abs": sum(d_all) / len(d_all),
+            "gen_max_abs": max(d_gen, default=0.0), "gen_mean_abs": sum(d_gen) / len(d_gen) if d_gen else 0.0,
+            "top1_agreement": frac, "expected_identical": len(a["lp"]) * frac ** gen_len,
+            "within_tolerance": max(d_all) <= TOL_MAX_NATS and sum(d_all) / len(d_all) <= TOL_MEAN_NATS}
+
+
+def compare(runs: dict, spec: dict) -> dict:
+    """Every comparison the report shows, from the raw worker results (missing parts skipped)."""
+    out: dict = {}
+    pl, gl = spec["greedy"]["prompt_len"], spec["greedy"]["gen_len"]
+    for name, run in runs.items():
+        g = run.get("phases", {}).get("greedy")
+        if g:  # same engine: batched vs one at a time, and the adapters' effect on the tokens
+            out[f"{name}_floor_greedy"] = {c: compare_greedy(g[c], g[c + "_single"]) for c in ("none", "adapters")}
+            out[f"{name}_adapters_change_tokens"] = len(g["none"]) - compare_greedy(g["none"], g["adapters"])["identical"]
+        lp = run.get("phases", {}).get("logprobs")
+        if lp:
+            out[f"{name}_floor_logprobs"] = {c: compare_logprobs(lp[c], lp[c + "_single"], pl, gl) for c in ("none", "adapters")}
+            out[f"{name}_adapter_effect"] = compare_logprobs(lp["adapters"], lp["adapters_without_lora"], pl, gl)
+    s, o = (runs.get(c, {}).get("phases", {}) for c in CONFIGS)
+    if "greedy" in s and "greedy" in o:
+        out["greedy"] = {c: compare_greedy(s["greedy"][c], o["greedy"][c]) for c in ("none", "adapters")}
+    if "logprobs" in s and "logprobs" in o:
+        lp = {}
+        for c in ("none", "adapters"):
+            if s["logprobs"][c]["seqs_sha"] == o["logprobs"][c]["seqs_sha"]:
+                lp[c] = compare_logprobs(s["logprobs"][c], o["logprobs"][c], pl, gl)
+            else:
+                lp[c] = {"positions": 0, "note": "different token sequences (ours had no stock tokens)"}
+        out["logprobs"] = lp
+    return out
+
+
+def _f(v, fmt="{:.2f}") -> str:
+    return "—" if v is None else fmt.format(v)
+
+
+def _divergence(r: dict) -> str:
+    at = [x for x in r["first_divergence"] if x is not None]
+    return f" (diverged at generated token {', '.join(map(str, at))})" if at else ""
+
+
+def _get(d, *keys):
+    for k in keys:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+def perf_rows(runs: dict) -> list[dict]:
+    rows = []
+    for label, path, anchor, target in [
+            ("TPOT batch 1, no adapter (ms)", ("tpot", "none", "tpot_ms"), ANCHORS["tpot_none_ms"], None),
+            ("TPOT batch 1, one adapter (ms)", ("tpot", "one_adapter", "tpot_ms"), ANCHORS["tpot_one_adapter_ms"],
+             f"≤ {TARGET_TPOT_ONE_ADAPTER_MS}"),
+            ("64×(512+128), no adapter: output tok/s", ("throughput", "none", "output_tok_s"), ANCHORS["tput_none"], None),
+            ("64×(512+128), 1 adapter: output tok/s", ("throughput", "one_adapter", "output_tok_s"),
+             ANCHORS["tput_one_adapter"], None),
+            ("64×(512+128), 8 adapters: output tok/s", ("throughput", "eight_adapters", "output_tok_s"),
+             ANCHORS["tput_eight_adapters"], f"≥ {TARGET_TPUT_8_ADAPTERS:.0f}"),
+            ("64×(512+128), no adapter: total tok/s", ("throughput", "none", "total_tok_s"), None, None),
+            ("64×(512+128), 1 adapter: total tok/s", ("throughput", "one_adapter", "total_tok_s"), None, None),
+            ("64×(512+128), 8 adapters: total tok/s", ("throughput", "eight_adapters", "total_tok_s"), None, None)]:
+        s, o = (_get(runs.get(c, {}), "phases", *path) for c in CONFIGS)
+        met = None
+        if target and o is not None:
+            met = o <= TARGET_TPOT_ONE_ADAPTER_MS if "TPOT" in label else o >= TARGET_TPUT_8_ADAPTERS
+        rows.append({"metric": label, "stock": s, "ours": o, "ratio": o / s if s and o else None,
+                     "target": target, "met": met, "anchor": anchor})
+    return rows
+
+
+def write_markdown(rep: dict, path: Path) -> None:
+    runs, cmp_, spec = rep["runs"], rep["comparison"], rep["spec"]
+    L = [f"# vLLM end to end: stock vs EpiLoRA plugin — {rep['date']}", "",
+         f"- command: `{rep['command']}` ({rep['seconds']:.0f} s), git {rep['git']}",
+         f"- model: random Qwen3 ({spec['size']}, {spec['layers']} layers), FP8 online per-tensor, "
+         f"{NUM_ADAPTERS} rank-{RANK} adapters; vLLM {_get(runs, 'stock', 'vllm') or _get(runs, 'ours', 'vllm') or '—'}, "
+         f"GPU {_get(runs, 'ours', 'probe', 'gpu') or _get(runs, 'stock', 'probe', 'gpu') or '—'}",
+         f"- ours: env {rep['ours_env'] or '{}'}; engine start stock "
+         f"{_f(_get(runs, 'stock', 'engine_start_s'), '{:.0f}')} s, ours {_f(_get(runs, 'ours', 'engine_start_s'), '{:.0f}')} s"
+         + (" (started together)" if rep["concurrent"] else "")]
+    for c in CONFIGS:
+        for k, v in (runs.get(c, {}).get("errors") or {}).items():
+            L.append(f"- **{c}: {k} failed**: `{(str(v).strip().splitlines() or ['?'])[-1][:300]}`")
+        if rep["notes"].get(c):
+            L.append(f"- **{c}**: {rep['notes'][c]}")
+    pr, pl = _get(runs, "ours", "probe") or {}, rep["plugin_log"].get("ours") or {}
+    L += ["", "## Plugin in the 'ours' engine", "",
+          f"- entry point seen by a fresh process with the engines' environment: {rep.get('entry_point', '—')}",
+          f"- layers taken over: {pl.get('taken_over', '—')} by the `vllm.epilora` log "
+          f"({', '.join(pl.get('taken_over_classes', []))}); in the engine: {pr.get('epilora_layers', '—')} EpiLoRA "
+          f"layers, {pr.get('epilora_active', '—')} computing fused, of {4 * spec['layers']} LoRA linear layers expected",
+          f"- left on vLLM: {pl.get('stays_on_vllm', '—')} (class), {pl.get('computes_with_vllm', '—')} (kernel); "
+          f"reasons: {pl.get('fallback_reasons') or 'none'}",
+          f"- kernel path: {pr.get('kernel_path', '—')}"
+          + (f" (epilora_cute.ops auto: {pr['ops_auto_path']})" if pr.get("ops_auto_path") else "")
+          + f"; EPILORA_* in the engine: {pr.get('env', '—')}; model runner {pr.get('model_runner', '—')}",
+          f"- stock engine: plugin disabled {(rep['plugin_log'].get('stock') or {}).get('plugin_disabled', '—')}, "
+          f"LoRA classes {_get(runs, 'stock', 'probe', 'lora_classes') or '—'}", "",
+          "## Correctness (ours vs stock, same prompts)", "",
+          "| check | result | target |", "|---|---|---|"]
+    g = cmp_.get("greedy", {})
+    n = spec["greedy"]["n"]
+    for c, tgt in (("none", f"{n}/{n}"), ("adapters", f"≥ {TARGET_GREEDY_ADAPTERS}/{n}")):
+        r = g.get(c)
+        lab = "no adapter" if c == "none" else f"{NUM_ADAPTERS} adapters"
+        L.append(f"| greedy {spec['greedy']['gen_len']} tokens, {lab}: identical | "
+                 + (f"{r['identical']}/{r['total']}" + _divergence(r) if r else "—") + f" | {tgt} |")
+    for c in ("none", "adapters"):
+        r = _get(cmp_, "logprobs", c) or {}
+        lab = "no adapter" if c == "none" else f"{NUM_ADAPTERS} adapters"
+        if r.get("positions"):
+            L.append(f"| teacher-forced logprob, {lab}: max / mean abs Δ (nats), {r['positions']} positions | "
+                     f"{r['max_abs']:.4f} / {r['mean_abs']:.4f} ({'within' if r['within_tolerance'] else '**outside**'}"
+                     f" tolerance) | ≤ {TOL_MAX_NATS} / ≤ {TOL_MEAN_NATS} |")
+            L.append(f"| teacher-forced top-1 agreement, {lab} | {100 * r['top1_agreement']:.2f} % (predicts "
+                     f"{r['expected_identical']:.1f}/{n} identical greedy runs) | |")
+        else:
+            L.append(f"| teacher-forced logprob, {lab} | {r.get('note', '—')} | |")
+    L += ["", "Reference points, each engine against itself:", "", "| | stock | ours |", "|---|---|---|"]
+    for key, lab in (("floor_greedy", "greedy identical, all at once vs one at a time (none / adapters)"),):
+        cells = []
+        for c in CONFIGS:
+            r = cmp_.get(f"{c}_{key}")
+            cells.append(f"{r['none']['identical']}/{n} / {r['adapters']['identical']}/{n}" if r else "—")
+        L.append(f"| {lab} | {cells[0]} | {cells[1]} |")
+    cells = []
+    for c in CONFIGS:
+        r = cmp_.get(f"{c}_floor_logprobs")
+        cells.append(" / ".join(f"{r[k]['max_abs']:.4f}, {r[k]['mean_abs']:.4f}" for k in ("none", "adapters")) if r else "—")
+    L.append(f"| logprob max, mean abs Δ, all at once vs one at a time (none / adapters) | {cells[0]} | {cells[1]} |")
+    cells = [str(cmp_.get(f"{c}_adapters_change_tokens", "—")) + f"/{n}" for c in CONFIGS]
+    L.append(f"| greedy runs an adapter changes (vs no adapter) | {cells[0]} | {cells[1]} |")
+    cells = []
+    for c in CONFIGS:
+        r = cmp_.get(f"{c}_adapter_effect")
+        cells.append(f"{r['mean_abs']:.3f} (max {r['max_abs']:.2f})" if r and r.get("positions") else "—")
+    L.append(f"| adapter effect: mean abs Δlogprob with vs without the adapter, nats | {cells[0]} | {cells[1]} |")
+    L += ["", "## Performance (median of %d; tok/s = tokens / wall time of `LLM.generate`)" % spec["reps"], "",
+          "| metric | stock | ours | ours/stock | target | stock anchor (notes) |", "|---|---|---|---|---|---|"]
+    for r in rep["performance"]:
+        tgt = (r["target"] or "") + ("" if r["met"] is None else (" ✔" if r["met"] else " ✘"))
+        fmt = "{:.2f}" if "TPOT" in r["metric"] else "{:.0f}"
+        L.append(f"| {r['metric']} | {_f(r['stock'], fmt)} | {_f(r['ours'], fmt)} | {_f(r['ratio'], '{:.3f}')} | {tgt} | "
+                 f"{_f(r['anchor'], fmt)} |")
+    path.write_text("\n".join(L) + "\n")

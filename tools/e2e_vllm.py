@@ -1,0 +1,586 @@
+"""End to end in vLLM: stock vLLM against vLLM with the EpiLoRA plugin, in one command (issue #5).
+
+    python tools/e2e_vllm.py [--out DIR] [--only stock|ours] [--layers N] [--skip-throughput]
+                             [--ours-env KEY=VAL ...] [--stock-from FILE] [--sequential]
+
+On the GPU machine (vLLM importable, the repository as working directory, not pip-installed):
+writes a random Qwen3-8B-shaped bf16 checkpoint and 8 rank-64 PEFT adapters under --work-dir
+(tools/e2e_model.py; reused when already there), then runs each configuration in its own Python
+process with one vLLM engine (``LLM(quantization="fp8", enable_lora=True, max_loras=8,
+max_lora_rank=64, skip_tokenizer_init=True)``) doing every measurement:
+
+* stock: the plugin's entry point visible but ``EPILORA_DISABLE=1``;
+* ours: the plugin on, plus the ``--ours-env`` variables (e.g. ``EPILORA_FORCE_TRITON=1``).
+
+The plugin is found through a generated dist-info (entry point ``vllm.general_plugins:
+epilora_cute``) put on PYTHONPATH with the repository root, so vLLM's engine-core process loads
+it too. Each configuration gets its own VLLM_CACHE_ROOT: vLLM's AOT compile cache is keyed by the
+engine config, not by the LoRA classes, so a shared cache would let one configuration run the
+other's compiled model.
+
+Both engines start at the same time (GPU memory split: gpu_memory_utilization 0.4 and a fixed
+16 GiB KV cache each, so neither one's memory profiling sees the other) and measure one after the
+other: nothing else runs on the GPU while one measures (``--sequential`` starts ours only after
+stock has finished). Measurements, each configuration in its own engine:
+
+1. greedy: 16 prompts of 64 random tokens, 32 tokens each, without adapter and with the 8
+   adapters (prompt i uses adapter i % 8); all at once and one at a time (the same engine's
+   batch-composition floor);
+2. teacher-forced log-probabilities of prompt + stock's greedy tokens (``prompt_logprobs=1``):
+   per position the logprob of the token and the top-1 token; also the adapter sequences
+   scored without adapter (the size of an adapter's effect, what a dropped adapter would cost);
+3. batch-1 time per output token: (t(129 tokens) - t(1 token)) / 128, 512-token prompt, without
+   adapter and with one, median of --reps;
+4. throughput: 64 requests of 512 random prompt tokens + 128 output tokens, without adapter,
+   with 1 and with 8 adapters (round-robin), median wall time of --reps after a warm-up run;
+   output tokens/s (the convention of the notes' anchors) and total tokens/s (vLLM's
+   benchmark_throughput prints both).
+
+Output in --out (default $OUT, else build/e2e): ``e2e.json`` (everything, raw results included),
+``e2e.md`` (the tables; tools/e2e_report.py: targets, anchors, tolerances and their reasoning),
+``result_<config>.json`` and ``<config>.log`` (each engine's log; the plugin's ``vllm.epilora``
+lines, DEBUG included, are counted into the report, and a probe mixed into vLLM's worker
+(``tools.e2e_model.WorkerProbe``) reports which class each LoRA layer got and the kernel path).
+Workers save their results after every phase; an engine not up after --start-timeout is stopped
+(a hang in one configuration does not cost the other's numbers), and everything stops at
+--time-budget with the report written from what was measured.
+
+Time on the H200 (estimate: engine start 184 s cold with 67 s of compilation, ~54 s warm, per
+the notes): checkpoint ~0.5-1 min (16.4 GB), both engines starting together ~3-4 min, then
+~1 min of measurements per configuration: ~6-7 min in all; --sequential ~8-9 min; --layers 4
+about half.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tools import e2e_model, e2e_report  # noqa: E402
+from tools.e2e_model import NUM_ADAPTERS, RANK  # noqa: E402
+from tools.e2e_report import CONFIGS, compare, perf_rows, plugin_log_summary, write_markdown  # noqa: E402
+
+PHASES = ("greedy", "logprobs", "tpot", "throughput")
+
+# Test hook: "module:callable" building a stand-in for vllm.LLM (tests/e2e_fake.py).
+FAKE_LLM_ENV = "EPILORA_E2E_LLM_FACTORY"
+
+
+def log(msg: str) -> None:
+    print(f"[e2e {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def prompts(seed: int, tag: str, n: int, length: int, vocab: int) -> list[list[int]]:
+    """Deterministic random token ids (the same in both configurations)."""
+    rng = random.Random(f"{seed}:{tag}")
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+
+
+def _sha(obj) -> str:
+    return hashlib.sha256(json.dumps(obj).encode()).hexdigest()[:16]
+
+
+# ============================================================================ worker (one engine)
+
+class Ctx:
+    """What the measurement phases share inside a worker."""
+
+    def __init__(self, llm, spec: dict, reference: dict | None, result: dict):
+        self.llm, self.spec, self.reference, self.result = llm, spec, reference, result
+        if os.environ.get(FAKE_LLM_ENV):
+            self.SP = lambda **kw: SimpleNamespace(**kw)
+            self.LoRA = lambda name, iid, path: SimpleNamespace(lora_name=name, lora_int_id=iid, lora_path=path)
+        else:
+            from vllm import SamplingParams
+            from vllm.lora.request import LoRARequest
+
+            self.SP, self.LoRA = SamplingParams, LoRARequest
+
+    def prompts(self, tag: str, n: int, length: int) -> list[list[int]]:
+        return prompts(self.spec["seed"], tag, n, length, self.spec["vocab_size"])
+
+    def lora(self, i: int):
+        return self.LoRA(f"adapter{i}", i + 1, self.spec["adapters"][i])
+
+    def sampling(self, max_tokens: int, **kw):
+        kw = dict(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False, **kw)
+        try:
+            return self.SP(**kw)
+        except TypeError:  # a vLLM without skip_reading_prefix_cache
+            kw.pop("skip_reading_prefix_cache", None)
+            return self.SP(**kw)
+
+    def generate(self, seqs, sp, loras=None):
+        outs = self.llm.generate([{"prompt_token_ids": s} for s in seqs], sp, lora_request=loras, use_tqdm=False)
+        return outs
+
+    def greedy(self, seqs, max_tokens: int, loras=None) -> list[list[int]]:
+        sp = self.sampling(max_tokens, skip_reading_prefix_cache=True)
+        toks = [list(o.outputs[0].token_ids) for o in self.generate(seqs, sp, loras)]
+        if any(len(t) != max_tokens for t in toks):
+            raise RuntimeError(f"asked {max_tokens} tokens, got {sorted({len(t) for t in toks})}")
+        return toks
+
+    def score(self, seqs, loras=None) -> dict:
+        """Teacher-forced: per sequence, for positions 1..L-1, the logprob of the given token and
+        the top-1 token id."""
+        sp = self.sampling(1, prompt_logprobs=1)
+        lp, top1 = [], []
+        for seq, o in zip(seqs, self.generate(seqs, sp, loras)):
+            plp = o.prompt_logprobs
+            lp.append([plp[i][seq[i]].logprob for i in range(1, len(seq))])
+            top1.append([max(plp[i].items(), key=lambda kv: kv[1].logprob)[0] for i in range(1, len(seq))])
+        return {"lp": lp, "top1": top1}
+
+
+def phase_greedy(c: Ctx) -> dict:
+    g = c.spec["greedy"]
+    P = c.prompts("greedy", g["n"], g["prompt_len"])
+    loras = [c.lora(i % NUM_ADAPTERS) for i in range(len(P))]
+    out = {"prompts_sha": _sha(P), "none": c.greedy(P, g["gen_len"]), "adapters": c.greedy(P, g["gen_len"], loras)}
+    out["none_single"] = [c.greedy([p], g["gen_len"])[0] for p in P]
+    out["adapters_single"] = [c.greedy([p], g["gen_len"], [lo])[0] for p, lo in zip(P, loras)]
+    return out
+
+
+def phase_logprobs(c: Ctx) -> dict:
+    g = c.spec["greedy"]
+    P = c.prompts("greedy", g["n"], g["prompt_len"])
+    ref, source = c.reference, "stock"
+    if ref is None or ref.get("prompts_sha") != _sha(P):
+        ref, source = c.result["phases"].get("greedy"), "self"
+    if ref is None:
+        raise RuntimeError("no greedy tokens to teacher-force (the greedy phase did not run)")
+    loras = [c.lora(i % NUM_ADAPTERS) for i in range(len(P))]
+    out = {"tokens_from": source}
+    for case, lo in (("none", None), ("adapters", loras)):
+        seqs = [p + t for p, t in zip(P, ref[case])]
+        out[case] = c.score(seqs, lo)
+        out[case]["seqs_sha"] = _sha(seqs)
+        single = [c.score([s], None if lo is None else [lo[i]]) for i, s in enumerate(seqs)]
+        out[case + "_single"] = {k: [s[k][0] for s in single] for k in ("lp", "top1")}
+    out["adapters_without_lora"] = c.score([p + t for p, t in zip(P, ref["adapters"])])
+    return out
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def phase_tpot(c: Ctx) -> dict:
+    t = c.spec["tpot"]
+    p = c.prompts("tpot", 1, t["prompt_len"])
+    n = t["gen_len"] + 1
+    out = {}
+    for case, lo in (("none", None), ("one_adapter", [c.lora(0)])):
+        c.greedy(p, 1, lo), c.greedy(p, n, lo)  # warm-up (adapter load, kernel JIT)
+        t1, tn = [], []
+        for _ in range(c.spec["reps"]):
+            t1.append(_timed(lambda: c.greedy(p, 1, lo)))
+            tn.append(_timed(lambda: c.greedy(p, n, lo)))
+        out[case] = {"t_1_token_s": t1, f"t_{n}_tokens_s": tn,
+                     "tpot_ms": 1e3 * (statistics.median(tn) - statistics.median(t1)) / (n - 1)}
+    return out
+
+
+def phase_throughput(c: Ctx) -> dict:
+    t = c.spec["throughput"]
+    sp = c.sampling(t["gen_len"])
+    out = {}
+    for case, k in (("none", 0), ("one_adapter", 1), ("eight_adapters", NUM_ADAPTERS)):
+        loras = [c.lora(i % k) for i in range(t["requests"])] if k else None
+
+        def run(tag):
+            outs = c.generate(c.prompts(f"tput-{case}-{tag}", t["requests"], t["prompt_len"]), sp, loras)
+            if sum(len(o.outputs[0].token_ids) for o in outs) != t["requests"] * t["gen_len"]:
+                raise RuntimeError("throughput run generated a different number of tokens than asked")
+
+        run("warm")
+        walls = [_timed(lambda: run(r)) for r in range(c.spec["reps"])]
+        wall = statistics.median(walls)
+        out[case] = {"walls_s": walls, "wall_s": wall, "output_tok_s": t["requests"] * t["gen_len"] / wall,
+                     "total_tok_s": t["requests"] * (t["prompt_len"] + t["gen_len"]) / wall}
+    return out
+
+
+PHASE_FNS = {"greedy": phase_greedy, "logprobs": phase_logprobs, "tpot": phase_tpot, "throughput": phase_throughput}
+
+
+def _make_llm(engine: dict):
+    factory = os.environ.get(FAKE_LLM_ENV)
+    if factory:
+        mod, fn = factory.split(":")
+        return getattr(importlib.import_module(mod), fn)(**engine), "fake"
+    import vllm
+
+    return vllm.LLM(**engine), vllm.__version__
+
+
+def load_result(path: Path, config: str = "stock") -> dict:
+    """A worker result, from result_<config>.json or from a previous e2e.json."""
+    data = json.loads(Path(path).read_text())
+    return data["runs"][config] if "runs" in data else data
+
+
+def worker_main(config: str, spec_path: Path) -> int:
+    spec = json.loads(spec_path.read_text())
+    ctl = Path(spec["control_dir"])
+    res_path = Path(spec["out"]) / f"result_{config}.json"
+    res = {"config": config, "phases": {}, "errors": {}, "seconds": {}, "done": False}
+    parent = os.getppid()
+    t0 = time.perf_counter()
+    llm, res["vllm"] = _make_llm(spec["engine"])
+    res["engine_start_s"] = time.perf_counter() - t0
+    log(f"{config}: engine up in {res['engine_start_s']:.0f} s")
+    try:
+        res["probe"] = llm.collective_rpc("e2e_lora_layers")[0]
+    except Exception as e:
+        res["errors"]["probe"] = f"{type(e).__name__}: {e}"
+    _write_json(res_path, res)
+    (ctl / f"ready_{config}").write_text("1")
+    go = ctl / f"go_{config}"
+    while not go.exists():  # the parent says when the GPU is ours alone
+        if os.getppid() != parent:
+            return 3
+        time.sleep(0.2)
+    ref_file = json.loads(go.read_text()).get("reference")
+    reference = None
+    if ref_file:
+        try:
+            reference = load_result(Path(ref_file))["phases"].get("greedy")
+        except Exception as e:
+            res["errors"]["reference"] = f"{ref_file}: {type(e).__name__}: {e}"
+    ctx = Ctx(llm, spec, reference, res)
+    for phase in spec["phases"]:
+        t = time.perf_counter()
+        try:
+            res["phases"][phase] = PHASE_FNS[phase](ctx)
+        except Exception:
+            res["errors"][phase] = traceback.format_exc()[-3000:]
+        res["seconds"][phase] = time.perf_counter() - t
+        log(f"{config}: {phase} {'failed' if phase in res['errors'] else 'done'} in {res['seconds'][phase]:.1f} s")
+        _write_json(res_path, res)
+    res["done"] = True
+    _write_json(res_path, res)
+    return 0
+
+
+# ============================================================================ parent (orchestration)
+
+def parse_env_pairs(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for p in pairs:
+        key, sep, val = p.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise ValueError(f"expected KEY=VAL, got {p!r}")
+        out[key] = val
+    return out
+
+
+def engine_env(config: str, base: dict, shim: Path, cache_root: Path, logging_cfg: Path,
+               ours_env: dict[str, str]) -> dict[str, str]:
+    """The environment of one configuration's worker (and, inherited, of vLLM's processes)."""
+    env = dict(base)
+    env["PYTHONPATH"] = os.pathsep.join([str(shim), str(ROOT)] + [p for p in [base.get("PYTHONPATH")] if p])
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    env["VLLM_CACHE_ROOT"] = str(cache_root)
+    env["VLLM_LOGGING_CONFIG_PATH"] = str(logging_cfg)
+    env["PYTHONUNBUFFERED"] = "1"
+    if config == "stock":
+        env["EPILORA_DISABLE"] = "1"
+    else:
+        env.pop("EPILORA_DISABLE", None)
+        env.update(ours_env)
+    return env
+
+
+def entry_point_check(env: dict) -> str:
+    """What a fresh Python process with ``env`` finds under vllm.general_plugins: epilora_cute
+    (vLLM's engine core is such a process)."""
+    code = ("import importlib.metadata as md, importlib.util as u; "
+            "e = [x for x in md.entry_points(group='vllm.general_plugins') if x.name == 'epilora_cute']; "
+            "print(f'{e[0].value} from {e[0].dist.name} {e[0].dist.version}; module at '"
+            "      f'{u.find_spec(e[0].module).origin}' if e else 'NOT FOUND')")
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd="/", capture_output=True, text=True, timeout=60)
+    return r.stdout.strip() or (r.stderr.strip().splitlines() or ["no output"])[-1]
+
+
+def engine_kwargs(model: Path, seed: int, overrides: dict | None = None) -> dict:
+    """``vllm.LLM`` keywords, the same for both configurations. max_num_seqs 64 (the largest
+    batch measured) keeps CUDA-graph capture to sizes <= 128; the KV cache is fixed at 16 GiB
+    (the throughput batch needs ~6) and the memory check at 0.4 of the GPU, so two engines fit."""
+    return dict(model=str(model), quantization="fp8", enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=RANK,
+                skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=64, seed=seed,
+                gpu_memory_utilization=0.4, kv_cache_memory_bytes=16 << 30,
+                worker_extension_cls="tools.e2e_model.WorkerProbe", **(overrides or {}))
+
+
+def logging_config() -> dict:
+    """vLLM's logging at INFO, the plugin's logger at DEBUG (the layers it takes over are DEBUG
+    lines), logger names in every line."""
+    return {"version": 1, "disable_existing_loggers": False,
+            "formatters": {"e2e": {"format": "%(levelname)s %(asctime)s %(name)s: %(message)s",
+                                   "datefmt": "%H:%M:%S"}},
+            "handlers": {"e2e": {"class": "logging.StreamHandler", "formatter": "e2e", "level": "DEBUG",
+                                 "stream": "ext://sys.stdout"}},
+            "loggers": {"vllm": {"handlers": ["e2e"], "level": "INFO", "propagate": False},
+                        "vllm.epilora": {"level": "DEBUG"}}}
+
+
+class Worker:
+    def __init__(self, config: str, spec_path: Path, env: dict, out: Path, control: Path):
+        self.config, self.spec_path, self.env, self.out, self.control = config, spec_path, env, out, control
+        self.proc: subprocess.Popen | None = None
+        self.note = ""
+        self.t_start = 0.0
+
+    def start(self) -> None:
+        log(f"starting {self.config} (log: {self.out / (self.config + '.log')})")
+        self.t_start = time.time()
+        (self.out / f"result_{self.config}.json").unlink(missing_ok=True)  # an earlier run's
+        logf = open(self.out / f"{self.config}.log", "w")
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", self.config,
+                                      "--spec", str(self.spec_path)], cwd=ROOT, env=self.env, stdout=logf,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        logf.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def ready(self) -> bool:
+        return (self.control / f"ready_{self.config}").exists()
+
+    def settled(self) -> bool:
+        """Started and either ready to measure or gone."""
+        return self.proc is not None and (self.ready() or not self.alive())
+
+    def go(self, reference: Path | None) -> None:
+        _write_json(self.control / f"go_{self.config}", {"reference": str(reference) if reference else None})
+
+    def result(self) -> dict | None:
+        p = self.out / f"result_{self.config}.json"
+        return json.loads(p.read_text()) if p.exists() else None
+
+    def _group_alive(self) -> bool:
+        self.proc.poll()  # reap the worker itself, or its zombie keeps the group alive
+        try:
+            os.killpg(self.proc.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def stop(self) -> None:
+        """End the worker and every process vLLM started under it (its own process group)."""
+        if self.proc is None:
+            return
+        for sig, grace in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+            if not self._group_alive():
+                break
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            t = time.time()
+            while self._group_alive() and time.time() - t < grace:
+                time.sleep(0.2)
+
+    def log_tail(self, lines: int = 40) -> str:
+        p = self.out / f"{self.config}.log"
+        return "\n".join(p.read_text(errors="replace").splitlines()[-lines:]) if p.exists() else ""
+
+
+def _wait(cond, deadline: float, what: str) -> bool:
+    t0 = last = time.time()
+    while not cond():
+        if time.time() > deadline:
+            return False
+        if time.time() - last > 60:
+            last = time.time()
+            log(f"waiting for {what} ({last - t0:.0f} s)")
+        time.sleep(0.5)
+    return True
+
+
+def run_workers(workers: list[Worker], concurrent: bool, deadline: float, reference: Path | None,
+                start_timeout: float) -> None:
+    """Measure one configuration at a time, in order; with ``concurrent`` all engines start at
+    once and the first measures only when every engine is up (or failed, or was stopped after
+    ``start_timeout``), so nothing else runs on the GPU while one measures."""
+    if concurrent:
+        for w in workers:
+            w.start()
+    for w in workers:
+        if time.time() > deadline:
+            w.note = "not measured: the time budget ran out"
+            break
+        if w.proc is None:
+            w.start()
+        started = [x for x in workers if x.proc is not None]
+        limit = min(deadline, max(x.t_start for x in started) + start_timeout)
+        if not _wait(lambda: all(x.settled() for x in started), limit,
+                     "engine start: " + ", ".join(x.config for x in started if not x.settled())):
+            for x in started:
+                if not x.settled():
+                    x.note = (f"its engine was not up after {start_timeout:.0f} s: stopped" if time.time() < deadline
+                              else "the time budget ran out while the engines started")
+                    x.stop()
+        if w.ready() and w.alive():
+            w.go(reference)
+            if not _wait(lambda: not w.alive() or (w.result() or {}).get("done"), deadline, f"{w.config} to measure"):
+                w.note = "the time budget ran out while measuring"
+        elif not w.note:
+            w.note = f"the worker exited with {w.proc.returncode} before its engine was up (see {w.config}.log)"
+        w.stop()
+        res = w.result() or {}
+        log(f"{w.config}: engine start {res.get('engine_start_s', float('nan')):.0f} s; "
+            + ", ".join(f"{p} {'FAILED' if p in res.get('errors', {}) else f'{t:.0f} s'}"
+                        for p, t in res.get("seconds", {}).items()) + (f"; {w.note}" if w.note else ""))
+        if w.config == "stock" and "greedy" in res.get("phases", {}):
+            reference = w.out / "result_stock.json"
+
+
+def build_report(args, spec: dict, runs: dict, notes: dict, ours_env: dict, t0: float, out: Path,
+                 entry_point: str = "") -> dict:
+    git = os.environ.get("EPILORA_GIT_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
+    logs = {c: plugin_log_summary((out / f"{c}.log").read_text(errors="replace"))
+            for c in CONFIGS if (out / f"{c}.log").exists()}
+    rep = {"tool": "tools/e2e_vllm.py", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "git": git,
+           "command": " ".join(["python", "tools/e2e_vllm.py"] + (args.argv or [])), "seconds": time.time() - t0,
+           "concurrent": not args.sequential, "ours_env": ours_env, "spec": spec, "notes": notes,
+           "entry_point": entry_point,
+           "targets": {"tpot_one_adapter_ms": e2e_report.TARGET_TPOT_ONE_ADAPTER_MS,
+                       "tput_eight_adapters": e2e_report.TARGET_TPUT_8_ADAPTERS,
+                       "greedy_adapters_identical": e2e_report.TARGET_GREEDY_ADAPTERS},
+           "tolerances": {"mean_abs_nats": e2e_report.TOL_MEAN_NATS, "max_abs_nats": e2e_report.TOL_MAX_NATS},
+           "anchors": e2e_report.ANCHORS,
+           "plugin_log": logs, "comparison": compare(runs, spec), "performance": perf_rows(runs), "runs": runs}
+    _write_json(out / "e2e.json", rep)
+    write_markdown(rep, out / "e2e.md")
+    return rep
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "build" / "e2e"))
+    ap.add_argument("--work-dir", type=Path, default=Path("/tmp/epilora_e2e"),
+                    help="checkpoint, adapters, vLLM caches (kept for later runs on the same machine)")
+    ap.add_argument("--only", choices=CONFIGS)
+    ap.add_argument("--stock-from", type=Path, help="stock results of an earlier run (e2e.json or result_stock.json)")
+    ap.add_argument("--ours-env", action="append", default=[], metavar="KEY=VAL",
+                    help="environment of the 'ours' engine (repeatable), e.g. EPILORA_FORCE_TRITON=1")
+    ap.add_argument("--size", choices=sorted(e2e_model.SIZES), default="qwen3-8b")
+    ap.add_argument("--layers", type=int, help="decoder layers (default: the size's, 36)")
+    ap.add_argument("--phases", default=",".join(PHASES))
+    ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sequential", action="store_true", help="start 'ours' only after 'stock' has finished")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
+                    help="extra/overriding vllm.LLM keyword, value as JSON (e.g. enforce_eager=true)")
+    ap.add_argument("--time-budget", type=float, default=570.0, help="seconds for the whole run; workers are "
+                    "stopped after it and the report is written with what was measured")
+    ap.add_argument("--start-timeout", type=float, default=420.0,
+                    help="seconds an engine may take to start before it is stopped (a hang must not block the other)")
+    ap.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
+    ap.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker, args.spec)
+    args.argv = argv
+    t0 = time.time()
+    deadline = t0 + args.time_budget
+    phases = [p for p in args.phases.split(",") if p and not (args.skip_throughput and p == "throughput")]
+    if set(phases) - set(PHASES):
+        ap.error(f"--phases: unknown {sorted(set(phases) - set(PHASES))}")
+    ours_env = parse_env_pairs(args.ours_env)
+    engine_over = {k: json.loads(v) for k, v in parse_env_pairs(args.engine_arg).items()}
+    out, work = args.out.resolve(), args.work_dir.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = e2e_model.model_config(args.size, args.layers)
+    layers = cfg["num_hidden_layers"]
+
+    log(f"writing/reusing the checkpoint and {NUM_ADAPTERS} adapters under {work}")
+    tag = f"{args.size}-L{layers}-s{args.seed}"
+    model = e2e_model.write_model(work / f"model-{tag}", args.size, layers, args.seed)
+    adapters = [str(e2e_model.write_adapter(work / f"adapter-{tag}-r{RANK}-{i}", args.size, layers, RANK,
+                                            seed=1000 * (args.seed + 1) + i)) for i in range(NUM_ADAPTERS)]
+    log(f"checkpoint ready ({time.time() - t0:.0f} s)")
+    shim = e2e_model.make_plugin_shim(work / "shim")
+    control = work / f"run-{os.getpid()}"
+    control.mkdir(parents=True, exist_ok=True)
+    logging_cfg = control / "logging.json"
+    _write_json(logging_cfg, logging_config())
+    engine = engine_kwargs(model, args.seed, engine_over)
+    spec = {"size": args.size, "layers": layers, "vocab_size": cfg["vocab_size"], "seed": args.seed, "reps": args.reps,
+            "phases": phases, "adapters": adapters, "engine": engine, "out": str(out), "control_dir": str(control),
+            "greedy": {"n": 16, "prompt_len": 64, "gen_len": 32}, "tpot": {"prompt_len": 512, "gen_len": 128},
+            "throughput": {"requests": 64, "prompt_len": 512, "gen_len": 128}}
+    spec_path = control / "spec.json"
+    _write_json(spec_path, spec)
+
+    configs = [args.only] if args.only else list(CONFIGS)
+    env_hash = _sha(ours_env)[:8]
+    workers = [Worker(c, spec_path, engine_env(c, dict(os.environ), shim,
+                                               work / "vllm_cache" / (c if c == "stock" else f"ours-{env_hash}"),
+                                               logging_cfg, ours_env), out, control) for c in configs]
+    entry = entry_point_check(workers[0].env)
+    log(f"plugin entry point: {entry}")
+    runs = {}
+    if args.stock_from:
+        runs["stock"] = load_result(args.stock_from)
+    reference = args.stock_from.resolve() if args.stock_from else None
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the engines and report on SIGTERM too
+    try:
+        run_workers(workers, concurrent=not args.sequential and len(workers) > 1, deadline=deadline,
+                    reference=reference, start_timeout=args.start_timeout)
+    except (KeyboardInterrupt, SystemExit):
+        for w in workers:
+            w.note = w.note or "interrupted"
+    finally:
+        for w in workers:
+            w.stop()
+    for w in workers:
+        runs[w.config] = w.result() or {"config": w.config, "phases": {}, "errors": {"engine": w.note or "no result"}}
+        if not runs[w.config].get("done"):
+            runs[w.config]["log_tail"] = w.log_tail()
+    rep = build_report(args, spec, runs, {w.config: w.note for w in workers if w.note}, ours_env, t0, out, entry)
+    print((out / "e2e.md").read_text(), flush=True)
+    ok = all(runs[w.config].get("done") for w in workers)
+    log(f"done in {rep['seconds']:.0f} s; report: {out / 'e2e.md'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    rc = main()
+    if "--worker" in sys.argv:  # leave vLLM's teardown to the parent's process-group kill
+        sys.stdout.flush()
+        os._exit(rc)
+    sys.exit(rc)
