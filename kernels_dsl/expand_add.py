@@ -158,7 +158,9 @@ if cute is not None:
             RP = self.RP
             width = min(RP, 64)  # elements per swizzle row (<= 128 bytes)
             bits = {16: 1, 32: 2, 64: 3}[width]
-            atom = cute.make_composed_layout(cute.make_swizzle(bits, 3, 3), 0,
+            # The swizzle ends up in the smem pointer and acts on byte addresses: M = 4 keeps the
+            # 16-byte chunks whole (M = 3 split them, and 16-byte stores faulted as misaligned).
+            atom = cute.make_composed_layout(cute.make_swizzle(bits, 4, 3), 0,
                                              cute.make_layout((8, width), stride=(width, 1)))
             shape = (rows, RP) if stages is None else (rows, RP, stages)
             order = (0, 1) if stages is None else (0, 1, 2)

@@ -173,8 +173,9 @@ if cute is not None:
 
     def _kmajor_layout(rows: int, stages: int):
         """bf16 [rows, 64, stages], 16-byte chunks swizzled over 8 rows (ldmatrix/cp.async
-        conflict-free)."""
-        atom = cute.make_composed_layout(cute.make_swizzle(3, 3, 3), 0,
+        conflict-free). The swizzle goes into the smem pointer, where it acts on byte addresses:
+        Swizzle<3,4,3> moves whole 16-byte chunks (<3,3,3> would split them: misaligned stores)."""
+        atom = cute.make_composed_layout(cute.make_swizzle(3, 4, 3), 0,
                                          cute.make_layout((8, BK), stride=(BK, 1)))
         return cute.tile_to_shape(atom, (rows, BK, stages), (0, 1, 2))
 

@@ -307,26 +307,33 @@ if cute is not None:
                 # ===================================== producer ====================================
                 cute.arch.setmaxregister_decrease(PRODUCER_REGS)
                 if warp_idx == 0:
-                    if cute.arch.lane_idx() == 0:
-                        cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
-                        cute.nvgpu.cpasync.prefetch_descriptor(tma_x)
-                        npre = cutlass.min(nloc, STAGES)
-                        # 1. weights of the first stages: they do not depend on the previous kernel.
-                        for i in cutlass.range(npre, unroll=1):
+                    # The whole warp runs the producer: a TMA copy picks its issuing lane with
+                    # elect.sync over the full warp, so all 32 lanes must reach it (one lane alone
+                    # waits forever: the H200 hang). Transaction setup and the one-thread steps of
+                    # the x_q protocol run on a single lane.
+                    lane = cute.arch.lane_idx()
+                    cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
+                    cute.nvgpu.cpasync.prefetch_descriptor(tma_x)
+                    npre = cutlass.min(nloc, STAGES)
+                    # 1. weights of the first stages: they do not depend on the previous kernel.
+                    for i in cutlass.range(npre, unroll=1):
+                        with cute.arch.elect_one():
                             cute.arch.mbarrier_arrive_and_expect_tx(full + i, stage_bytes)
-                            cute.copy(tma_w, tWg[(None, kb_lo + i)], tWs[(None, i)], tma_bar_ptr=full + i)
-                        # 2. adapter B chunks that fit the ring: they depend on nothing the shrink kernel
-                        #    writes, so they are requested now, long before griddepcontrol.wait.
-                        if cutlass.const_expr(cfg.lora):
-                            self._issue_b(0, NB, tma_bs, mBs, st, sB_layout, bfull, bempty, mActive,
-                                          mNumActive, mSlotRanks, sl, row_in_slice, n_s, split, nsplit)
-                        # 3. wait until the quantization CTAs have published x_q / s_x.
-                        sync_addr = mSync.iterator.toint()
-                        while D.ld_acquire_gpu_s32(sync_addr) < n_quant:
-                            D.nanosleep(32)
-                        D.fence_proxy_async_global()
-                        # s_x goes to the consumer through smem + an mbarrier, so that its reads are
-                        # ordered after this thread's acquire (the consumer never saw the flag).
+                        cute.copy(tma_w, tWg[(None, kb_lo + i)], tWs[(None, i)], tma_bar_ptr=full + i)
+                    # 2. adapter B chunks that fit the ring: they depend on nothing the shrink kernel
+                    #    writes, so they are requested now, long before griddepcontrol.wait.
+                    if cutlass.const_expr(cfg.lora):
+                        self._issue_b(0, NB, tma_bs, mBs, st, sB_layout, bfull, bempty, mActive,
+                                      mNumActive, mSlotRanks, sl, row_in_slice, n_s, split, nsplit)
+                    # 3. wait until the quantization CTAs have published x_q / s_x (every lane
+                    #    acquires, then orders its later async-proxy reads after it).
+                    sync_addr = mSync.iterator.toint()
+                    while D.ld_acquire_gpu_s32(sync_addr) < n_quant:
+                        D.nanosleep(32)
+                    D.fence_proxy_async_global()
+                    if lane == 0:
+                        # s_x goes to the consumer through smem + an mbarrier, so that its reads
+                        # are ordered after this acquire (the consumer never saw the flag).
                         for j in cutlass.range(cutlass.min(M, BN), unroll=1):
                             sSx[j] = mSx[j]
                         cute.arch.mbarrier_arrive(sx_ready)
@@ -337,19 +344,21 @@ if cute is not None:
                             # Every CTA of this grid is past the spin: re-arm for the next call.
                             D.st_relaxed_gpu_s32(sync_addr, 0)
                             D.st_relaxed_gpu_s32(sync_addr + 4, 0)
-                        for i in cutlass.range(npre, unroll=1):
-                            cute.copy(tma_x, tXg[(None, kb_lo + i)], tXs[(None, i)], tma_bar_ptr=full + i)
-                        # 4. x_q for the stages already holding weights, then the steady state.
-                        for i in cutlass.range(npre, nloc, unroll=1):
-                            s = i % STAGES
-                            cute.arch.mbarrier_wait(empty + s, ((i // STAGES) + 1) % 2)
+                    cute.arch.sync_warp()
+                    for i in cutlass.range(npre, unroll=1):
+                        cute.copy(tma_x, tXg[(None, kb_lo + i)], tXs[(None, i)], tma_bar_ptr=full + i)
+                    # 4. x_q for the stages already holding weights, then the steady state.
+                    for i in cutlass.range(npre, nloc, unroll=1):
+                        s = i % STAGES
+                        cute.arch.mbarrier_wait(empty + s, ((i // STAGES) + 1) % 2)
+                        with cute.arch.elect_one():
                             cute.arch.mbarrier_arrive_and_expect_tx(full + s, stage_bytes)
-                            cute.copy(tma_w, tWg[(None, kb_lo + i)], tWs[(None, s)], tma_bar_ptr=full + s)
-                            cute.copy(tma_x, tXg[(None, kb_lo + i)], tXs[(None, s)], tma_bar_ptr=full + s)
-                        # 5. the rest of the B chunks, as the consumer frees buffers.
-                        if cutlass.const_expr(cfg.lora):
-                            self._issue_b(NB, 1 << 30, tma_bs, mBs, st, sB_layout, bfull, bempty, mActive,
-                                          mNumActive, mSlotRanks, sl, row_in_slice, n_s, split, nsplit)
+                        cute.copy(tma_w, tWg[(None, kb_lo + i)], tWs[(None, s)], tma_bar_ptr=full + s)
+                        cute.copy(tma_x, tXg[(None, kb_lo + i)], tXs[(None, s)], tma_bar_ptr=full + s)
+                    # 5. the rest of the B chunks, as the consumer frees buffers.
+                    if cutlass.const_expr(cfg.lora):
+                        self._issue_b(NB, 1 << 30, tma_bs, mBs, st, sB_layout, bfull, bempty, mActive,
+                                      mNumActive, mSlotRanks, sl, row_in_slice, n_s, split, nsplit)
             else:
                 # ===================================== consumer ====================================
                 cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -429,7 +438,8 @@ if cute is not None:
         @cute.jit
         def _issue_b(self, q_lo, q_hi, tma_bs: tuple, mBs: tuple, st, sB_layout, bfull, bempty,
                      mActive, mNumActive, mSlotRanks, sl, row_in_slice, n_s, split, nsplit):
-            """Producer: TMA the B chunks of this CTA's items with ordinals in [q_lo, q_hi)."""
+            """Producer warp (all 32 lanes): TMA the B chunks of this CTA's items with ordinals in
+            [q_lo, q_hi)."""
             cfg = self.cfg
             BM, RC, NB, R = self.bm, self.rc, self.nb, cfg.rank
             sB = st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
@@ -447,7 +457,8 @@ if cute is not None:
                                 b = q % NB
                                 if q >= NB:
                                     cute.arch.mbarrier_wait(bempty + b, ((q // NB) + 1) % 2)
-                                cute.arch.mbarrier_arrive_and_expect_tx(bfull + b, BM * RC * 2)
+                                with cute.arch.elect_one():
+                                    cute.arch.mbarrier_arrive_and_expect_tx(bfull + b, BM * RC * 2)
                                 row_blk = (lid * n_s + row_in_slice) // BM
                                 for i in cutlass.range_constexpr(cfg.num_slices):
                                     if sl == i:

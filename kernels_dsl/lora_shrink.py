@@ -265,7 +265,9 @@ if cute is not None:
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                     n_kk = cute.size(tCrA, mode=[2])
 
-                    if tidx == 0:
+                    # Warp 0 issues the loads, all 32 lanes: a TMA copy elects its issuing lane
+                    # with elect.sync over the full warp (one lane alone would wait forever).
+                    if tidx < 32:
                         for i in cutlass.range(cutlass.min(nloc, STAGES), unroll=1):
                             self._load(i, kb_lo + i, full, stage_bytes, tma_as, mAs, sA, sAt_layout, sl, a_blk, tma_x, tXg, tXs)
                     for i in cutlass.range(nloc, unroll=1):
@@ -278,7 +280,7 @@ if cute is not None:
                         cute.nvgpu.warpgroup.wait_group(0)
                         # Everyone is done with stage s: refill it.
                         cute.arch.barrier()
-                        if tidx == 0 and i + STAGES < nloc:
+                        if tidx < 32 and i + STAGES < nloc:
                             self._load(s, kb_lo + i + STAGES, full, stage_bytes, tma_as, mAs, sA, sAt_layout, sl,
                                        a_blk, tma_x, tXg, tXs)
 
@@ -311,7 +313,8 @@ if cute is not None:
         def _load(self, s, kb, full, stage_bytes, tma_as: tuple, mAs: tuple, sA, sAt_layout, sl, a_blk, tma_x, tXg,
                   tXs):
             cfg = self.cfg
-            cute.arch.mbarrier_arrive_and_expect_tx(full + s, stage_bytes)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(full + s, stage_bytes)
             # Stage s of sA seen as the TMA box's (rows_box, bk) layout (same swizzle, same base).
             sAt = cute.make_tensor(sA[(None, None, s)].iterator, cute.slice_(sAt_layout.outer, (None, None, 0)))
             if cutlass.const_expr(DEBUG_PRINT):
