@@ -4,9 +4,10 @@ h_s[m, :] = x[m] . A_s[slot(m)]^T in fp32, for every output slice s and every to
 adapter; x_q, s_x = quantize_fp8_per_token(x) bit for bit as vLLM (and epilora_cute.reference).
 
 Grid (S, Y, Z), cluster (S, 1, 1):
-  * z = 0: the quantization plane, S*Y CTAs. CTA q quantizes tokens q, q + S*Y, ...; each CTA then
-    increments sync[0] once (release). K2's producer spins until sync[0] == S*Y (= its n_quant).
-  * z = 1 + g: adapter group g (index into active_lora_ids; CTAs of absent groups, of the "-1"
+  * z < zq = ceil(M / (S*Y)): quantization planes, one token per CTA (16-byte vector loads);
+    every CTA of these planes then increments sync[0] once (release). K2's producer spins until
+    sync[0] == zq*S*Y (= its n_quant).
+  * z = zq + g: adapter group g (index into active_lora_ids; CTAs of absent groups, of the "-1"
     group and of rank chunks beyond the slot's effective rank exit at once).
     y = slice * n_chunks + c: slice and 64-row chunk c of the rank.
     x (the cluster rank): split-K. The S partials of a cluster are summed in DSMEM in the fixed
@@ -57,7 +58,8 @@ DEBUG_PRINT = False
 class Config:
     """bn: token tile (8/16/32). rank: buffer rank R. num_slices: A buffers (one per output slice).
     bk: bf16 K per stage (64 = one 128-byte swizzle row). stages: pipeline depth.
-    quant: include the quantization plane (False: the z = 0 CTAs do nothing and sync is untouched)."""
+    quant: include the quantization (False: the quantization planes' CTAs do nothing and sync is
+    untouched; for timing the down-projection alone)."""
 
     bn: int = 16
     rank: int = 64
@@ -155,7 +157,8 @@ if cute is not None:
             ny = cfg.num_slices * cfg.n_chunks
             self.kernel(x, mX, tma_x, tuple(tma_as), tuple(mAs), h, xq16, sx, sync, tok, active, num_active,
                         slot_ranks, sA_layout, sAt_layout, sX_layout).launch(
-                grid=(1, ny, 1 + cute.size(tok)), block=(THREADS, 1, 1), cluster=(1, 1, 1), stream=stream)
+                grid=(1, ny, (cute.size(x, mode=[0]) + ny - 1) // ny + cute.size(tok)), block=(THREADS, 1, 1),
+                cluster=(1, 1, 1), stream=stream)
 
         @cute.kernel
         def kernel(self, mXg: cute.Tensor, mX: cute.Tensor, tma_x: cute.CopyAtom, tma_as: tuple, mAs: tuple,
@@ -181,20 +184,30 @@ if cute is not None:
             smem = cutlass.utils.SmemAllocator()
             st = smem.allocate(self.storage)
 
-            if bz == 0:
+            # Planes z < zq quantize, one token per CTA (zq = ceil(M / (S*Y)) planes, see launch());
+            # planes z >= zq are the down-projection of group z - zq.
+            gd = cute.arch.grid_dim()
+            per_plane = gd[0] * gd[1]
+            zq = (M + per_plane - 1) // per_plane
+            if bz < zq:
                 # ============================ FP8 per-token quantization ============================
                 if cutlass.const_expr(cfg.quant):
-                    gd = cute.arch.grid_dim()
-                    nq = gd[0] * gd[1]
-                    qid = by * gd[0] + bx
-                    red = st.red_max.get_tensor(cute.make_layout(4))
-                    lane = cute.arch.lane_idx()
-                    warp = tidx // 32
-                    for m in cutlass.range(qid, M, nq, unroll=1):
+                    m = (bz * gd[1] + by) * gd[0] + bx
+                    if m < M:
+                        red = st.red_max.get_tensor(cute.make_layout(4))
+                        lane = cute.arch.lane_idx()
+                        warp = tidx // 32
+                        # 8-element (16-byte) vectors of the row: launch() checks K % 16 == 0.
+                        g_x = cute.zipped_divide(mXg[m, None], (8,))
+                        g_q = cute.zipped_divide(mXq16[m, None], (4,))
+                        nvec = K // 8
                         # amax: fmaxf from 0 over |x| (NaN never wins: max.f32 returns the other operand).
                         amax = cutlass.Float32(0.0)
-                        for k in cutlass.range(tidx, K, THREADS, unroll=4):
-                            amax = D.fmax_f32(amax, D.abs_f32(mXg[m, k].to(cutlass.Float32)))
+                        for j in cutlass.range(tidx, nvec, THREADS, unroll=2):
+                            r_x = cute.make_rmem_tensor(cute.make_layout(8), mXg.element_type)
+                            cute.autovec_copy(g_x[None, j], r_x)
+                            for e in cutlass.range_constexpr(8):
+                                amax = D.fmax_f32(amax, D.abs_f32(r_x[e].to(cutlass.Float32)))
                         for sh in cutlass.range_constexpr(5):
                             amax = D.fmax_f32(amax, shfl_bfly_f32(amax, 1 << (4 - sh)))
                         if lane == 0:
@@ -204,22 +217,27 @@ if cute is not None:
                         scale = D.fmax_f32(D.div_rn_f32(amax, cutlass.Float32(FP8_MAX)), cutlass.Float32(MIN_SCALE))
                         if tidx == 0:
                             mSx[m] = scale
-                        for k2 in cutlass.range(tidx, K // 2, THREADS, unroll=4):
-                            q0 = D.div_rn_f32(mXg[m, 2 * k2].to(cutlass.Float32), scale)
-                            q1 = D.div_rn_f32(mXg[m, 2 * k2 + 1].to(cutlass.Float32), scale)
-                            q0 = D.fmax_f32(cutlass.Float32(-FP8_MAX), D.fmin_f32(q0, cutlass.Float32(FP8_MAX)))
-                            q1 = D.fmax_f32(cutlass.Float32(-FP8_MAX), D.fmin_f32(q1, cutlass.Float32(FP8_MAX)))
-                            mXq16[m, k2] = D.cvt_e4m3x2_f32(q0, q1)
-                        cute.arch.barrier()  # red[] is reused by the next token
-                    # Publish: all of this CTA's stores, then one release increment. (quant=False
-                    # builds, e.g. for timing the down-projection alone, leave the counter alone.)
+                        # The row is re-read (L1/L2 hits): K up to 29568 does not fit in registers.
+                        for j in cutlass.range(tidx, nvec, THREADS, unroll=2):
+                            r_x = cute.make_rmem_tensor(cute.make_layout(8), mXg.element_type)
+                            cute.autovec_copy(g_x[None, j], r_x)
+                            r_q = cute.make_rmem_tensor(cute.make_layout(4), mXq16.element_type)
+                            for e in cutlass.range_constexpr(4):
+                                q0 = D.div_rn_f32(r_x[2 * e].to(cutlass.Float32), scale)
+                                q1 = D.div_rn_f32(r_x[2 * e + 1].to(cutlass.Float32), scale)
+                                q0 = D.fmax_f32(cutlass.Float32(-FP8_MAX), D.fmin_f32(q0, cutlass.Float32(FP8_MAX)))
+                                q1 = D.fmax_f32(cutlass.Float32(-FP8_MAX), D.fmin_f32(q1, cutlass.Float32(FP8_MAX)))
+                                r_q[e] = D.cvt_e4m3x2_f32(q0, q1)
+                            cute.autovec_copy(r_q, g_q[None, j])
+                    # Publish: all of this CTA's stores, then one release increment (every CTA of
+                    # the quantization planes, with or without a token: K2 waits for all of them).
                     cute.arch.barrier()
                     if tidx == 0:
                         cute.arch.fence_acq_rel_gpu()
                         D.red_release_gpu_add_s32(mSync.iterator.toint(), 1)
             else:
                 # ================================ down-projection ==================================
-                g = bz - 1
+                g = bz - zq
                 n_active = mNumActive[0]
                 lid = cutlass.Int32(-1)
                 if g < n_active:
@@ -385,13 +403,14 @@ def launch(config: Config, *, x, lora_a, h, x_q, x_scale, sync, token_lora, acti
            slot_ranks, split: int) -> dict:
     """Arguments (params() order) and geometry. Launch WITHOUT PDL; n_quant (for K2) is returned.
 
-    Grid: (split, slices * rank chunks, 1 + min(M, max_loras + 1)), cluster (split, 1, 1).
+    Grid: (split, slices * rank chunks, zq + min(M, max_loras + 1)), cluster (split, 1, 1), with
+    zq = quant_planes(M, split * slices * chunks) planes of quantization CTAs first.
     """
     M, K = x.shape
     if M > config.bn:
         raise ValueError(f"{M} tokens exceed the token tile {config.bn}")
-    if K % 2:
-        raise ValueError("K must be even")
+    if K % 16:
+        raise ValueError(f"K = {K} must be a multiple of 16 (16-byte vectors, TMA rows)")
     views = []
     for a in lora_a:
         a3 = a[:, 0] if a.dim() == 4 else a
@@ -404,9 +423,19 @@ def launch(config: Config, *, x, lora_a, h, x_q, x_scale, sync, token_lora, acti
     args = [x, (M, K), x] + views + [(v.shape[0], v.shape[1]) for v in views]
     args += [h, x_q.view(torch.int16), x_scale.reshape(-1), sync, token_lora, active_lora_ids, num_active,
              slot_ranks]
-    grid = (split, config.num_slices * config.n_chunks, 1 + min(M, max_loras + 1))
+    per_plane = split * config.num_slices * config.n_chunks
+    zq = quant_planes(M, per_plane)
+    grid = (split, config.num_slices * config.n_chunks, zq + min(M, max_loras + 1))
     return dict(args=tuple(args), grid=grid, block=config.block, cluster=(split, 1, 1),
-                smem=config.smem_bytes(), pdl=False, n_quant=grid[0] * grid[1])
+                smem=config.smem_bytes(), pdl=False, n_quant=zq * per_plane if config.quant else 0)
+
+
+def quant_planes(m: int, per_plane: int) -> int:
+    """Planes of quantization CTAs in front of the group planes: one token per CTA (the kernel
+    derives the same number from M and the grid). A single plane of split*slices*chunks CTAs
+    each quantizing several rows one after another was the decode path's bottleneck at 8-32
+    tokens (docs/perf.md v0.4)."""
+    return max(1, -(-m // per_plane))
 
 
 def select(num_slices: int, m: int, rank: int) -> Config:
@@ -431,4 +460,6 @@ def choose_split(k: int, num_slices: int, rank: int, groups: int, bk: int = 64, 
 def prebuild_configs() -> list[Config]:
     from .k2_gemm import RANKS, TOKEN_TILES
 
-    return [Config(bn=bn, rank=r, num_slices=ns) for ns in (1, 2, 3) for bn in TOKEN_TILES for r in RANKS]
+    cfgs = [Config(bn=bn, rank=r, num_slices=ns) for ns in (1, 2, 3) for bn in TOKEN_TILES for r in RANKS]
+    # The down-projection alone, for tools/bench_stages.py (rank 64, the bench's rank).
+    return cfgs + [Config(bn=bn, rank=64, num_slices=ns, quant=False) for ns in (1, 2, 3) for bn in TOKEN_TILES]

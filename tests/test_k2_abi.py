@@ -72,8 +72,10 @@ def test_launch_builds_packable_arguments(M, widths, K, rank):
                                num_active=meta.num_active, slot_ranks=sr, split=4)
     assert len(sspec["args"]) == len(lora_shrink.params(s_cfg))
     _pack_non_tma(lora_shrink.params(s_cfg), sspec["args"])
-    assert sspec["grid"] == (4, len(widths) * -(-rank // 64), 1 + min(M, L + 1))
-    assert sspec["n_quant"] == 4 * len(widths) * -(-rank // 64) and not sspec["pdl"]
+    per_plane = 4 * len(widths) * -(-rank // 64)
+    zq = -(-M // per_plane)  # quantization planes: one token per CTA
+    assert sspec["grid"] == (4, len(widths) * -(-rank // 64), zq + min(M, L + 1))
+    assert sspec["n_quant"] == zq * per_plane and not sspec["pdl"]
 
     k_cfg, n_cfg = k2_gemm.select(widths, M, rank)
     w = torch.zeros(N, K, dtype=torch.float8_e4m3fn)

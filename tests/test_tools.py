@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -37,3 +38,13 @@ def test_test_file_discovery():
     files = gpu_record._gpu_test_files(["tests"])
     assert ROOT / "tests" / "test_quant_gpu.py" in files
     assert gpu_record._gpu_test_files(["tests/test_quant_gpu.py"]) == [ROOT / "tests" / "test_quant_gpu.py"]
+
+
+def test_stages_section_is_registered_and_skips_without_a_hopper_gpu(capsys):
+    from tools import bench, bench_stages
+
+    bench._optional_sections()
+    assert bench.SECTIONS["stages"] is bench_stages.bench_stages
+    if not torch.cuda.is_available():
+        assert bench_stages.bench_stages(quick=True) == []
+        assert "needs an sm_90 GPU" in capsys.readouterr().out

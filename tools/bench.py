@@ -98,7 +98,7 @@ SECTIONS = {"quant": bench_quant, "launch": bench_launch}
 
 def _optional_sections() -> None:
     """Sections that exist once their kernels do (tools/bench_*.py modules with a ``SECTIONS`` dict)."""
-    for name in ("tools.bench_decode", "tools.bench_triton"):
+    for name in ("tools.bench_decode", "tools.bench_stages", "tools.bench_triton"):
         try:
             mod = importlib.import_module(name)
         except ModuleNotFoundError:

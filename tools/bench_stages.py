@@ -1,0 +1,129 @@
+"""Bench section `stages`: the decode path taken apart, one stage left out at a time.
+
+Per Qwen3-8B projection, rank 64, one adapter, M in {1, 8, 32} (EPILORA_BENCH_TOKENS overrides),
+CUDA-graph replays with the L2 flushed (median), all in one run:
+  quant_us          our standalone per-token quantization kernel
+  k2_us             K2 without adapter, x_q given (no quantization, no flag wait)
+  k2_epilogue_us    K2 with the adapter epilogue, x_q and h given (no shrink, no PDL)
+  shrink_us         the shrink kernel with its quantization planes, alone
+  shrink_noquant_us the shrink kernel's down-projection alone
+  decode_us         shrink then K2 as the decode path runs them (PDL)
+  decode_nopdl_us   the same without PDL
+The differences place the decode path's time (docs/perf.md): e.g. decode - k2 is what the adapter
+and the quantization cost on top of streaming the weights.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tools.bench_decode import QWEN3_8B, LayerCase  # noqa: E402
+from tools.gpu_timing import read_bandwidth_gbs, time_graph  # noqa: E402
+
+
+class DecodeStages:
+    """Buffers and launch specs of one projection's decode path, built once."""
+
+    def __init__(self, c: LayerCase):
+        from epilora_cute.ops import _full_ranks, _slice_start, quantize_fp8_per_token
+        from kernels_dsl import k2_gemm, lora_shrink
+
+        self.k2, self.shrink = k2_gemm, lora_shrink
+        self.c = c
+        m, k = c.x.shape
+        widths = c.proj.slices
+        n = c.proj.n
+        dev = c.x.device
+        L = c.max_loras
+        self.x_q, self.x_scale = [t.contiguous() for t in quantize_fp8_per_token(c.x)]
+        self.x_scale = self.x_scale.reshape(-1).contiguous()
+        self.h = torch.zeros(len(widths), m, c.rank, device=dev)
+        self.sync = torch.zeros(2, dtype=torch.int32, device=dev)  # shrink + K2 pairs only
+        self.sync_alone = torch.zeros(2, dtype=torch.int32, device=dev)  # counts up, never read
+        ranks = _full_ranks(L, c.rank, dev)
+        tok = c.meta.token_lora_mapping[:m]
+        common = dict(token_lora=tok, active_lora_ids=c.meta.active_lora_ids, num_active=c.meta.num_active,
+                      slot_ranks=ranks)
+        split_s = lora_shrink.choose_split(k, len(widths), c.rank, min(m, L + 1))
+        s_cfg = lora_shrink.select(len(widths), m, c.rank)
+        self.s_cfg, self.s_cfg_nq = s_cfg, lora_shrink.Config(bn=s_cfg.bn, rank=s_cfg.rank,
+                                                              num_slices=s_cfg.num_slices, quant=False)
+        shrink_args = dict(x=c.x, lora_a=c.lora_a, h=self.h, x_q=self.x_q, x_scale=self.x_scale, split=split_s,
+                           **common)
+        self.s_spec = lora_shrink.launch(s_cfg, sync=self.sync, **shrink_args)
+        self.s_spec_alone = lora_shrink.launch(s_cfg, sync=self.sync_alone, **shrink_args)
+        self.s_spec_nq = lora_shrink.launch(self.s_cfg_nq, sync=self.sync_alone, **shrink_args)
+        l_cfg, n_cfg = k2_gemm.select(widths, m, c.rank)
+        self.l_cfg, self.n_cfg = l_cfg, n_cfg
+        split = k2_gemm.choose_split(n, k, l_cfg.bm)
+        k2_common = dict(w_q=c.w_q, w_scale=c.w_s, x_q=self.x_q, x_scale=self.x_scale, y=c.y, split=split)
+        lora_args = dict(h=self.h, slice_start=_slice_start(widths, dev), lora_b=c.lora_b, **common)
+        self.k2_spec = k2_gemm.launch(n_cfg, sync=self.sync_alone, n_quant=0, **k2_common)
+        self.k2_epi_spec = k2_gemm.launch(l_cfg, sync=self.sync_alone, n_quant=0, **k2_common, **lora_args)
+        self.k2_pair_spec = k2_gemm.launch(l_cfg, sync=self.sync, n_quant=self.s_spec["n_quant"], **k2_common,
+                                           **lora_args)
+
+    def _kernel(self, mod, cfg):
+        from epilora_cute.kernels import get_kernel
+
+        return get_kernel(mod, cfg, "sm_90a")
+
+    def _run(self, mod, cfg, spec, pdl=False):
+        kern = self._kernel(mod, cfg)
+        return lambda: kern(*spec["args"], grid=spec["grid"], smem=spec["smem"], pdl=pdl, cluster=spec["cluster"])
+
+    def launchers(self) -> dict:
+        from epilora_cute.ops import quantize_fp8_per_token
+
+        c = self.c
+        shrink = self._run(self.shrink, self.s_cfg, self.s_spec)
+        pair_pdl = self._run(self.k2, self.l_cfg, self.k2_pair_spec, pdl=True)
+        pair = self._run(self.k2, self.l_cfg, self.k2_pair_spec)
+        return {
+            "quant": lambda: quantize_fp8_per_token(c.x),
+            "k2": self._run(self.k2, self.n_cfg, self.k2_spec),
+            "k2_epilogue": self._run(self.k2, self.l_cfg, self.k2_epi_spec),
+            "shrink": self._run(self.shrink, self.s_cfg, self.s_spec_alone),
+            "shrink_noquant": self._run(self.shrink, self.s_cfg_nq, self.s_spec_nq),
+            "decode": lambda: (shrink(), pair_pdl()),
+            "decode_nopdl": lambda: (shrink(), pair()),
+        }
+
+
+def bench_stages(quick: bool) -> list[dict]:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        print("stages: needs an sm_90 GPU; skipped")
+        return []
+    env = os.environ.get("EPILORA_BENCH_TOKENS")
+    tokens = [int(t) for t in env.split(",")] if env else [1, 8, 32]
+    bw = read_bandwidth_gbs()
+    rows = []
+    for m in tokens:
+        for p in QWEN3_8B:
+            c = LayerCase(p, m, 64)
+            row = {"section": "stages", "proj": p.name, "M": m, "floor_us": p.n * p.k / (bw * 1e9) * 1e6}
+            try:
+                fns = DecodeStages(c).launchers()
+            except Exception as e:  # a missing kernel build is reported, not fatal
+                row["error"] = f"{type(e).__name__}: {e}"[:200]
+                rows.append(row)
+                continue
+            for name, fn in fns.items():
+                try:
+                    row[f"{name}_us"] = time_graph(fn)
+                except Exception as e:
+                    row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
+            rows.append(row)
+            print("stages " + "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                                        for k, v in row.items() if k != "section"), flush=True)
+    return rows
+
+
+SECTIONS = {"stages": bench_stages}
