@@ -12,7 +12,7 @@ sys.path.insert(0, str(ROOT))
 
 
 @pytest.mark.parametrize("name", ["tools.gpu_record", "tools.bench", "tools.bench_decode", "tools.gpu_timing",
-                                  "tools.bench_triton"])
+                                  "tools.bench_triton", "tools.bench_prefill"])
 def test_tools_import(name):
     importlib.import_module(name)
 
@@ -48,3 +48,155 @@ def test_stages_section_is_registered_and_skips_without_a_hopper_gpu(capsys):
     if not torch.cuda.is_available():
         assert bench_stages.bench_stages(quick=True) == []
         assert "needs an sm_90 GPU" in capsys.readouterr().out
+
+
+# --- tools/bench_prefill.py (the `prefill` section): everything but the GPU timing ---------------
+
+def test_prefill_section_registered():
+    from tools import bench, bench_prefill
+
+    bench._optional_sections()
+    assert bench.SECTIONS["prefill"] is bench_prefill.bench_prefill
+
+
+def test_prefill_settings():
+    from tools.bench_prefill import settings
+
+    assert settings(False, {}) == ([32, 64, 128, 256, 512, 1024, 2048], [1, 32], ["triton", "hybrid", "auto"])
+    assert settings(True, {}) == ([32, 256, 2048], [1, 32], ["triton", "hybrid", "auto"])
+    env = {"EPILORA_BENCH_TOKENS": "64,512", "EPILORA_BENCH_ADAPTERS": "32",
+           "EPILORA_BENCH_OURS": "auto,decode,hybrid"}  # decode: a `layer` name, ignored here
+    assert settings(True, env) == ([64, 512], [32], ["hybrid", "auto"])
+    with pytest.raises(ValueError, match="EPILORA_BENCH_ADAPTERS"):
+        settings(False, {"EPILORA_BENCH_ADAPTERS": "1,x"})
+
+
+def test_prefill_floor_terms():
+    from tools.bench_decode import QWEN3_8B
+    from tools.bench_prefill import floor_terms
+
+    one = floor_terms(QWEN3_8B, 32, 1, 64, 4000.0, None)
+    assert one["weight_mb"] == pytest.approx(192.94, abs=0.01)  # the 192.9 MB of docs/perf.md
+    per_adapter = 64 * (3 * 4096 + 6144 + 4096 + 4096 + 2 * 4096 + 24576 + 12288 + 4096) * 2
+    assert one["adapter_mb"] == pytest.approx(per_adapter / 1e6)
+    assert "floor_flops_us" not in one and one["floor_us"] == one["floor_bytes_us"]
+    many = floor_terms(QWEN3_8B, 32, 32, 64, 4000.0, 1500.0)
+    assert many["adapter_mb"] == pytest.approx(32 * per_adapter / 1e6)  # ~310 MB
+    assert floor_terms(QWEN3_8B, 8, 32, 64, 4000.0, None)["adapter_mb"] == pytest.approx(8 * per_adapter / 1e6)
+    big = floor_terms(QWEN3_8B, 2048, 1, 64, 4000.0, 1500.0)
+    base_flops = 2 * 2048 * sum(p.n * p.k for p in QWEN3_8B)
+    assert big["floor_flops_us"] > base_flops / 1.5e18 * 1e6 * 0.999
+    assert big["floor_us"] == max(big["floor_flops_us"], big["floor_bytes_us"])
+
+
+def _prefill_row(m, adapters, **times):
+    row = {"section": "prefill", "M": m, "adapters": adapters, "floor_us": 50.0}
+    row.update({f"{k}_us": v for k, v in times.items()})
+    return row
+
+
+def test_prefill_row_ratios_and_targets():
+    from tools.bench_prefill import finish_row, format_row
+
+    # 32 adapters at 32 tokens: ours must be >= 3x faster than vLLM's LoRA path.
+    row = finish_row(_prefill_row(32, 32, vllm_fp8=100.0, vllm_lora=869.0, ours_triton=500.0, ours_hybrid=250.0,
+                                  ours_auto=250.0), ["triton", "hybrid", "auto"])
+    assert row["ours_hybrid_over_vllm_lora"] == pytest.approx(250 / 869)
+    assert row["ours_hybrid_over_vllm_fp8"] == pytest.approx(2.5)
+    assert row["ours_hybrid_target"] == "met" and row["ours_auto_target"] == "met"
+    assert row["ours_triton_target"].startswith("missed: 0.58x vllm_lora > 0.33x")
+    assert row["issue4_ref"] == "vllm_lora 869 us"
+    text = format_row(row)
+    assert "hybrid 250.0 (0.29x LoRA, 2.50x fp8)" in text and "triton missed" in text
+
+    # 1 adapter at 2048 tokens: <= 0.8x vLLM's LoRA path and <= 1.1x its FP8 GEMM alone.
+    row = finish_row(_prefill_row(2048, 1, vllm_fp8=629.0, vllm_lora=1104.0, ours_hybrid=690.0, ours_triton=700.0),
+                     ["triton", "hybrid", "auto"])
+    assert row["target"] == "ours <= 0.80x vllm_lora and ours <= 1.10x vllm_fp8"
+    assert row["ours_hybrid_target"] == "met"
+    assert row["ours_triton_target"] == "missed: 1.11x vllm_fp8 > 1.10x"
+    assert row["ours_auto_target"] == "n/a (not timed)"
+
+    # No target at 512 tokens; no vLLM: no ratios, targets n/a; errors reported as such.
+    row = finish_row(_prefill_row(512, 32, ours_hybrid=300.0), ["hybrid"])
+    assert "target" not in row and not any("_over_" in k for k in row)
+    row = _prefill_row(64, 32, ours_triton=300.0)
+    row["ours_hybrid_error"] = "RuntimeError: boom"
+    row = finish_row(row, ["triton", "hybrid"])
+    assert row["ours_triton_target"] == "n/a (no vllm_lora)" and row["ours_hybrid_target"] == "n/a (error)"
+    assert "hybrid ERROR (RuntimeError: boom)" in format_row(row)
+
+
+def test_prefill_time_paths_reports_errors():
+    from tools.bench_prefill import time_paths
+
+    calls = []
+
+    def broken_launch():
+        raise RuntimeError("kernel unavailable")
+
+    def timer(fn):
+        fn()
+        return 42.0
+
+    row = {}
+    time_paths(row, {"vllm_fp8": lambda: [lambda: calls.append(1)] * 4,
+                     "ours_hybrid": lambda: [broken_launch],
+                     "ours_triton": lambda: (_ for _ in ()).throw(ValueError("does not apply"))}, timer=timer)
+    assert row["vllm_fp8_us"] == 42.0 and len(calls) == 4
+    assert row["ours_hybrid_error"] == "RuntimeError: kernel unavailable"
+    assert row["ours_triton_error"] == "ValueError: does not apply"
+
+
+def test_prefill_summarize_paths():
+    from tools.bench_prefill import summarize_paths
+
+    assert summarize_paths({"qkv": "hybrid", "o": "hybrid"}) == "hybrid"
+    assert summarize_paths({"qkv": "hybrid", "o": "triton"}) == "qkv=hybrid o=triton"
+
+
+def test_prefill_skips(capsys, monkeypatch):
+    from tools import bench_prefill
+
+    assert bench_prefill.skip_reason(False, None, True, True).startswith("no CUDA GPU")
+    assert "sm_80" in bench_prefill.skip_reason(True, (8, 0), True, True)
+    assert bench_prefill.skip_reason(True, (9, 0), False, False).startswith("nothing to time")
+    assert bench_prefill.skip_reason(True, (9, 0), False, True) is None
+
+    monkeypatch.setattr(bench_prefill.torch.cuda, "is_available", lambda: False)
+    assert bench_prefill.bench_prefill(True) == []
+    assert "prefill: skipped: no CUDA GPU" in capsys.readouterr().out
+
+
+def test_prefill_without_vllm_times_ours_only(capsys, monkeypatch):
+    """The orchestration with the GPU parts faked: no vLLM -> our columns only, one row per
+    (adapters, tokens), auto decided under a temporary dispatcher that is dropped afterwards."""
+    from epilora_cute import dispatch
+    from tools import bench_prefill as bp
+
+    monkeypatch.setattr(bp.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bp.torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(bp, "_have_vllm", lambda: False)
+    monkeypatch.setattr(bp, "_have_ours", lambda: True)
+    monkeypatch.setattr(bp, "read_bandwidth_gbs", lambda: 4000.0)
+    monkeypatch.setattr(bp, "fp8_gemm_tflops", lambda have_vllm: None)
+    monkeypatch.setenv("EPILORA_BENCH_ADAPTERS", "1,32")
+    monkeypatch.delenv("EPILORA_BENCH_TOKENS", raising=False)
+    monkeypatch.delenv("EPILORA_BENCH_OURS", raising=False)
+    seen = []
+
+    def fake_measure(m, adapters, ours, have_vllm, bw, rate):
+        seen.append((m, adapters, tuple(ours), have_vllm, dispatch._default is not None))
+        row = {"section": "prefill", "M": m, "adapters": adapters,
+               **bp.floor_terms(bp.QWEN3_8B, m, adapters, bp.RANK, bw, rate)}
+        row.update({f"ours_{p}_us": 100.0 for p in ours}, ours_auto_path="hybrid")
+        return bp.finish_row(row, ours)
+    monkeypatch.setattr(bp, "measure_row", fake_measure)
+    dispatch.set_dispatcher(None)
+    rows = bp.bench_prefill(True)
+    assert [(r["M"], r["adapters"]) for r in rows] == [(32, 1), (256, 1), (2048, 1), (32, 32), (256, 32), (2048, 32)]
+    assert all(s[2] == ("triton", "hybrid", "auto") and s[3] is False and s[4] for s in seen)
+    assert dispatch._default is None
+    assert not any(k.startswith("vllm") for r in rows for k in r)
+    out = capsys.readouterr().out
+    assert "auto[hybrid] 100.0" in out and "n/a (no vllm_lora)" in out

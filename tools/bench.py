@@ -6,6 +6,7 @@ Sections:
   quant   per-token FP8 quantization: ours vs vLLM's scaled_fp8_quant (issue 2's target: not slower)
   launch  host time per launch of our cuda-python launcher vs vLLM's op, eager
   layer   the decode path on one Qwen3-8B layer (when the K2 kernels are present)
+  prefill one Qwen3-8B layer at 32-2048 tokens, 1 and 32 adapters: vLLM vs our paths (tools/bench_prefill.py)
 Prints a table, writes bench.json (+ bench.png when matplotlib is present) into --out.
 Without a GPU it says so and exits 0.
 """
@@ -98,7 +99,7 @@ SECTIONS = {"quant": bench_quant, "launch": bench_launch}
 
 def _optional_sections() -> None:
     """Sections that exist once their kernels do (tools/bench_*.py modules with a ``SECTIONS`` dict)."""
-    for name in ("tools.bench_decode", "tools.bench_stages", "tools.bench_triton"):
+    for name in ("tools.bench_decode", "tools.bench_stages", "tools.bench_triton", "tools.bench_prefill"):
         try:
             mod = importlib.import_module(name)
         except ModuleNotFoundError:
