@@ -132,6 +132,10 @@ class Kernel:
         if smem > _MAX_STATIC_SMEM:
             _check(drv.cuFuncSetAttribute(
                 loaded.function, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem))
+            # All shared memory, no L1 preference: our large-smem kernels stream through TMA /
+            # cp.async (L1 bypassed), and two resident CTAs of ~110 KiB need the whole carveout.
+            _check(drv.cuFuncSetAttribute(
+                loaded.function, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100))
         if cluster is not None and cluster[0] * cluster[1] * cluster[2] > 8:
             _check(drv.cuFuncSetAttribute(
                 loaded.function, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1))

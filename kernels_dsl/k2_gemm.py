@@ -50,7 +50,11 @@ RUNTIME_CONTRACT = True
 
 THREADS = 256  # warpgroup 0: producer, warpgroup 1: consumer
 PRODUCER_REGS = 40
-CONSUMER_REGS = 232
+CONSUMER_REGS = 232  # one CTA per SM: 128 x (40 + 232) <= 256 x 232, the launch's pool
+# Two CTAs per SM (Config.ctas = 2): each CTA launches with 65536 / 512 = 128 registers per thread,
+# a pool of 256 x 128 = 128 x (40 + 216). The accumulators of a 128 x 32 tile need 64 of them.
+CONSUMER_REGS_2CTA = 216
+SMEM_PER_SM = 228 * 1024  # H100/H200; each resident CTA also reserves 1 KiB
 RED_PAD = 4  # fp32 words of padding per token column of the reduction buffer (bank spread)
 
 
@@ -76,6 +80,7 @@ class Config:
     num_slices: int = 1
     rank: int = 64
     b_bufs: int = 2
+    ctas: int = 1  # CTAs per SM the kernel is built for (1 or 2: registers and the launch bound)
 
     def __post_init__(self):
         if self.bn not in (8, 16, 32):
@@ -84,6 +89,8 @@ class Config:
             raise ValueError("bm must be 64 or 128")
         if self.bk not in (64, 128):
             raise ValueError("bk must be 64 or 128")
+        if self.ctas not in (1, 2):
+            raise ValueError("ctas must be 1 or 2")
         if self.lora:
             if self.rank not in (8, 16, 32, 64, 128, 256):
                 raise ValueError("rank must be 8..256, a power of two")
@@ -101,7 +108,15 @@ class Config:
             s += f"_lora_s{self.num_slices}_r{self.rank}_nb{self.b_bufs}"
         else:
             s += "_nolora"
-        return s
+        return s + ("_c2" if self.ctas == 2 else "")
+
+    @property
+    def consumer_regs(self) -> int:
+        return CONSUMER_REGS if self.ctas == 1 else CONSUMER_REGS_2CTA
+
+    def fits_ctas(self) -> bool:
+        """Whether `ctas` copies of this CTA fit one SM's shared memory."""
+        return self.ctas * (self.smem_bytes() + 1024) <= SMEM_PER_SM
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -221,10 +236,14 @@ if cute is not None:
             self.kernel(
                 tma_w, mW, tma_x, mX, sx, sw, y, sync, n_quant, lora_pack, sW_layout, sX_layout, sB_layout, sH_layout,
             ).launch(grid=(1, n_tiles, 1), block=(THREADS, 1, 1), cluster=(1, 1, 1), stream=stream,
-                     # .minnctapersm 1: ptxas then gives the launch the full register budget. Without
+                     # .minnctapersm ctas: ptxas then gives the launch the full register budget (for
+                     # 1 CTA per SM; half of it for 2). Without
                      # it the kernel launched with ~40-90 registers per thread, a pool too small for
                      # setmaxnreg.inc 232, and the consumer warpgroup waited forever (the H200 hang).
-                     min_blocks_per_mp=1)
+                     min_blocks_per_mp=cfg.ctas,
+                     # With 2 CTAs per SM the DSL would otherwise ask the driver for the SM's smem
+                     # size at compile time (no GPU here); the runtime launcher sets the same 100%.
+                     preferred_smem_carveout=100 if cfg.ctas > 1 else None)
 
         # -----------------------------------------------------------------------------------------
         @cute.kernel
@@ -361,7 +380,7 @@ if cute is not None:
                                       mNumActive, mSlotRanks, sl, row_in_slice, n_s, split, nsplit)
             else:
                 # ===================================== consumer ====================================
-                cute.arch.setmaxregister_increase(CONSUMER_REGS)
+                cute.arch.setmaxregister_increase(cfg.consumer_regs)
                 ctid = tidx - 128
                 thr_mma = tiled_mma.get_slice(ctid)
                 tCsW = thr_mma.partition_A(sW)
@@ -662,11 +681,22 @@ def token_tile(m: int) -> int:
     return 8 if m <= 8 else 16 if m <= 16 else 32
 
 
-def select(widths, m: int, rank: int | None = None):
-    """(adapter config or None, no-adapter config) for a projection with these slice widths."""
+def select(widths, m: int, rank: int | None = None, ctas: int = 1):
+    """(adapter config or None, no-adapter config) for a projection with these slice widths.
+    ctas = 2 asks for the two-CTAs-per-SM builds (prebuilt for rank 64 and no adapter, where they
+    fit); a configuration that has no such build falls back to one CTA per SM."""
     bm, bn = bm_for(widths), token_tile(m)
-    lora = Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=rank) if rank else None
-    return lora, Config(bn=bn, bm=bm, lora=False)
+
+    def pick(**kw):
+        c2 = Config(bn=bn, bm=bm, ctas=2, **kw)
+        return c2 if ctas == 2 and c2 in _TWO_CTA_BUILDS() else Config(bn=bn, bm=bm, **kw)
+
+    lora = pick(lora=True, num_slices=len(widths), rank=rank) if rank else None
+    return lora, pick(lora=False)
+
+
+def _TWO_CTA_BUILDS() -> set:
+    return {c for c in prebuild_configs() if c.ctas == 2}
 
 
 def configs_for(widths) -> list[Config]:
@@ -714,4 +744,10 @@ def prebuild_configs() -> list[Config]:
             cfgs.add(Config(bn=bn, bm=bm, lora=False))
             for r in RANKS:
                 cfgs.add(Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=r))
-    return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank))
+            # Two CTAs per SM, to be timed against one (tools/bench_stages.py): the no-adapter
+            # kernel and rank 64, where two copies fit the SM's shared memory.
+            for c in (Config(bn=bn, bm=bm, lora=False, ctas=2),
+                      Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=64, ctas=2)):
+                if c.fits_ctas():
+                    cfgs.add(c)
+    return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank, c.ctas))

@@ -36,6 +36,7 @@ FAST_K2 = [
     k2_gemm.Config(bn=16, lora=True, num_slices=3, rank=64),
     k2_gemm.Config(bn=32, lora=True, num_slices=2, rank=256),
     k2_gemm.Config(bm=64, bn=8, lora=True, num_slices=2, rank=8),
+    k2_gemm.Config(bn=8, lora=True, num_slices=3, rank=64, ctas=2),
 ]
 FAST_SHRINK = [
     lora_shrink.Config(bn=16, rank=64, num_slices=3),
@@ -57,7 +58,7 @@ def k2_ptx_problems(cfg: k2_gemm.Config, ptx: str) -> list[str]:
         bad.append("no e4m3 x e4m3 WGMMA with the token tile as N")
     if not re.search(rf"setmaxnreg.dec.sync.aligned.u32\s+{k2_gemm.PRODUCER_REGS};", ptx):
         bad.append("missing setmaxnreg.dec (producer)")
-    if not re.search(rf"setmaxnreg.inc.sync.aligned.u32\s+{k2_gemm.CONSUMER_REGS};", ptx):
+    if not re.search(rf"setmaxnreg.inc.sync.aligned.u32\s+{cfg.consumer_regs};", ptx):
         bad.append("missing setmaxnreg.inc (consumer)")
     for ins in (
                 "cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes",
@@ -146,6 +147,11 @@ def check_config(mod, cfg) -> dict:
         bad.append(f"smem_bytes() {cfg.smem_bytes()} != DSL struct {smem}")
     if cfg.smem_bytes() > 227 * 1024:
         bad.append(f"smem {cfg.smem_bytes()} exceeds 227 KiB")
+    if mod is k2_gemm:
+        if not re.search(rf"\.minnctapersm\s+{cfg.ctas}\b", ptx):
+            bad.append(f"no .minnctapersm {cfg.ctas}")
+        if not cfg.fits_ctas():
+            bad.append(f"{cfg.ctas} CTAs of {cfg.smem_bytes()} B do not fit one SM's shared memory")
     ver = re.search(r"\.version (\S+)", ptx)
     return {"family": mod.FAMILY, "config": cfg.name(), "problems": bad, "ptx_version": ver.group(1) if ver else None}
 
