@@ -252,8 +252,9 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     optional int32 [max_loras] of effective ranks (work beyond them is skipped). Returns y [M, N]
     bf16 (written into ``out`` when given).
 
-    Paths: "hybrid" (K1 + the vendor FP8 GEMM + our expand-add; any batch size on sm_90a; not yet
-    verified on a GPU, so "auto" takes it only when opted in), "decode" (≤ 32 tokens, sm_90a: the shrink kernel with the quantization CTAs, then K2
+    Paths: "hybrid" (K1 + the vendor FP8 GEMM + our expand-add; any batch size on sm_90a;
+    GPU-verified at a618449, docs/gpu_record/run3, opt-in for "auto" until a record covers the
+    current kernels), "decode" (≤ 32 tokens, sm_90a: the shrink kernel with the quantization CTAs, then K2
     as its PDL dependent — two launches; ``pdl=False`` serializes them), "no_adapter" (quantize +
     K2 without the epilogue add: for batches where no token has an adapter), "triton" (the
     portable two-kernel path), "reference" (torch, any device). "auto" takes the reference off
