@@ -681,22 +681,24 @@ def token_tile(m: int) -> int:
     return 8 if m <= 8 else 16 if m <= 16 else 32
 
 
-def select(widths, m: int, rank: int | None = None, ctas: int = 1):
+def select(widths, m: int, rank: int | None = None, ctas: int = 1, stages: int = 4):
     """(adapter config or None, no-adapter config) for a projection with these slice widths.
-    ctas = 2 asks for the two-CTAs-per-SM builds (prebuilt for rank 64 and no adapter, where they
-    fit); a configuration that has no such build falls back to one CTA per SM."""
+
+    ctas = 2 (two CTAs per SM) and stages = 8 (twice the bytes in flight) ask for the experimental
+    builds that tools/bench_stages.py times against the default (both prebuilt for rank 64 and no
+    adapter, where they fit); a configuration without such a build falls back to the default."""
     bm, bn = bm_for(widths), token_tile(m)
 
     def pick(**kw):
-        c2 = Config(bn=bn, bm=bm, ctas=2, **kw)
-        return c2 if ctas == 2 and c2 in _TWO_CTA_BUILDS() else Config(bn=bn, bm=bm, **kw)
+        want = Config(bn=bn, bm=bm, ctas=ctas, stages=stages, **kw)
+        return want if want in _EXPERIMENT_BUILDS() else Config(bn=bn, bm=bm, **kw)
 
     lora = pick(lora=True, num_slices=len(widths), rank=rank) if rank else None
     return lora, pick(lora=False)
 
 
-def _TWO_CTA_BUILDS() -> set:
-    return {c for c in prebuild_configs() if c.ctas == 2}
+def _EXPERIMENT_BUILDS() -> set:
+    return {c for c in prebuild_configs() if c.ctas != 1 or c.stages != 4}
 
 
 def configs_for(widths) -> list[Config]:
@@ -744,10 +746,13 @@ def prebuild_configs() -> list[Config]:
             cfgs.add(Config(bn=bn, bm=bm, lora=False))
             for r in RANKS:
                 cfgs.add(Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=r))
-            # Two CTAs per SM, to be timed against one (tools/bench_stages.py): the no-adapter
-            # kernel and rank 64, where two copies fit the SM's shared memory.
-            for c in (Config(bn=bn, bm=bm, lora=False, ctas=2),
-                      Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=64, ctas=2)):
-                if c.fits_ctas():
-                    cfgs.add(c)
-    return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank, c.ctas))
+            # Experiments timed against the default by tools/bench_stages.py (the no-adapter kernel
+            # and rank 64, where they fit): two CTAs per SM, or 8 stages (128 KiB of weights in
+            # flight per SM instead of 64: 4 x 16 KiB is about what Little's law asks of one SM at
+            # ~32 GB/s and ~2 us of loaded latency, so the default may starve the memory system).
+            for kw in (dict(ctas=2), dict(stages=8)):
+                for c in (Config(bn=bn, bm=bm, lora=False, **kw),
+                          Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=64, **kw)):
+                    if c.fits_ctas() and c.smem_bytes() <= 227 * 1024:
+                        cfgs.add(c)
+    return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank, c.ctas, c.stages))

@@ -37,6 +37,7 @@ FAST_K2 = [
     k2_gemm.Config(bn=32, lora=True, num_slices=2, rank=256),
     k2_gemm.Config(bm=64, bn=8, lora=True, num_slices=2, rank=8),
     k2_gemm.Config(bn=8, lora=True, num_slices=3, rank=64, ctas=2),
+    k2_gemm.Config(bn=32, lora=True, num_slices=3, rank=64, stages=8),
 ]
 FAST_SHRINK = [
     lora_shrink.Config(bn=16, rank=64, num_slices=3),

@@ -9,7 +9,7 @@ CUDA-graph replays with the L2 flushed (median), all in one run:
   shrink_noquant_us the shrink kernel's down-projection alone
   decode_us         shrink then K2 as the decode path runs them (PDL)
   decode_nopdl_us   the same without PDL
-  k2_c2_us, k2_epilogue_c2_us   the K2 rows built for two CTAs per SM (where they fit)
+  k2_{c2,st8}_us, k2_epilogue_{c2,st8}_us   the K2 rows with two CTAs per SM / 8 stages (where built)
 The differences place the decode path's time (docs/perf.md): e.g. decode - k2 is what the adapter
 and the quantization cost on top of streaming the weights.
 """
@@ -70,13 +70,16 @@ class DecodeStages:
         self.k2_epi_spec = k2_gemm.launch(l_cfg, sync=self.sync_alone, n_quant=0, **k2_common, **lora_args)
         self.k2_pair_spec = k2_gemm.launch(l_cfg, sync=self.sync, n_quant=self.s_spec["n_quant"], **k2_common,
                                            **lora_args)
-        # The same two K2 variants built for two CTAs per SM, where such builds exist.
-        l2, n2 = k2_gemm.select(widths, m, c.rank, ctas=2)
-        self.l_cfg2, self.n_cfg2 = l2, n2
-        k2_common2 = dict(k2_common, split=k2_gemm.choose_split(n, k, l_cfg.bm, ctas_per_sm=2))
-        self.k2_spec2 = k2_gemm.launch(n2, sync=self.sync_alone, n_quant=0, **k2_common2) if n2.ctas == 2 else None
-        self.k2_epi_spec2 = (k2_gemm.launch(l2, sync=self.sync_alone, n_quant=0, **k2_common2, **lora_args)
-                             if l2.ctas == 2 else None)
+        # The same two K2 runs with the experimental builds (k2_gemm.select: ctas / stages).
+        self.variants = {}
+        for tag, kw in (("c2", dict(ctas=2)), ("st8", dict(stages=8))):
+            lv, nv = k2_gemm.select(widths, m, c.rank, **kw)
+            common_v = dict(k2_common, split=k2_gemm.choose_split(n, k, l_cfg.bm, ctas_per_sm=lv.ctas))
+            if nv != n_cfg:
+                self.variants[f"k2_{tag}"] = (nv, k2_gemm.launch(nv, sync=self.sync_alone, n_quant=0, **common_v))
+            if lv != l_cfg:
+                self.variants[f"k2_epilogue_{tag}"] = (
+                    lv, k2_gemm.launch(lv, sync=self.sync_alone, n_quant=0, **common_v, **lora_args))
 
     def _kernel(self, mod, cfg):
         from epilora_cute.kernels import get_kernel
@@ -102,8 +105,7 @@ class DecodeStages:
             "shrink_noquant": self._run(self.shrink, self.s_cfg_nq, self.s_spec_nq),
             "decode": lambda: (shrink(), pair_pdl()),
             "decode_nopdl": lambda: (shrink(), pair()),
-        } | ({"k2_c2": self._run(self.k2, self.n_cfg2, self.k2_spec2)} if self.k2_spec2 else {}) | (
-            {"k2_epilogue_c2": self._run(self.k2, self.l_cfg2, self.k2_epi_spec2)} if self.k2_epi_spec2 else {})
+        } | {name: self._run(self.k2, cfg, spec) for name, (cfg, spec) in self.variants.items()}
 
 
 def bench_stages(quick: bool) -> list[dict]:
