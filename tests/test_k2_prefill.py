@@ -1,0 +1,662 @@
+"""The prefill K2 (kernels_dsl/k2_prefill.py, family k2_fp8_prefill, 33..8192 tokens).
+
+* compile: a fast subset with the DSL of this interpreter (4.8.x) and, through tests/dsl46.py,
+  with 4.6.0; the whole prebuild set @slow. Per configuration: PTX content (FP8 WGMMA with the
+  token tile as N, bf16 epilogue WGMMA, TMA, no griddepcontrol.wait unless Config.pdl, no flag
+  protocol / cluster, .minnctapersm 1, .reqntid 384, setmaxnreg targets), the .entry parameters
+  vs params(), smem_bytes() vs the DSL's struct, the launch register pool vs *all* setmaxnreg
+  targets (two consumer warpgroups increase), no register spills (ptxas -v where ptxas exists).
+* the consumers' accumulator partition covers the bm x bn tile exactly once;
+* the DSL's own host code (stub CUDA, kernels_dsl.host_capture): grid, block, smem, TMA specs;
+* CPU emulation of the kernel's decomposition vs reference.lora_linear;
+* @gpu: K1 -> sort -> prefill K2 on an H100/H200 (skipped without one).
+
+Run as a script (`python tests/test_k2_prefill.py fast|all`) it prints one JSON line of results:
+that is how the 4.6.0 venv checks the same configurations in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kernels_dsl import k2_prefill as P  # noqa: E402
+from kernels_dsl._abi import ptx_entry_params  # noqa: E402
+
+FAST = [
+    P.Config(bn=128, lora=True, num_slices=3, rank=64),
+    P.Config(bn=64, lora=False),
+    P.Config(bm=64, bn=128, lora=True, num_slices=2, rank=8),
+    P.Config(bn=128, lora=True, num_slices=1, rank=256, pdl=True),
+]
+
+
+def _lines_index(ptx: str, pat: str) -> list[int]:
+    return [i for i, ln in enumerate(ptx.splitlines()) if re.search(pat, ln)]
+
+
+def ptx_problems(cfg: P.Config, ptx: str) -> list[str]:
+    bad = []
+    n = cfg.mma_n
+    fp8 = _lines_index(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k32\.f32\.e4m3\.e4m3")
+    bf = _lines_index(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k16\.f32\.bf16\.bf16")
+    wait = _lines_index(ptx, r"griddepcontrol\.wait")
+    if not fp8:
+        bad.append(f"no e4m3 x e4m3 WGMMA m64n{n}k32")
+    other = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)) - {f"m64n{n}k32", f"m64n{n}k16"}
+    if other:
+        bad.append(f"unexpected WGMMA shapes {sorted(other)}")
+    if not re.search(rf"setmaxnreg.dec.sync.aligned.u32\s+{P.PRODUCER_REGS};", ptx):
+        bad.append("missing setmaxnreg.dec (producer)")
+    if not re.search(rf"setmaxnreg.inc.sync.aligned.u32\s+{P.CONSUMER_REGS};", ptx):
+        bad.append("missing setmaxnreg.inc (consumers)")
+    if not re.search(r"\.minnctapersm\s+1\b", ptx):
+        bad.append("no .minnctapersm 1")
+    if not re.search(rf"\.reqntid\s+{P.THREADS}\b", ptx):
+        bad.append(f"no .reqntid {P.THREADS}")
+    if "cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes" not in ptx:
+        bad.append("missing TMA loads")
+    if "mbarrier.try_wait" not in ptx and "mbarrier.test_wait" not in ptx:
+        bad.append("no mbarrier waits")
+    for ins in ("ld.acquire.gpu", "atom.acq_rel.gpu", "barrier.cluster", "ld.shared::cluster",
+                "griddepcontrol.launch_dependents"):
+        if ins in ptx:
+            bad.append(f"unexpected {ins}")
+    if cfg.lora and not bf:
+        bad.append("no bf16 epilogue WGMMA")
+    if not cfg.lora and bf:
+        bad.append("epilogue WGMMA in the no-adapter variant")
+    if cfg.pdl:
+        # producer: before its first x_q load; consumers: after the main loop, before s_x / h.
+        if len(wait) != 2:
+            bad.append(f"{len(wait)} griddepcontrol.wait in the PDL variant (expected 2)")
+        elif fp8 and not wait[1] > max(fp8):
+            bad.append("the consumers' griddepcontrol.wait is not after the main loop")
+        elif bf and not wait[1] < min(bf):
+            bad.append("griddepcontrol.wait is not before the epilogue WGMMA")
+    elif wait:
+        bad.append("griddepcontrol.wait without Config.pdl (K2 prefill runs after K1, without PDL)")
+    return bad
+
+
+def param_problems(cfg, ptx: str) -> list[str]:
+    entries = ptx_entry_params(ptx)
+    if len(entries) != 1:
+        return [f"{len(entries)} kernels in the module"]
+    (_, got), = entries.items()
+    want = [(64 if p.size == 128 and type(p).__name__ == "TmaParam" else
+             8 if type(p).__name__ == "TensorParam" else 4, p.size) for p in P.params(cfg)]
+    if [s for _, s in got] != [s for _, s in want]:
+        return [f"param sizes {[s for _, s in got]} != declared {[s for _, s in want]}"]
+    if [a for a, _ in got] != [a for a, _ in want]:
+        return [f"param alignments {[a for a, _ in got]} != declared {[a for a, _ in want]}"]
+    return []
+
+
+def pool_problems(ptx: str, cubin: bytes) -> list[str]:
+    from epilora_cute.cubin_info import register_count, register_pool_problem
+
+    bad = []
+    p = register_pool_problem(ptx, cubin)  # what the compile cache enforces
+    if p:
+        bad.append(p)
+    # Stronger: both consumer warpgroups increase, the producer decreases.
+    regs = register_count(cubin)
+    need = 128 * (P.PRODUCER_REGS + 2 * P.CONSUMER_REGS)
+    if regs * P.THREADS < need:
+        bad.append(f"launch pool {regs} x {P.THREADS} < {need} = 128 x (40 + 2 x 232)")
+    return bad
+
+
+def spill_problems(ptx_path: Path) -> list[str]:
+    ptxas = shutil.which("ptxas")
+    if not ptxas:
+        return []
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx_path), "-o", "/dev/null"], capture_output=True,
+                       text=True)
+    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
+    if m and (int(m.group(1)) or int(m.group(2))):
+        return [f"register spills: {m.group(0)}"]
+    return []
+
+
+def check_config(cfg: P.Config) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        f = P.compile(cfg, f"--gpu-arch sm_90a --keep-ptx --keep-cubin --dump-dir {d}")
+        ptxs = sorted(Path(d).glob("*.ptx"))
+        cubins = sorted(Path(d).glob("*.cubin"))
+        ptx = ptxs[0].read_text() if ptxs else ""
+        cubin = cubins[0].read_bytes() if cubins else b""
+        bad = ptx_problems(cfg, ptx) + param_problems(cfg, ptx)
+        if ptxs:
+            bad += spill_problems(ptxs[0])
+    if ".target sm_90a" not in ptx:
+        bad.append("not sm_90a")
+    regs = None
+    if cubin[:4] != b"\x7fELF":
+        bad.append("no cubin")
+    else:
+        from epilora_cute.cubin_info import register_count
+
+        regs = register_count(cubin)
+        bad += pool_problems(ptx, cubin)
+    smem = getattr(f, "epilora_smem_bytes", None)
+    if smem is not None and smem != cfg.smem_bytes():
+        bad.append(f"smem_bytes() {cfg.smem_bytes()} != DSL struct {smem}")
+    if cfg.smem_bytes() > P.SMEM_LIMIT:
+        bad.append(f"smem {cfg.smem_bytes()} exceeds 227 KiB")
+    ver = re.search(r"\.version (\S+)", ptx)
+    return {"family": P.FAMILY, "config": cfg.name(), "problems": bad, "regs": regs, "smem": cfg.smem_bytes(),
+            "ptx_version": ver.group(1) if ver else None}
+
+
+def _configs(which: str):
+    return FAST if which == "fast" else P.prebuild_configs()
+
+
+# ---------------------------------------------------------------------------------------------
+# Host-side logic (no DSL needed)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_smem_and_register_budget():
+    for cfg in P.prebuild_configs() + FAST:
+        assert cfg.smem_bytes() <= P.SMEM_LIMIT, cfg.name()
+        # the output tile fits the reused stage buffer
+        assert (cfg.bm + P.RED_PAD) * cfg.bn * 4 <= cfg.stage_union_bytes()
+        r = cfg.acc_regs()
+        assert r["peak"] <= 128 and r["acc"] + r["acc_lora"] <= 128, (cfg.name(), r)
+        assert cfg.block == (384, 1, 1)
+    assert 128 * (P.PRODUCER_REGS + 2 * P.CONSUMER_REGS) <= 65536
+
+
+def test_prebuild_set_covers_model_shapes():
+    from kernels_dsl import k2_gemm
+
+    cfgs = set(P.prebuild_configs())
+    for model, tp, proj, widths, k in k2_gemm.projection_shapes():
+        for m in (33, 64, 100, 511, 2048, 8192):
+            for r in P.RANKS:
+                c_l, c_n = P.select(widths, m, r)
+                assert c_l in cfgs and c_n in cfgs, (model, tp, proj, m, r)
+                assert all(wd % c_l.bm == 0 for wd in widths)
+    with pytest.raises(ValueError):
+        P.select((4096,), 32, 64)
+    with pytest.raises(ValueError):
+        P.select((4096,), 8193, 64)
+
+
+def test_sort_activations_follows_meta():
+    from epilora_cute.metadata import build_meta
+
+    g = torch.Generator().manual_seed(0)
+    M, K = 77, 64
+    xq = (torch.randn(M, K, generator=g) * 50).to(torch.float8_e4m3fn)
+    sx = torch.rand(M, 1, generator=g)
+    tok = torch.randint(-1, 5, (M,), generator=g).to(torch.int32)
+    meta = build_meta(tok, 5, max_num_tokens=128)
+    xs, ss = P.sort_activations(xq, sx, meta.token_indices_sorted_by_lora_ids)
+    idx = meta.token_indices_sorted_by_lora_ids[:M].long()
+    assert torch.equal(xs.view(torch.uint8), xq.view(torch.uint8)[idx])
+    assert torch.equal(ss, sx.reshape(-1)[idx])
+    # sorted order: slots non-decreasing
+    assert (tok[idx][1:] >= tok[idx][:-1]).all()
+
+
+def test_launch_geometry_and_args():
+    cfg = P.Config(bn=128, lora=True, num_slices=3, rank=16)
+    M, K, L, widths = 300, 256, 4, (256, 128, 128)
+    N = sum(widths)
+    b = [torch.zeros(L, 1, wd, 16, dtype=torch.bfloat16) for wd in widths]
+    spec = P.launch(cfg, w_q=torch.zeros(N, K, dtype=torch.float8_e4m3fn), w_scale=torch.ones(1),
+                    x_q_sorted=torch.zeros(M, K, dtype=torch.float8_e4m3fn), x_scale_sorted=torch.ones(M),
+                    y=torch.zeros(M, N, dtype=torch.bfloat16), token_indices_sorted=torch.arange(512, dtype=torch.int32),
+                    h=torch.zeros(3, M, 16), active_lora_ids=torch.zeros(L + 1, dtype=torch.int32),
+                    num_active=torch.zeros(1, dtype=torch.int32),
+                    lora_token_start_loc=torch.zeros(L + 2, dtype=torch.int32),
+                    slot_ranks=torch.full((L,), 16, dtype=torch.int32),
+                    slice_start=torch.tensor([0, 256, 384, 512], dtype=torch.int32), lora_b=b)
+    assert spec["grid"] == (3, N // 128, 1) and spec["block"] == (384, 1, 1) and spec["cluster"] == (1, 1, 1)
+    assert spec["pdl"] is False and spec["smem"] == cfg.smem_bytes()
+    ps = P.params(cfg)
+    assert len(spec["args"]) == len(ps)
+    for p, a in zip(ps, spec["args"]):  # everything that can be packed without a GPU packs
+        if type(p).__name__ != "TmaParam":
+            assert len(p.pack(a)) == p.size, p.name
+    assert spec["args"][7].shape == (M,)  # token_indices_sorted[:M]
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU emulation vs the reference
+# ---------------------------------------------------------------------------------------------
+
+
+def _problem(M, widths, K, rank, n_adapters, max_loras, seed, slot_ranks=None, none_frac=0.25):
+    from epilora_cute.reference import quantize_fp8_per_tensor
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, K, generator=g) * 2).to(torch.bfloat16)
+    w = torch.randn(sum(widths), K, generator=g) * 0.05
+    w_codes, w_scale = quantize_fp8_per_tensor(w)
+    if slot_ranks is None:
+        slot_ranks = [rank] * max_loras
+    lora_a, lora_b = [], []
+    for wd in widths:
+        a = torch.randn(max_loras, 1, rank, K, generator=g) * 0.05
+        b = torch.randn(max_loras, 1, wd, rank, generator=g) * 0.05
+        for l, r in enumerate(slot_ranks):  # zero-padded smaller effective ranks
+            a[l, :, r:] = 0
+            b[l, :, :, r:] = 0
+        lora_a.append(a.to(torch.bfloat16))
+        lora_b.append(b.to(torch.bfloat16))
+    slots = torch.randint(0, n_adapters, (M,), generator=g)
+    none = torch.rand(M, generator=g) < none_frac
+    tok = torch.where(none, torch.full_like(slots, -1), slots).to(torch.int32)
+    return x, w_codes, w_scale, lora_a, lora_b, tok, slot_ranks
+
+
+def _emulate(cfg, x, wc, ws, la, lb, tok, sr, L, widths, tile_order_seed=None):
+    """K1's outputs (reference arithmetic, original order) -> sort -> the emulated prefill K2."""
+    from epilora_cute.metadata import build_meta
+    from epilora_cute.reference import lora_shrink, quantize_fp8_per_token
+
+    meta = build_meta(tok, L)
+    xq, sx = quantize_fp8_per_token(x)
+    h = torch.stack(lora_shrink(x, la, tok))  # [S, M, R] fp32, original order, 0 for slot -1
+    xs, ss = P.sort_activations(xq, sx, meta.token_indices_sorted_by_lora_ids)
+    return P.emulate(cfg, w_q=wc, w_scale=ws, x_q_sorted=xs, x_scale_sorted=ss,
+                     token_indices_sorted=meta.token_indices_sorted_by_lora_ids, widths=widths, h=h,
+                     active_lora_ids=meta.active_lora_ids, num_active=meta.num_active,
+                     lora_token_start_loc=meta.lora_token_start_loc,
+                     slot_ranks=torch.tensor(sr, dtype=torch.int32), lora_b=lb, tile_order_seed=tile_order_seed)
+
+
+QKV = (4096, 1024, 1024)
+EMU_CASES = [
+    # M, widths, K, rank, adapters, max_loras, bm, bn
+    (33, QKV, 256, 64, 1, 4, 128, 128),
+    (100, QKV, 384, 16, 8, 8, 128, 64),
+    (511, QKV, 256, 64, 32, 32, 128, 128),
+    (2048, QKV, 128, 32, 32, 32, 128, 128),
+    (100, (192, 192), 256, 8, 8, 8, 64, 128),  # bm 64 (slices not multiples of 128), rank 8
+    (511, (512,), 320, 256, 8, 8, 128, 64),  # K tail (2.5 k-blocks), rank 256 (4 chunks)
+]
+
+
+@pytest.mark.parametrize("case", EMU_CASES, ids=lambda c: f"M{c[0]}_r{c[3]}_a{c[4]}_bm{c[6]}_bn{c[7]}")
+def test_emulation_matches_reference(case):
+    from epilora_cute.reference import lora_linear
+
+    M, widths, K, rank, na, L, bm, bn = case
+    x, wc, ws, la, lb, tok, sr = _problem(M, widths, K, rank, na, L, seed=M + rank)
+    cfg = P.Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=rank)
+    y = _emulate(cfg, x, wc, ws, la, lb, tok, sr, L, widths)
+    assert not torch.isnan(y).any(), "rows not written"
+    ref = lora_linear(x, wc, ws, la, lb, tok)
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_mixed_effective_ranks_and_no_adapter_tokens():
+    from epilora_cute.reference import lora_linear
+
+    M, widths, K, rank, L = 300, QKV, 256, 128, 8
+    sr = [128, 8, 64, 16, 0, 100, 33, 1]
+    x, wc, ws, la, lb, tok, _ = _problem(M, widths, K, rank, L, L, seed=3, slot_ranks=sr, none_frac=0.3)
+    tok[:40] = -1  # a whole first token tile's worth of tokens without adapter
+    tok[40:45] = 4  # effective rank 0: adds nothing
+    cfg = P.Config(bn=64, lora=True, num_slices=3, rank=rank)
+    y = _emulate(cfg, x, wc, ws, la, lb, tok, sr, L, widths)
+    ref = lora_linear(x, wc, ws, la, lb, tok)
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_all_tokens_without_adapter_and_no_adapter_variant():
+    from epilora_cute.reference import fp8_scaled_mm, lora_linear, quantize_fp8_per_token
+
+    M, widths, K, L = 70, (256,), 256, 2
+    x, wc, ws, la, lb, tok, sr = _problem(M, widths, K, 16, 1, L, seed=9)
+    tok[:] = -1
+    y = _emulate(P.Config(bn=64, lora=True, num_slices=1, rank=16), x, wc, ws, la, lb, tok, sr, L, widths)
+    torch.testing.assert_close(y.float(), lora_linear(x, wc, ws, la, lb, tok), rtol=2e-2, atol=2e-2)
+    from epilora_cute.metadata import build_meta
+
+    meta = build_meta(torch.randint(0, 2, (M,), dtype=torch.int32), L)
+    xq, sx = quantize_fp8_per_token(x)
+    xs, ss = P.sort_activations(xq, sx, meta.token_indices_sorted_by_lora_ids)
+    y2 = P.emulate(P.Config(bn=128, lora=False), w_q=wc, w_scale=ws, x_q_sorted=xs, x_scale_sorted=ss,
+                   token_indices_sorted=meta.token_indices_sorted_by_lora_ids, widths=widths)
+    torch.testing.assert_close(y2.float(), fp8_scaled_mm(xq, sx, wc, ws), rtol=1e-2, atol=1e-2)
+
+
+def test_tile_order_independent_bits():
+    M, widths, K, rank, L = 200, (256, 128, 128), 256, 32, 4
+    x, wc, ws, la, lb, tok, sr = _problem(M, widths, K, rank, 3, L, seed=11)
+    cfg = P.Config(bn=64, lora=True, num_slices=3, rank=rank)
+    y0 = _emulate(cfg, x, wc, ws, la, lb, tok, sr, L, widths)
+    y1 = _emulate(cfg, x, wc, ws, la, lb, tok, sr, L, widths, tile_order_seed=5)
+    assert torch.equal(y0.view(torch.int16), y1.view(torch.int16))
+
+
+def test_items_follow_sorted_group_ranges():
+    # groups: -1 at [0, 10), slot 2 at [10, 70), slot 5 at [70, 200)
+    active, start = [-1, 2, 5, -1], [0, 10, 70, 200, 200]
+    ranks = [64] * 8
+    ranks[5] = 100
+    assert P._items(0, 64, active, 3, start, ranks, 128, 64) == [(1, 2, 0, 10, 64)]
+    assert P._items(64, 64, active, 3, start, ranks, 128, 64) == [(1, 2, 0, 0, 6), (2, 5, 0, 6, 64), (2, 5, 1, 6, 64)]
+    assert P._items(192, 64, active, 3, start, ranks, 128, 64) == [(2, 5, 0, 0, 8), (2, 5, 1, 0, 8)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Compilation with the DSL of this interpreter (4.8.x)
+# ---------------------------------------------------------------------------------------------
+
+
+def _dsl():
+    return pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+
+
+@pytest.mark.parametrize("cfg", FAST, ids=lambda c: c.name())
+def test_compiles(cfg):
+    _dsl()
+    r = check_config(cfg)
+    assert not r["problems"], r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", P.prebuild_configs(), ids=lambda c: c.name())
+def test_prebuild_set_compiles(cfg):
+    _dsl()
+    r = check_config(cfg)
+    assert not r["problems"], r
+
+
+def _partition_script():
+    return r"""
+import sys, json
+sys.path.insert(0, %r)
+import cutlass, cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from kernels_dsl import k2_prefill as P
+kmaj = cute.nvgpu.warpgroup.OperandMajorMode.K
+out = {}
+for cfg in (P.Config(bm=128, bn=128), P.Config(bm=128, bn=64), P.Config(bm=64, bn=128), P.Config(bm=64, bn=64)):
+    seen = []
+    @cute.jit
+    def f():
+        tm = sm90_utils.make_trivial_tiled_mma(cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, kmaj, kmaj,
+                                               cutlass.Float32, cfg.atom_layout, tiler_mn=(64, cfg.mma_n))
+        cC = cute.make_identity_tensor((cfg.bm, cfg.bn))
+        for t in cutlass.range_constexpr(P.CONSUMER_THREADS):
+            c = tm.get_slice(t).partition_C(cC)
+            seen.extend((int(c[i][0]), int(c[i][1])) for i in range(cute.size(c)))
+    cute.compile(f, options="--gpu-arch sm_90a")
+    out[cfg.name()] = [len(seen), len(set(seen)), cfg.bm * cfg.bn,
+                       all(0 <= r < cfg.bm and 0 <= j < cfg.bn for r, j in seen)]
+print("PARTITION " + json.dumps(out))
+""" % str(ROOT)
+
+
+def test_consumer_partition_covers_tile_once():
+    """The two consumer warpgroups' accumulator fragments (get_slice(tid - 128)) cover the
+    bm x bn tile exactly once: WG 1 gets rows 64..127 (bm 128) or tokens bn/2.. (bm 64)."""
+    _dsl()
+    import os
+
+    with tempfile.TemporaryDirectory() as d:  # the DSL wants the function's source: a file, not -c
+        script = Path(d) / "partition.py"
+        script.write_text(_partition_script())
+        r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                           env=dict(os.environ, CUTE_DSL_ARCH="sm_90a"), timeout=600)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("PARTITION ")]
+    assert line, r.stdout[-2000:] + r.stderr[-2000:]
+    for name, (n, uniq, want, inside) in json.loads(line[0][10:]).items():
+        assert n == uniq == want and inside, (name, n, uniq, want, inside)
+
+
+BASE = 0x7F0000000000
+
+
+def test_host_capture_matches_declared_abi():
+    _dsl()
+    from kernels_dsl.host_capture import DSL_DTYPE_CODE, SWIZZLE_CODE, capture_in_subprocess, decode_tensormap2d
+
+    N, K, M, L, R = 6144, 4096, 300, 4, 32
+    widths = (4096, 1024, 1024)
+    cfg = P.Config(bn=128, lora=True, num_slices=3, rank=R)
+    v = dict(w=dict(data=BASE, shapes=[N, K], strides=[K]),
+             xq=dict(data=BASE + 0x1000_0000, shapes=[M, K], strides=[K]),
+             sx=dict(data=BASE + 0x2000_0000, shapes=[M]), sw=dict(data=BASE + 0x2000_1000),
+             y=dict(data=BASE + 0x3000_0000, shapes=[M, N], strides=[N]),
+             tok_sorted=dict(data=BASE + 0x4000_0000, shapes=[M]),
+             h=dict(data=BASE + 0x5000_0000, shapes=[M], strides=[M * R]),
+             active_ids=dict(data=BASE + 0x5200_0000, shapes=[L + 1]),
+             num_active=dict(data=BASE + 0x5300_0000),
+             start_loc=dict(data=BASE + 0x5350_0000, shapes=[L + 2]),
+             slot_ranks=dict(data=BASE + 0x5400_0000, shapes=[L]),
+             slice_start=dict(data=BASE + 0x5500_0000))
+    for i, wd in enumerate(widths):
+        v[f"b{i}"] = dict(data=BASE + 0x6000_0000 + i * 0x100_0000, shapes=[L * wd], strides=[])
+    out = capture_in_subprocess("kernels_dsl.k2_prefill", cfg, v)
+    assert out["grid"] == [-(-M // 128), N // 128, 1]
+    assert out["block"] == [384, 1, 1]
+    assert out["smem"] == cfg.smem_bytes()
+    ps = P.params(cfg)
+    raw = dict(zip([p.name for p in ps], out["params"]))
+
+    def check(name, rows, cols, stride, addr):
+        spec = {p.name: p for p in ps}[name].spec
+        d = decode_tensormap2d(raw[name])
+        assert d["address"] == addr and d["dims"] == (cols, rows) and d["box"] == tuple(spec.box), (name, d)
+        assert d["stride1_bytes"] == stride and d["swizzle_code"] == SWIZZLE_CODE[spec.swizzle], (name, d)
+        assert d["dtype_code"] == DSL_DTYPE_CODE[spec.tma_dtype], (name, d)
+
+    check("tma_w", N, K, K, BASE)
+    check("tma_xq", M, K, K, BASE + 0x1000_0000)
+    for i, wd in enumerate(widths):
+        check(f"tma_b{i}", L * wd, R, 2 * R, BASE + 0x6000_0000 + i * 0x100_0000)
+    by = {p.name: p for p in ps}
+    assert raw["xq_dims"][:16] == by["xq_dims"].pack((M, K)).hex()
+    assert raw["b2_dims"][:8] == by["b2_dims"].pack((L * widths[2],)).hex()
+    assert bytes.fromhex(raw["token_indices_sorted"][:32])[:12] == \
+        (BASE + 0x4000_0000).to_bytes(8, "little") + M.to_bytes(4, "little")
+    assert bytes.fromhex(raw["lora_token_start_loc"][:32])[:12] == \
+        (BASE + 0x5350_0000).to_bytes(8, "little") + (L + 2).to_bytes(4, "little")
+
+
+# ---------------------------------------------------------------------------------------------
+# nvidia-cutlass-dsl 4.6.0 (vLLM 0.26's pin), in its own venv
+# ---------------------------------------------------------------------------------------------
+
+
+def test_dsl46_fast_subset():
+    from tests.dsl46 import run_dsl46
+
+    run_dsl46(Path(__file__).resolve(), "fast", 900)
+
+
+@pytest.mark.slow
+def test_dsl46_prebuild_set():
+    from tests.dsl46 import run_dsl46
+
+    run_dsl46(Path(__file__).resolve(), "all", 3600)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: K1 -> sort -> prefill K2 (for the next GPU session; skipped here)
+# ---------------------------------------------------------------------------------------------
+
+
+def _hopper():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+
+
+class PrefillPath:
+    """Buffers + K1 + sort + prefill K2 of one projection, on the GPU."""
+
+    def __init__(self, widths, K, rank, max_loras, M, seed=0, slot_ranks=None, dev="cuda"):
+        from epilora_cute.reference import quantize_fp8_per_tensor
+
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        self.widths, self.K, self.rank, self.L, self.M = widths, K, rank, max_loras, M
+        N = sum(widths)
+        w = torch.randn(N, K, generator=g) * 0.02
+        self.w_codes, self.w_scale = [t.to(dev) for t in quantize_fp8_per_tensor(w)]
+        self.slot_ranks_list = slot_ranks or [rank] * max_loras
+        self.lora_a, self.lora_b = [], []
+        for wd in widths:
+            a = torch.randn(max_loras, 1, rank, K, generator=g) * 0.02
+            b = torch.randn(max_loras, 1, wd, rank, generator=g) * 0.02
+            for l, r in enumerate(self.slot_ranks_list):
+                a[l, :, r:] = 0
+                b[l, :, :, r:] = 0
+            self.lora_a.append(a.to(torch.bfloat16).to(dev))
+            self.lora_b.append(b.to(torch.bfloat16).to(dev))
+        self.slot_ranks = torch.tensor(self.slot_ranks_list, dtype=torch.int32, device=dev)
+        self.slice_start = torch.tensor([0] + list(torch.tensor(widths).cumsum(0).tolist()), dtype=torch.int32,
+                                        device=dev)
+        self.y = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+        self.dev = dev
+
+    def run(self, x, tok, lora=True, poison=True):
+        from epilora_cute.kernels import get_kernel
+        from epilora_cute.metadata import build_meta
+        from kernels_dsl.k1_shrink import k1_quant_shrink
+
+        M = self.M
+        meta = build_meta(tok.to(self.dev), self.L)
+        codes, scales, h = k1_quant_shrink(x, self.lora_a, meta, slot_ranks=self.slot_ranks)
+        xs, ss = P.sort_activations(codes, scales, meta.token_indices_sorted_by_lora_ids)
+        self.codes, self.scales = codes, scales
+        if poison:
+            self.y.fill_(float("nan"))
+        c_l, c_n = P.select(self.widths, M, self.rank)
+        cfg = c_l if lora else c_n
+        kw = {}
+        if lora:
+            kw = dict(h=h, active_lora_ids=meta.active_lora_ids, num_active=meta.num_active,
+                      lora_token_start_loc=meta.lora_token_start_loc, slot_ranks=self.slot_ranks,
+                      slice_start=self.slice_start, lora_b=self.lora_b)
+        spec = P.launch(cfg, w_q=self.w_codes, w_scale=self.w_scale, x_q_sorted=xs, x_scale_sorted=ss, y=self.y,
+                        token_indices_sorted=meta.token_indices_sorted_by_lora_ids, **kw)
+        k = get_kernel(P, cfg, "sm_90a")
+        k(*spec["args"], grid=spec["grid"], smem=spec["smem"], pdl=spec["pdl"], cluster=spec["cluster"])
+        return self.y
+
+    def check(self, x, tok, y, lora=True):
+        from epilora_cute.reference import fp8_scaled_mm, lora_linear, quantize_fp8_per_token
+
+        assert not torch.isnan(y).any(), "y not fully written"
+        if lora:
+            ref = lora_linear(x.cpu(), self.w_codes.cpu(), self.w_scale.cpu(), [a.cpu() for a in self.lora_a],
+                              [b.cpu() for b in self.lora_b], tok.cpu())
+        else:
+            xq, sx = quantize_fp8_per_token(x.cpu())
+            ref = fp8_scaled_mm(xq, sx, self.w_codes.cpu(), self.w_scale.cpu())
+        torch.testing.assert_close(y.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+
+
+def _tokens(M, n_adapters, seed, none_frac=0.25):
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randint(0, max(n_adapters, 1), (M,), generator=g)
+    none = torch.rand(M, generator=g) < none_frac
+    return torch.where(none, torch.full_like(slots, -1), slots).to(torch.int32)
+
+
+def _x(M, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(M, K, generator=g) * 3).to(torch.bfloat16).cuda()
+
+
+def _shapes():
+    from kernels_dsl import k2_gemm
+
+    return k2_gemm.projection_shapes()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", _shapes(), ids=lambda s: f"{s[0]}-tp{s[1]}-{s[2]}")
+@pytest.mark.parametrize("M", [33, 512, 2048])
+def test_gpu_model_shapes(shape, M):
+    _hopper()
+    _, _, _, widths, K = shape
+    pp = PrefillPath(widths, K, 64, 8, M, seed=M)
+    x, tok = _x(M, K, M), _tokens(M, 8, M)
+    pp.check(x, tok, pp.run(x, tok))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [33, 100, 511, 2048, 8192])
+@pytest.mark.parametrize("rank", [8, 16, 64, 128, 256])
+@pytest.mark.parametrize("adapters", [1, 8, 32])
+def test_gpu_tokens_ranks_adapters(M, rank, adapters):
+    _hopper()
+    widths, K = (4096, 1024, 1024), 4096  # Qwen3-8B qkv
+    pp = PrefillPath(widths, K, rank, 32, M, seed=rank + M)
+    x, tok = _x(M, K, rank * 100 + M), _tokens(M, adapters, rank + M)
+    pp.check(x, tok, pp.run(x, tok))
+
+
+@pytest.mark.gpu
+def test_gpu_mixed_effective_ranks_and_no_adapter_tokens():
+    _hopper()
+    widths, K = (4096, 1024, 1024), 4096
+    sr = [128, 8, 64, 16, 0, 100, 128, 33]
+    M = 300
+    pp = PrefillPath(widths, K, 128, 8, M, seed=5, slot_ranks=sr)
+    x, tok = _x(M, K, 5), _tokens(M, 8, 5, none_frac=0.3)
+    tok[:70] = -1
+    pp.check(x, tok, pp.run(x, tok))
+
+
+@pytest.mark.gpu
+def test_gpu_no_adapter_variant_and_all_none():
+    _hopper()
+    widths, K, M = (4096,), 4096, 200
+    pp = PrefillPath(widths, K, 16, 2, M, seed=9)
+    x = _x(M, K, 9)
+    tok = torch.full((M,), -1, dtype=torch.int32)
+    pp.check(x, tok, pp.run(x, tok))
+    tok = _tokens(M, 2, 9)
+    pp.check(x, tok, pp.run(x, tok, lora=False), lora=False)
+
+
+@pytest.mark.gpu
+def test_gpu_bitwise_identical_over_10_runs():
+    _hopper()
+    widths, K, M = (12288, 12288), 4096, 1000  # Qwen3-8B gate/up
+    pp = PrefillPath(widths, K, 64, 8, M, seed=1)
+    x, tok = _x(M, K, 1), _tokens(M, 8, 1)
+    first = pp.run(x, tok).clone()
+    pp.check(x, tok, first)
+    for _ in range(9):
+        assert torch.equal(pp.run(x, tok).view(torch.int16), first.view(torch.int16))
+
+
+if __name__ == "__main__":
+    import importlib.metadata
+
+    which = sys.argv[1] if len(sys.argv) > 1 else "fast"
+    results = []
+    for cfg in _configs(which):
+        try:
+            results.append(check_config(cfg))
+        except Exception as e:  # report, don't stop: one JSON line with everything
+            results.append({"family": P.FAMILY, "config": cfg.name(), "problems": [f"{type(e).__name__}: {e}"[:2000]]})
+    print("RESULTS " + json.dumps({"dsl_version": importlib.metadata.version("nvidia-cutlass-dsl"),
+                                   "results": results}))
