@@ -4,9 +4,14 @@ token tiles; its structure, helpers and verified fixes are kept.
 
 Swap-AB, as in the decode K2: the FP8 weight rows are WGMMA's M side (bm = 128, or 64 for slice
 widths that are not multiples of 128), the tokens its N side (bn = 64 or 128 tokens per CTA). Grid
-(T, N/bm, 1) with T = ceil(M/bn) token tiles on x: blockIdx.x is dispatched fastest, so the CTAs
-that share one weight tile run together and all but the first read it from L2. No split-K and no
-cluster: at M >= 33 there are enough (token tile, weight tile) CTAs to fill the GPU.
+(T, N/bm, 1) with T = ceil(M/bn); the CTA's (token tile, weight tile) comes from its linear id
+blockIdx.x + T.blockIdx.y (the hardware's dispatch order) through a grouped rasterization
+(cta_tile(), `group` a launch-time scalar): groups of `group` token tiles sweep all weight tiles,
+token tile fastest, so the CTAs sharing one weight tile run together and all but the first read it
+from L2. group = T (the default while M.K fits l2_group()'s budget) is plain token-tile-fastest
+order; for larger M.K (e.g. down at K = 12288, M = 8192: 100 MB of x_q) a smaller group keeps
+the group's x_q tiles in L2 instead of streaming all of x_q from DRAM once per weight-tile wave.
+No split-K and no cluster: at M >= 33 there are enough CTAs to fill the GPU.
 
 Token order. Tile t covers the adapter-sorted positions [t.bn, (t+1).bn) of
 meta.token_indices_sorted_by_lora_ids, so it meets a few contiguous adapter groups. TMA cannot
@@ -60,7 +65,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._abi import SM_COUNT_H100, CoordParam, TensorParam, TmaParam, TmaSpec, struct_size
+from ._abi import SM_COUNT_H100, CoordParam, ScalarParam, TensorParam, TmaParam, TmaSpec, struct_size
 
 try:  # the DSL is needed to compile, not to launch a cached build
     import cuda.bindings.driver as cuda
@@ -198,7 +203,7 @@ if cute is not None:
 
         @cute.jit
         def __call__(self, w: cute.Tensor, xq: cute.Tensor, sx: cute.Tensor, sw: cute.Tensor,
-                     y: cute.Tensor, tok_sorted: cute.Tensor, stream: cuda.CUstream,
+                     y: cute.Tensor, tok_sorted: cute.Tensor, group: cutlass.Int32, stream: cuda.CUstream,
                      h: cute.Tensor = None, active_ids: cute.Tensor = None, num_active: cute.Tensor = None,
                      start_loc: cute.Tensor = None, slot_ranks: cute.Tensor = None,
                      slice_start: cute.Tensor = None, b0: cute.Tensor = None, b1: cute.Tensor = None,
@@ -279,7 +284,7 @@ if cute is not None:
             n_tiles = cute.size(w, mode=[0]) // self.bm
             t_tiles = (cute.size(xq, mode=[0]) + self.bn - 1) // self.bn
             self.kernel(
-                tma_w, mW, tma_x, mX, sx, sw, y, tok_sorted, lora_pack, sW_layout, sX_layout, sB_layout, sH_layout,
+                tma_w, mW, tma_x, mX, sx, sw, y, tok_sorted, group, lora_pack, sW_layout, sX_layout, sB_layout, sH_layout,
             ).launch(grid=(t_tiles, n_tiles, 1), block=(THREADS, 1, 1), cluster=(1, 1, 1), stream=stream,
                      # .minnctapersm 1: ptxas gives the launch 168 registers per thread, a pool of
                      # 384 x 168 = 128 x (40 + 2 x 232); at ptxas's own count setmaxnreg.inc would
@@ -289,7 +294,7 @@ if cute is not None:
         # -----------------------------------------------------------------------------------------
         @cute.kernel
         def kernel(self, tma_w: cute.CopyAtom, mW: cute.Tensor, tma_x: cute.CopyAtom, mX: cute.Tensor,
-                   mSx: cute.Tensor, mSw: cute.Tensor, mY: cute.Tensor, mTokS: cute.Tensor, lora_pack,
+                   mSx: cute.Tensor, mSw: cute.Tensor, mY: cute.Tensor, mTokS: cute.Tensor, group: cutlass.Int32, lora_pack,
                    sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout,
                    sB_layout: cute.ComposedLayout, sH_layout: cute.ComposedLayout):
             cfg = self.cfg
@@ -308,7 +313,19 @@ if cute is not None:
             tidx, _, _ = cute.arch.thread_idx()
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             wg = warp_idx // 4
-            ttile, tile, _ = cute.arch.block_idx()
+            # Grouped rasterization (see cta_tile()): groups of `group` token tiles sweep all weight
+            # tiles, token tile fastest; group = T is plain token-tile-fastest order.
+            bx, by, _ = cute.arch.block_idx()
+            gdim = cute.arch.grid_dim()
+            n_ttiles = gdim[0]
+            per_group = group * gdim[1]
+            lin = bx + by * n_ttiles
+            grp = lin // per_group
+            first = grp * group
+            gsize = cutlass.min(n_ttiles - first, group)
+            rem = lin - grp * per_group
+            ttile = first + rem % gsize
+            tile = rem // gsize
             n0 = tile * BM
             p0 = ttile * BN
 
@@ -585,9 +602,9 @@ def _fake_args(cfg: Config):
         start_loc = D.fake_rowmajor(i32, (D.sym(1),), align=4)
         slot_ranks = D.fake_rowmajor(i32, (D.sym(1),), align=4)
         slice_start = D.fake_rowmajor(i32, (cfg.num_slices + 1,), align=4)
-        return (w, xq, sx, sw, y, tok, D.fake_stream(), h, active, num_active, start_loc, slot_ranks, slice_start,
+        return (w, xq, sx, sw, y, tok, cutlass.Int32(1), D.fake_stream(), h, active, num_active, start_loc, slot_ranks, slice_start,
                 *bufs)
-    return (w, xq, sx, sw, y, tok, D.fake_stream())
+    return (w, xq, sx, sw, y, tok, cutlass.Int32(1), D.fake_stream())
 
 
 def compile(config: Config, options: str = "--gpu-arch sm_90a"):
@@ -609,6 +626,7 @@ def params(config: Config) -> list:
         TensorParam("s_w", f32, 1, align=4),  # [1]
         TensorParam("y", bf16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16),  # [M, N] original order
         TensorParam("token_indices_sorted", i32, 1, dynamic_shape=(0,), align=4),  # [M]
+        ScalarParam("group", "i"),  # token tiles per rasterization group, 1..T (l2_group())
     ]
     if config.lora:
         sw = {16: "32B", 32: "64B", 64: "128B"}[rc]
@@ -640,13 +658,14 @@ def sort_activations(x_q: torch.Tensor, x_scale: torch.Tensor, token_indices_sor
 
 
 def launch(config: Config, *, w_q, w_scale, x_q_sorted, x_scale_sorted, y, token_indices_sorted,
-           h=None, active_lora_ids=None, num_active=None, lora_token_start_loc=None, slot_ranks=None,
+           group: int | None = None, h=None, active_lora_ids=None, num_active=None, lora_token_start_loc=None, slot_ranks=None,
            slice_start=None, lora_b=None) -> dict:
     """Arguments (in params() order) and launch geometry for one prefill K2 call.
 
     x_q_sorted / x_scale_sorted: activations in adapter-sorted order (sort_activations());
     token_indices_sorted: meta.token_indices_sorted_by_lora_ids (the first M entries are used);
-    h: K1's [S, >= M, R] fp32 in original token order. Returns dict(args, grid, block, cluster,
+    h: K1's [S, >= M, R] fp32 in original token order. group: rasterization (cta_tile()); None
+    = l2_group(M, K, bn). Returns dict(args, grid, block, cluster,
     smem, pdl); launch without PDL (K1 must have finished) unless config.pdl.
     """
     M, K = x_q_sorted.shape
@@ -660,7 +679,11 @@ def launch(config: Config, *, w_q, w_scale, x_q_sorted, x_scale_sorted, y, token
     if y.shape[0] < M or y.shape[1] != N or y.stride(1) != 1:
         raise ValueError(f"y must be [>= {M}, {N}] with unit column stride")
     tok = token_indices_sorted[:M]
-    args = [w_q, (N, K), x_q_sorted, (M, K), x_scale_sorted.reshape(-1), w_scale.reshape(-1), y, tok]
+    T = -(-M // config.bn)
+    group = l2_group(M, K, config.bn) if group is None else int(group)
+    if not 1 <= group <= T:
+        raise ValueError(f"group must be 1..{T} token tiles, got {group}")
+    args = [w_q, (N, K), x_q_sorted, (M, K), x_scale_sorted.reshape(-1), w_scale.reshape(-1), y, tok, group]
     if config.lora:
         bufs = list(lora_b)
         if len(bufs) != config.num_slices:
@@ -675,7 +698,7 @@ def launch(config: Config, *, w_q, w_scale, x_q_sorted, x_scale_sorted, y, token
             views.append(b3.reshape(-1, config.rank))
         args += views + [(v.shape[0],) for v in views]
         args += [h, active_lora_ids, num_active, lora_token_start_loc, slot_ranks, slice_start]
-    return dict(args=tuple(args), grid=(-(-M // config.bn), N // config.bm, 1), block=config.block,
+    return dict(args=tuple(args), grid=(T, N // config.bm, 1), block=config.block,
                 cluster=(1, 1, 1), smem=config.smem_bytes(), pdl=config.pdl)
 
 
@@ -685,6 +708,29 @@ def launch(config: Config, *, w_q, w_scale, x_q_sorted, x_scale_sorted, y, token
 
 RANKS = (8, 16, 32, 64, 128, 256)
 TOKEN_TILES = (64, 128)
+L2_BUDGET = 24 << 20  # bytes of x_q tiles a rasterization group keeps in L2 (H100/H200: 50 MB L2)
+
+
+def cta_tile(lin: int, n_ttiles: int, n_wtiles: int, group: int) -> tuple[int, int]:
+    """(token tile, weight tile) of the CTA with linear id lin = blockIdx.x + blockIdx.y * T (the
+    order the hardware dispatches in), exactly as the kernel computes it: groups of `group` token
+    tiles sweep all weight tiles, token tile fastest inside a group. group = T: plain
+    token-tile-fastest order (all x_q from L2 after its first read, weights read once per
+    weight tile); smaller groups bound the x_q working set when M.K exceeds L2 (weights are then
+    read T/group times, x_q once)."""
+    per_group = group * n_wtiles
+    grp = lin // per_group
+    first = grp * group
+    gsize = min(n_ttiles - first, group)
+    rem = lin - grp * per_group
+    return first + rem % gsize, rem // gsize
+
+
+def l2_group(m: int, k: int, bn: int) -> int:
+    """Token tiles per rasterization group: as many as keep their x_q rows (bn.K bytes each)
+    within L2_BUDGET; all of them when the whole x_q fits."""
+    t = -(-m // bn)
+    return max(1, min(t, L2_BUDGET // (bn * k)))
 
 
 def bm_for(widths) -> int:
@@ -742,7 +788,7 @@ def _items(p0: int, bn: int, active, num_active: int, start_loc, slot_ranks, ran
 
 def emulate(config: Config, *, w_q, w_scale, x_q_sorted, x_scale_sorted, token_indices_sorted, widths,
             h=None, active_lora_ids=None, num_active=None, lora_token_start_loc=None, slot_ranks=None,
-            lora_b=None, y=None, tile_order_seed: int | None = None) -> torch.Tensor:
+            lora_b=None, y=None, group: int | None = None, tile_order_seed: int | None = None) -> torch.Tensor:
     """Pure-torch model of the kernel (CPU): (token tile, weight tile) CTAs, 128-deep k-blocks
     summed in fp32 (promotion), the tile's adapter items from the sorted group ranges, bf16 hmask
     (h gathered by token, zero outside the group), k16 steps cut at the effective rank, the fp32
@@ -769,7 +815,9 @@ def emulate(config: Config, *, w_q, w_scale, x_q_sorted, x_scale_sorted, token_i
         sloc = [int(s) for s in lora_token_start_loc]
         sr = [int(s) for s in slot_ranks]
     nk = -(-K // bk)
-    ctas = [(t, n) for n in range(N // bm) for t in range(-(-M // bn))]  # token tile fastest
+    T, NT = -(-M // bn), N // bm
+    G = l2_group(M, K, bn) if group is None else group
+    ctas = [cta_tile(lin, T, NT, G) for lin in range(T * NT)]  # the hardware's dispatch order
     if tile_order_seed is not None:
         random.Random(tile_order_seed).shuffle(ctas)
     for t, n in ctas:

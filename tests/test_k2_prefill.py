@@ -236,6 +236,21 @@ def test_launch_geometry_and_args():
         if type(p).__name__ != "TmaParam":
             assert len(p.pack(a)) == p.size, p.name
     assert spec["args"][7].shape == (M,)  # token_indices_sorted[:M]
+    assert spec["args"][8] == P.l2_group(M, K, 128) == 3
+
+
+def test_rasterization_is_a_bijection():
+    for T in (1, 2, 3, 7, 16, 64):
+        for NT in (1, 5, 48):
+            for G in sorted({1, 2, 3, 5, T}):
+                if G > T:
+                    continue
+                tiles = [P.cta_tile(lin, T, NT, G) for lin in range(T * NT)]
+                assert sorted(tiles) == [(t, n) for t in range(T) for n in range(NT)], (T, NT, G)
+    # group = T: plain token-tile-fastest order
+    assert [P.cta_tile(lin, 4, 3, 4) for lin in range(6)] == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1)]
+    assert P.l2_group(8192, 12288, 128) == 16 and P.l2_group(8192, 4096, 128) == 48
+    assert P.l2_group(2048, 4096, 128) == 16  # all 16 token tiles: everything fits
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,7 +282,7 @@ def _problem(M, widths, K, rank, n_adapters, max_loras, seed, slot_ranks=None, n
     return x, w_codes, w_scale, lora_a, lora_b, tok, slot_ranks
 
 
-def _emulate(cfg, x, wc, ws, la, lb, tok, sr, L, widths, tile_order_seed=None):
+def _emulate(cfg, x, wc, ws, la, lb, tok, sr, L, widths, tile_order_seed=None, group=None):
     """K1's outputs (reference arithmetic, original order) -> sort -> the emulated prefill K2."""
     from epilora_cute.metadata import build_meta
     from epilora_cute.reference import lora_shrink, quantize_fp8_per_token
@@ -280,7 +295,8 @@ def _emulate(cfg, x, wc, ws, la, lb, tok, sr, L, widths, tile_order_seed=None):
                      token_indices_sorted=meta.token_indices_sorted_by_lora_ids, widths=widths, h=h,
                      active_lora_ids=meta.active_lora_ids, num_active=meta.num_active,
                      lora_token_start_loc=meta.lora_token_start_loc,
-                     slot_ranks=torch.tensor(sr, dtype=torch.int32), lora_b=lb, tile_order_seed=tile_order_seed)
+                     slot_ranks=torch.tensor(sr, dtype=torch.int32), lora_b=lb, tile_order_seed=tile_order_seed,
+                     group=group)
 
 
 QKV = (4096, 1024, 1024)
@@ -347,6 +363,8 @@ def test_tile_order_independent_bits():
     y0 = _emulate(cfg, x, wc, ws, la, lb, tok, sr, L, widths)
     y1 = _emulate(cfg, x, wc, ws, la, lb, tok, sr, L, widths, tile_order_seed=5)
     assert torch.equal(y0.view(torch.int16), y1.view(torch.int16))
+    y2 = _emulate(cfg, x, wc, ws, la, lb, tok, sr, L, widths, group=2)
+    assert torch.equal(y0.view(torch.int16), y2.view(torch.int16))
 
 
 def test_items_follow_sorted_group_ranges():
@@ -440,7 +458,7 @@ def test_host_capture_matches_declared_abi():
              xq=dict(data=BASE + 0x1000_0000, shapes=[M, K], strides=[K]),
              sx=dict(data=BASE + 0x2000_0000, shapes=[M]), sw=dict(data=BASE + 0x2000_1000),
              y=dict(data=BASE + 0x3000_0000, shapes=[M, N], strides=[N]),
-             tok_sorted=dict(data=BASE + 0x4000_0000, shapes=[M]),
+             tok_sorted=dict(data=BASE + 0x4000_0000, shapes=[M]), group=2,
              h=dict(data=BASE + 0x5000_0000, shapes=[M], strides=[M * R]),
              active_ids=dict(data=BASE + 0x5200_0000, shapes=[L + 1]),
              num_active=dict(data=BASE + 0x5300_0000),
@@ -469,6 +487,7 @@ def test_host_capture_matches_declared_abi():
         check(f"tma_b{i}", L * wd, R, 2 * R, BASE + 0x6000_0000 + i * 0x100_0000)
     by = {p.name: p for p in ps}
     assert raw["xq_dims"][:16] == by["xq_dims"].pack((M, K)).hex()
+    assert raw["group"][:8] == by["group"].pack(2).hex()
     assert raw["b2_dims"][:8] == by["b2_dims"].pack((L * widths[2],)).hex()
     assert bytes.fromhex(raw["token_indices_sorted"][:32])[:12] == \
         (BASE + 0x4000_0000).to_bytes(8, "little") + M.to_bytes(4, "little")
@@ -533,7 +552,7 @@ class PrefillPath:
         self.y = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
         self.dev = dev
 
-    def run(self, x, tok, lora=True, poison=True):
+    def run(self, x, tok, lora=True, poison=True, group=None):
         from epilora_cute.kernels import get_kernel
         from epilora_cute.metadata import build_meta
         from kernels_dsl.k1_shrink import k1_quant_shrink
@@ -553,7 +572,7 @@ class PrefillPath:
                       lora_token_start_loc=meta.lora_token_start_loc, slot_ranks=self.slot_ranks,
                       slice_start=self.slice_start, lora_b=self.lora_b)
         spec = P.launch(cfg, w_q=self.w_codes, w_scale=self.w_scale, x_q_sorted=xs, x_scale_sorted=ss, y=self.y,
-                        token_indices_sorted=meta.token_indices_sorted_by_lora_ids, **kw)
+                        token_indices_sorted=meta.token_indices_sorted_by_lora_ids, group=group, **kw)
         k = get_kernel(P, cfg, "sm_90a")
         k(*spec["args"], grid=spec["grid"], smem=spec["smem"], pdl=spec["pdl"], cluster=spec["cluster"])
         return self.y
@@ -634,6 +653,16 @@ def test_gpu_no_adapter_variant_and_all_none():
     pp.check(x, tok, pp.run(x, tok))
     tok = _tokens(M, 2, 9)
     pp.check(x, tok, pp.run(x, tok, lora=False), lora=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [1, 3])
+def test_gpu_grouped_rasterization(group):
+    _hopper()
+    widths, K, M = (4096, 1024, 1024), 4096, 1000  # 8 token tiles
+    pp = PrefillPath(widths, K, 64, 8, M, seed=group)
+    x, tok = _x(M, K, group), _tokens(M, 8, group)
+    pp.check(x, tok, pp.run(x, tok, group=group))
 
 
 @pytest.mark.gpu
