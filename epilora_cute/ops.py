@@ -104,7 +104,7 @@ def _reference_quant_into(x, codes, scales, warn_reason: str | None):
 # The fused LoRA linear: y = quant(x) @ W_q^T * s_x * s_w + per-token adapter update.
 
 DECODE_MAX_TOKENS = 32
-PATHS = ("auto", "decode", "no_adapter", "hybrid", "triton", "reference")
+PATHS = ("auto", "decode", "no_adapter", "hybrid", "prefill", "triton", "reference")
 # The CuTe decode path (shrink + K2) compiles and passes its CPU emulation but has not yet run
 # correctly on a GPU (first H200 contact: K2 hangs, docs/perf.md v0.3). Until a GPU record shows it
 # correct, "auto" never picks it; EPILORA_DECODE_PATH=1 opts in (tests and benchmarks pass
@@ -254,7 +254,9 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
 
     Paths: "hybrid" (K1 + the vendor FP8 GEMM + our expand-add; any batch size on sm_90a;
     GPU-verified at a618449, docs/gpu_record/run3, opt-in for "auto" until a record covers the
-    current kernels), "decode" (≤ 32 tokens, sm_90a: the shrink kernel with the quantization CTAs, then K2
+    current kernels), "prefill" (33..8192 tokens, sm_90a: K1, the activations gathered into
+    adapter-sorted order, the prefill K2 with the grouped epilogue; compiled but not yet run on a
+    GPU: explicit only), "decode" (≤ 32 tokens, sm_90a: the shrink kernel with the quantization CTAs, then K2
     as its PDL dependent — two launches; ``pdl=False`` serializes them), "no_adapter" (quantize +
     K2 without the epilogue add: for batches where no token has an adapter), "triton" (the
     portable two-kernel path), "reference" (torch, any device). "auto" takes the reference off
@@ -286,6 +288,11 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
         if arch_of(x) is None:
             raise ValueError("path='hybrid' does not apply: it needs a CUDA GPU with a CuTe target")
         return _hybrid_path(x, w_q, w_scale, a, b, meta, out, slot_ranks)
+    if path == "prefill":
+        reason = _prefill_reason(x, w_q, widths, rank, a, b)
+        if reason is not None:
+            raise ValueError(f"path='prefill' does not apply: {reason}")
+        return _prefill_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks)
     reason = _decode_reason(x, w_q, widths, rank, a, b)
     if reason is not None:
         raise ValueError(f"path={path!r} does not apply: {reason}")
@@ -339,6 +346,46 @@ def _hybrid_path(x, w_q, w_scale, a, b, meta, out, slot_ranks):
     codes, scales, h = k1_quant_shrink(x, a, meta, slot_ranks=slot_ranks)
     vendor_fp8_gemm(codes, scales, w_q, w_scale, out=out)
     return expand_add(out, h, b, meta, slot_ranks=slot_ranks)
+
+
+def _prefill_reason(x, w_q, widths, rank, a, b) -> str | None:
+    from kernels_dsl import k2_prefill
+
+    if arch_of(x) != "sm_90a":
+        return f"the prefill K2 needs an sm_90a GPU (have {arch_of(x) or x.device})"
+    m, k = x.shape
+    if not k2_prefill.M_MIN <= m <= k2_prefill.M_MAX:
+        return f"{m} tokens: the prefill K2 takes {k2_prefill.M_MIN}..{k2_prefill.M_MAX}"
+    if rank not in k2_prefill.RANKS or len(widths) > 4:
+        return f"rank {rank} / {len(widths)} slices not compiled"
+    if any(w % k2_prefill.bm_for(widths) for w in widths) or k % 128:
+        return "slice widths must be multiples of 64 and K a multiple of 128"
+    if not (x.is_contiguous() and w_q.is_contiguous() and all(t.is_contiguous() for t in a + b)):
+        return "x, w_q and the adapter buffers must be contiguous"
+    return None
+
+
+def _prefill_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks):
+    """K1 (bit-exact quantization + split-K shrink), the activations gathered into adapter-sorted
+    order, then the prefill K2 with the grouped epilogue, writing y once (rows scattered back).
+    Not yet run on a GPU: explicit `path="prefill"` only, not an "auto" candidate."""
+    from kernels_dsl import k2_prefill
+    from kernels_dsl.k1_shrink import k1_quant_shrink
+
+    m = x.shape[0]
+    dev = x.device
+    if slot_ranks is None:
+        slot_ranks = _full_ranks(int(a[0].shape[0]), rank, dev)
+    codes, scales, h = k1_quant_shrink(x, a, meta, slot_ranks=slot_ranks)
+    tok = meta.token_indices_sorted_by_lora_ids
+    xs, ss = k2_prefill.sort_activations(codes, scales, tok)
+    cfg, _ = k2_prefill.select(widths, m, rank)
+    spec = k2_prefill.launch(cfg, w_q=w_q, w_scale=w_scale, x_q_sorted=xs, x_scale_sorted=ss, y=out,
+                             token_indices_sorted=tok, h=h, active_lora_ids=meta.active_lora_ids,
+                             num_active=meta.num_active, lora_token_start_loc=meta.lora_token_start_loc,
+                             slot_ranks=slot_ranks, slice_start=_slice_start(widths, dev), lora_b=b)
+    _launch_spec(get_kernel(k2_prefill, cfg, "sm_90a"), spec, pdl=False)
+    return out
 
 
 def _launch_spec(kernel, spec, pdl: bool) -> None:

@@ -107,6 +107,17 @@ def test_hybrid_path_matches_reference(proj, m):
     assert _rel_err(y, _reference(x, wq, ws, a, b, mapping)) < 1e-2
 
 
+@pytest.mark.parametrize("m", [33, 256, 2048])
+@pytest.mark.parametrize("proj", ["qkv", "down"])
+def test_prefill_path_matches_reference(proj, m):
+    widths, k = QWEN3_8B[proj]
+    x, wq, ws, a, b, mapping = _case(widths, k, m, seed=m + 2)
+    out = torch.full((m, sum(widths)), float("nan"), dtype=torch.bfloat16, device="cuda")
+    y = ops.lora_linear_fp8(x, wq, ws, a, b, build_meta(mapping, 4), out=out, path="prefill")
+    assert not torch.isnan(y).any()
+    assert _rel_err(y, _reference(x, wq, ws, a, b, mapping)) < 1e-2
+
+
 def test_vendor_gemm_is_the_base_gemm():
     widths, k = QWEN3_8B["o"]
     x, wq, ws, _, _, _ = _case(widths, k, 64, seed=3)

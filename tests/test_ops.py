@@ -98,3 +98,9 @@ def test_hybrid_path_needs_a_gpu():
     x, wq, ws, a, b, meta, _ = _linear_case()
     with pytest.raises(ValueError, match="hybrid"):
         ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="hybrid")
+
+
+def test_prefill_path_needs_an_sm90a_gpu():
+    x, wq, ws, a, b, meta, _ = _linear_case()
+    with pytest.raises(ValueError, match="path='prefill' does not apply"):
+        ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="prefill")

@@ -62,8 +62,8 @@ def test_prefill_section_registered():
 def test_prefill_settings():
     from tools.bench_prefill import settings
 
-    assert settings(False, {}) == ([32, 64, 128, 256, 512, 1024, 2048], [1, 32], ["triton", "hybrid", "auto"])
-    assert settings(True, {}) == ([32, 256, 2048], [1, 32], ["triton", "hybrid", "auto"])
+    assert settings(False, {}) == ([32, 64, 128, 256, 512, 1024, 2048], [1, 32], ["triton", "hybrid", "prefill", "auto"])
+    assert settings(True, {}) == ([32, 256, 2048], [1, 32], ["triton", "hybrid", "prefill", "auto"])
     env = {"EPILORA_BENCH_TOKENS": "64,512", "EPILORA_BENCH_ADAPTERS": "32",
            "EPILORA_BENCH_OURS": "auto,decode,hybrid"}  # decode: a `layer` name, ignored here
     assert settings(True, env) == ([64, 512], [32], ["hybrid", "auto"])
@@ -100,7 +100,7 @@ def test_prefill_row_ratios_and_targets():
 
     # 32 adapters at 32 tokens: ours must be >= 3x faster than vLLM's LoRA path.
     row = finish_row(_prefill_row(32, 32, vllm_fp8=100.0, vllm_lora=869.0, ours_triton=500.0, ours_hybrid=250.0,
-                                  ours_auto=250.0), ["triton", "hybrid", "auto"])
+                                  ours_auto=250.0), ["triton", "hybrid", "prefill", "auto"])
     assert row["ours_hybrid_over_vllm_lora"] == pytest.approx(250 / 869)
     assert row["ours_hybrid_over_vllm_fp8"] == pytest.approx(2.5)
     assert row["ours_hybrid_target"] == "met" and row["ours_auto_target"] == "met"
@@ -111,7 +111,7 @@ def test_prefill_row_ratios_and_targets():
 
     # 1 adapter at 2048 tokens: <= 0.8x vLLM's LoRA path and <= 1.1x its FP8 GEMM alone.
     row = finish_row(_prefill_row(2048, 1, vllm_fp8=629.0, vllm_lora=1104.0, ours_hybrid=690.0, ours_triton=700.0),
-                     ["triton", "hybrid", "auto"])
+                     ["triton", "hybrid", "prefill", "auto"])
     assert row["target"] == "ours <= 0.80x vllm_lora and ours <= 1.10x vllm_fp8"
     assert row["ours_hybrid_target"] == "met"
     assert row["ours_triton_target"] == "missed: 1.11x vllm_fp8 > 1.10x"
@@ -195,7 +195,7 @@ def test_prefill_without_vllm_times_ours_only(capsys, monkeypatch):
     dispatch.set_dispatcher(None)
     rows = bp.bench_prefill(True)
     assert [(r["M"], r["adapters"]) for r in rows] == [(32, 1), (256, 1), (2048, 1), (32, 32), (256, 32), (2048, 32)]
-    assert all(s[2] == ("triton", "hybrid", "auto") and s[3] is False and s[4] for s in seen)
+    assert all(s[2] == ("triton", "hybrid", "prefill", "auto") and s[3] is False and s[4] for s in seen)
     assert dispatch._default is None
     assert not any(k.startswith("vllm") for r in rows for k in r)
     out = capsys.readouterr().out

@@ -52,7 +52,7 @@ RANK = 64
 DEFAULT_TOKENS = (32, 64, 128, 256, 512, 1024, 2048)
 QUICK_TOKENS = (32, 256, 2048)
 DEFAULT_ADAPTERS = (1, 32)
-OUR_PATHS = ("triton", "hybrid", "auto")  # timing order: the GPU-verified path first
+OUR_PATHS = ("triton", "hybrid", "prefill", "auto")  # timing order: the GPU-verified path first
 MIN_MAX_LORAS = 8  # as the `layer` section; 32 adapters get max_loras 32
 
 
