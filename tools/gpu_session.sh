@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The device calls of one GPU session, as commands (docs/gpu_record/README.md explains the plan).
+#   call A (carry .devvllm/1):                    nvidia-smi -L
+#   call B (carry .devvllm/2 .epilora_cache):     bash tools/gpu_session.sh record <commit>
+#   call C (carry .epilora_cache, machine warm):  bash tools/gpu_session.sh e2e <commit>
+# Everything goes to $OUT (the device returns at most 8 files from it).
+set -uo pipefail
+mode=${1:?record or e2e}
+export EPILORA_GIT_COMMIT=${2:-unknown}
+export EPILORA_CACHE_DIR=$PWD/.epilora_cache PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
+case $mode in
+  record)
+    if [[ -f .devvllm/2/unpack.sh ]]; then bash .devvllm/2/unpack.sh > /dev/null 2>&1 || echo "vLLM unpack failed"; fi
+    {
+      for c in "decode 1" "decode 4" "shrink 1" "k2_nolora 1"; do
+        echo "== kernel_diag $c"; timeout -s KILL 30 python3 tools/kernel_diag.py $c 2>&1 | tail -2
+      done
+      echo "== racecheck decode 1"
+      timeout -s KILL 90 compute-sanitizer --tool racecheck --report-api-errors no \
+        python3 tools/kernel_diag.py decode 1 2>&1 | tail -4
+    } > "$OUT/diag.log" 2>&1
+    cat "$OUT/diag.log"
+    timeout -s KILL 480 python3 tools/gpu_record.py --out "$OUT" --quick --bench-sections layer,stages,prefill \
+      --file-timeout 150 2>&1 | tail -60
+    ;;
+  e2e)
+    timeout -s KILL 570 python3 tools/e2e_vllm.py --out "$OUT" 2>&1 | tail -60
+    ;;
+  *) echo "unknown mode $mode"; exit 2 ;;
+esac
