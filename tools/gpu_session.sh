@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The device calls of one GPU session, as commands (docs/gpu_record/README.md explains the plan).
 #   call A (carry .devvllm/1):                    nvidia-smi -L
-#   call B (carry .devvllm/2 .epilora_cache):     bash tools/gpu_session.sh record <commit>
-#   call C (carry .epilora_cache, machine warm):  bash tools/gpu_session.sh e2e <commit>
+#   call B (carry .devvllm/2 .epilora_cache):     bash tools/gpu_session.sh record <commit>   (~9 min)
+#   call C (carry .epilora_cache, machine warm):  bash tools/gpu_session.sh tests <commit>    (~4 min)
+#   call D (carry .epilora_cache, machine warm):  bash tools/gpu_session.sh e2e <commit>      (~9 min)
+# Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record or e2e}
+mode=${1:?record, tests or e2e}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 export EPILORA_CACHE_DIR=$PWD/.epilora_cache PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
 case $mode in
@@ -16,11 +18,20 @@ case $mode in
         echo "== kernel_diag $c"; timeout -s KILL 30 python3 tools/kernel_diag.py $c 2>&1 | tail -2
       done
       echo "== racecheck decode 1"
-      timeout -s KILL 90 compute-sanitizer --tool racecheck --report-api-errors no \
+      timeout -s KILL 60 compute-sanitizer --tool racecheck --report-api-errors no \
         python3 tools/kernel_diag.py decode 1 2>&1 | tail -4
     } > "$OUT/diag.log" 2>&1
     cat "$OUT/diag.log"
-    timeout -s KILL 480 python3 tools/gpu_record.py --out "$OUT" --quick --bench-sections layer,stages,prefill \
+    # The benchmark (vLLM anchors, decode stages and experiments, prefill) and the test files of
+    # the kernels changed since the last record.
+    timeout -s KILL 400 python3 tools/gpu_record.py --out "$OUT" --quick --bench-sections layer,stages,prefill \
+      --tests tests/test_k2_gpu.py tests/test_lora_linear_gpu.py tests/test_k2_prefill.py \
+      --file-timeout 130 2>&1 | tail -60
+    ;;
+  tests)
+    # The other GPU test files (quantization, Triton path, K1, expand-add) with the cheap bench.
+    timeout -s KILL 540 python3 tools/gpu_record.py --out "$OUT" --quick --bench-sections quant \
+      --tests tests/test_quant_gpu.py tests/test_triton_path.py tests/test_k1_shrink.py tests/test_expand_add.py \
       --file-timeout 150 2>&1 | tail -60
     ;;
   e2e)
