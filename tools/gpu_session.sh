@@ -24,7 +24,7 @@ case $mode in
     cat "$OUT/diag.log"
     # The benchmark (vLLM anchors, decode stages and experiments, prefill) and the test files of
     # the kernels changed since the last record.
-    timeout -s KILL 400 python3 tools/gpu_record.py --out "$OUT" --quick --bench-sections layer,stages,prefill \
+    timeout -s KILL 370 python3 tools/gpu_record.py --out "$OUT" --quick --bench-sections layer,stages,prefill \
       --tests tests/test_k2_gpu.py tests/test_lora_linear_gpu.py tests/test_k2_prefill.py \
       --file-timeout 130 2>&1 | tail -60
     ;;
