@@ -200,3 +200,21 @@ def test_prefill_without_vllm_times_ours_only(capsys, monkeypatch):
     assert not any(k.startswith("vllm") for r in rows for k in r)
     out = capsys.readouterr().out
     assert "auto[hybrid] 100.0" in out and "n/a (no vllm_lora)" in out
+
+
+def test_gpu_session_script_parses_and_keeps_calls_under_the_device_limit():
+    import re
+    import subprocess
+
+    script = ROOT / "tools" / "gpu_session.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    for mode in ("record)", "tests)", "e2e)"):
+        assert mode in text
+    # Each mode's time limits must add up to less than one device call (600 s).
+    blocks = re.split(r"\n  \w+\)\n", text)[1:]
+    for block in blocks:
+        limits = [int(t) for t in re.findall(r"timeout -s KILL (\d+)", block)]
+        diag_loops = 4 if "for c in" in block else 1
+        total = sum(limits) + (limits[0] * (diag_loops - 1) if diag_loops > 1 else 0)
+        assert total < 600, (block[:60], total)
