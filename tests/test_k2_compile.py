@@ -94,11 +94,17 @@ def shrink_ptx_problems(cfg: lora_shrink.Config, ptx: str) -> list[str]:
     bad = []
     if not _lines_index(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.bn}k16\.f32\.bf16\.bf16"):
         bad.append("no bf16 WGMMA with the token tile as N")
-    for ins in ("griddepcontrol.launch_dependents", "cp.async.bulk.tensor.2d", "div.rn.f32",
-                "cvt.rn.satfinite.e4m3x2.f32", "red.release.gpu.global.add.s32", "fence.acq_rel.gpu",
-                "barrier.cluster.arrive", "ld.shared::cluster.f32", "max.f32", "min.f32", "abs.f32"):
+    need = ["griddepcontrol.launch_dependents", "cp.async.bulk.tensor.2d", "barrier.cluster.arrive",
+            "ld.shared::cluster.f32"]
+    quant = ["div.rn.f32", "cvt.rn.satfinite.e4m3x2.f32", "red.release.gpu.global.add.s32", "fence.acq_rel.gpu",
+             "max.f32", "min.f32", "abs.f32"]
+    for ins in need + (quant if cfg.quant else []):
         if ins not in ptx:
             bad.append(f"missing {ins}")
+    if not cfg.quant:  # the down-projection alone never touches the x_q flag
+        for ins in ("cvt.rn.satfinite.e4m3x2.f32", "red.release.gpu.global.add.s32"):
+            if ins in ptx:
+                bad.append(f"unexpected {ins} without quantization")
     for ins in ("griddepcontrol.wait", "div.approx", "div.full", ".ftz", "max.NaN", "min.NaN"):
         if ins in ptx:
             bad.append(f"unexpected {ins}")
