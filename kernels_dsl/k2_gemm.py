@@ -28,6 +28,7 @@ partial = acc * s_x[token] * s_w + acc_lora, then the cluster reduction above.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -690,15 +691,19 @@ def select(widths, m: int, rank: int | None = None, ctas: int = 1, stages: int =
     bm, bn = bm_for(widths), token_tile(m)
 
     def pick(**kw):
+        default = Config(bn=bn, bm=bm, **kw)
+        if ctas == 1 and stages == 4:  # the decode path's per-call case: no set lookup
+            return default
         want = Config(bn=bn, bm=bm, ctas=ctas, stages=stages, **kw)
-        return want if want in _EXPERIMENT_BUILDS() else Config(bn=bn, bm=bm, **kw)
+        return want if want in _experiment_builds() else default
 
     lora = pick(lora=True, num_slices=len(widths), rank=rank) if rank else None
     return lora, pick(lora=False)
 
 
-def _EXPERIMENT_BUILDS() -> set:
-    return {c for c in prebuild_configs() if c.ctas != 1 or c.stages != 4}
+@functools.lru_cache(maxsize=1)
+def _experiment_builds() -> frozenset:
+    return frozenset(c for c in prebuild_configs() if c.ctas != 1 or c.stages != 4)
 
 
 def configs_for(widths) -> list[Config]:
