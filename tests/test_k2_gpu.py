@@ -51,28 +51,35 @@ def _launch(kernel, spec, pdl=None):
     kernel(*spec["args"], **kw)
 
 
+def init_projection(obj, widths, K, rank, max_loras, M, seed, slot_ranks, dev) -> None:
+    """The weights and adapters of one random projection, set on `obj` (shared by the decode-path
+    and prefill-K2 GPU tests): FP8 W with its scale, per-slice A/B in vLLM's layout zeroed beyond
+    each slot's effective rank, slot ranks and slice starts."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    obj.widths, obj.K, obj.rank, obj.L, obj.M = widths, K, rank, max_loras, M
+    w = torch.randn(sum(widths), K, generator=g) * 0.02
+    obj.w_codes, obj.w_scale = [t.to(dev) for t in quantize_fp8_per_tensor(w)]
+    obj.slot_ranks_list = slot_ranks or [rank] * max_loras
+    obj.lora_a, obj.lora_b = [], []
+    for wd in widths:
+        a = torch.randn(max_loras, 1, rank, K, generator=g) * 0.02
+        b = torch.randn(max_loras, 1, wd, rank, generator=g) * 0.02
+        for l, r in enumerate(obj.slot_ranks_list):
+            a[l, :, r:] = 0
+            b[l, :, :, r:] = 0
+        obj.lora_a.append(a.to(torch.bfloat16).to(dev))
+        obj.lora_b.append(b.to(torch.bfloat16).to(dev))
+    obj.slot_ranks = torch.tensor(obj.slot_ranks_list, dtype=torch.int32, device=dev)
+    obj.slice_start = torch.tensor([0] + list(torch.tensor(widths).cumsum(0).tolist()), dtype=torch.int32,
+                                   device=dev)
+
+
 class DecodePath:
     """Buffers + the two launches of one projection."""
 
     def __init__(self, widths, K, rank, max_loras, M, seed=0, slot_ranks=None, dev="cuda"):
-        g = torch.Generator(device="cpu").manual_seed(seed)
-        self.widths, self.K, self.rank, self.L, self.M = widths, K, rank, max_loras, M
+        init_projection(self, widths, K, rank, max_loras, M, seed, slot_ranks, dev)
         N = sum(widths)
-        w = torch.randn(N, K, generator=g) * 0.02
-        self.w_codes, self.w_scale = [t.to(dev) for t in quantize_fp8_per_tensor(w)]
-        self.slot_ranks_list = slot_ranks or [rank] * max_loras
-        self.lora_a, self.lora_b = [], []
-        for wd in widths:
-            a = torch.randn(max_loras, 1, rank, K, generator=g) * 0.02
-            b = torch.randn(max_loras, 1, wd, rank, generator=g) * 0.02
-            for l, r in enumerate(self.slot_ranks_list):
-                a[l, :, r:] = 0
-                b[l, :, :, r:] = 0
-            self.lora_a.append(a.to(torch.bfloat16).to(dev))
-            self.lora_b.append(b.to(torch.bfloat16).to(dev))
-        self.slot_ranks = torch.tensor(self.slot_ranks_list, dtype=torch.int32, device=dev)
-        self.slice_start = torch.tensor([0] + list(torch.tensor(widths).cumsum(0).tolist()), dtype=torch.int32,
-                                        device=dev)
         self.h = torch.empty(len(widths), M, rank, dtype=torch.float32, device=dev)
         self.x_q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=dev)
         self.x_scale = torch.empty(M, dtype=torch.float32, device=dev)

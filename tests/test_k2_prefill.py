@@ -529,27 +529,10 @@ class PrefillPath:
     """Buffers + K1 + sort + prefill K2 of one projection, on the GPU."""
 
     def __init__(self, widths, K, rank, max_loras, M, seed=0, slot_ranks=None, dev="cuda"):
-        from epilora_cute.reference import quantize_fp8_per_tensor
+        from tests.test_k2_gpu import init_projection
 
-        g = torch.Generator(device="cpu").manual_seed(seed)
-        self.widths, self.K, self.rank, self.L, self.M = widths, K, rank, max_loras, M
-        N = sum(widths)
-        w = torch.randn(N, K, generator=g) * 0.02
-        self.w_codes, self.w_scale = [t.to(dev) for t in quantize_fp8_per_tensor(w)]
-        self.slot_ranks_list = slot_ranks or [rank] * max_loras
-        self.lora_a, self.lora_b = [], []
-        for wd in widths:
-            a = torch.randn(max_loras, 1, rank, K, generator=g) * 0.02
-            b = torch.randn(max_loras, 1, wd, rank, generator=g) * 0.02
-            for l, r in enumerate(self.slot_ranks_list):
-                a[l, :, r:] = 0
-                b[l, :, :, r:] = 0
-            self.lora_a.append(a.to(torch.bfloat16).to(dev))
-            self.lora_b.append(b.to(torch.bfloat16).to(dev))
-        self.slot_ranks = torch.tensor(self.slot_ranks_list, dtype=torch.int32, device=dev)
-        self.slice_start = torch.tensor([0] + list(torch.tensor(widths).cumsum(0).tolist()), dtype=torch.int32,
-                                        device=dev)
-        self.y = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+        init_projection(self, widths, K, rank, max_loras, M, seed, slot_ranks, dev)
+        self.y = torch.empty(M, sum(widths), dtype=torch.bfloat16, device=dev)
         self.dev = dev
 
     def run(self, x, tok, lora=True, poison=True, group=None):
