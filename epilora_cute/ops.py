@@ -234,6 +234,11 @@ def _decode_reason(x, w_q, widths, rank, a, b) -> str | None:
     bm = k2_gemm.bm_for(widths)
     if any(w % bm for w in widths) or k % 128:
         return "slice widths must be multiples of 64 and K a multiple of 128"
+    return _buffer_layout_reason(x, w_q, a, b)
+
+
+def _buffer_layout_reason(x, w_q, a, b) -> str | None:
+    """The buffer layout every CuTe path needs (TMA rows, 16-byte vectors)."""
     if not (x.is_contiguous() and w_q.is_contiguous() and all(t.is_contiguous() for t in a + b)):
         return "x, w_q and the adapter buffers must be contiguous"
     if any(t.data_ptr() % 16 for t in [x, w_q, *a, *b]):
@@ -360,9 +365,7 @@ def _prefill_reason(x, w_q, widths, rank, a, b) -> str | None:
         return f"rank {rank} / {len(widths)} slices not compiled"
     if any(w % k2_prefill.bm_for(widths) for w in widths) or k % 128:
         return "slice widths must be multiples of 64 and K a multiple of 128"
-    if not (x.is_contiguous() and w_q.is_contiguous() and all(t.is_contiguous() for t in a + b)):
-        return "x, w_q and the adapter buffers must be contiguous"
-    return None
+    return _buffer_layout_reason(x, w_q, a, b)
 
 
 def _prefill_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks):
