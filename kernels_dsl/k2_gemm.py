@@ -760,4 +760,18 @@ def prebuild_configs() -> list[Config]:
                           Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=64, **kw)):
                     if c.fits_ctas() and c.smem_bytes() <= 227 * 1024:
                         cfgs.add(c)
+    cfgs.update(sweep_configs())
     return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank, c.ctas, c.stages))
+
+
+def sweep_configs() -> list[Config]:
+    """No-adapter one-token builds that tools/bench_k2sweep.py times against each other: the
+    pipeline depth (bytes in flight per SM), the weight rows per CTA and CTAs per SM."""
+    out = []
+    for bm, depths in ((128, (4, 6, 8, 12)), (64, (4, 8, 16))):
+        for stages in depths:
+            for ctas in (1, 2):
+                c = Config(bn=8, bm=bm, stages=stages, lora=False, ctas=ctas)
+                if c.fits_ctas() and c.smem_bytes() <= 227 * 1024:
+                    out.append(c)
+    return out

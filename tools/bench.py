@@ -99,7 +99,8 @@ SECTIONS = {"quant": bench_quant, "launch": bench_launch}
 
 def _optional_sections() -> None:
     """Sections that exist once their kernels do (tools/bench_*.py modules with a ``SECTIONS`` dict)."""
-    for name in ("tools.bench_decode", "tools.bench_stages", "tools.bench_triton", "tools.bench_prefill"):
+    for name in ("tools.bench_decode", "tools.bench_stages", "tools.bench_k2sweep", "tools.bench_triton",
+                 "tools.bench_prefill"):
         try:
             mod = importlib.import_module(name)
         except ModuleNotFoundError:
@@ -166,7 +167,8 @@ def main(argv=None) -> int:
             print(f"unknown section {name}; have {sorted(SECTIONS)}")
             return 2
         rows += SECTIONS[name](args.quick)
-    (args.out / "bench.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+        # After every section: a run cut short by the device's call limit keeps what it measured.
+        (args.out / "bench.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
     plot(rows, args.out / "bench.png")
     print(f"wrote {args.out / 'bench.json'}")
     return 0

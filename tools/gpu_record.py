@@ -31,25 +31,33 @@ def _gpu_test_files(paths: list[str]) -> list[Path]:
     return files
 
 
-def run_tests(out: Path, paths: list[str], file_timeout: int) -> dict:
+def run_tests(out: Path, paths: list[str], file_timeout: int, deadline: float | None = None) -> dict:
     """Each test file in its own pytest process with a time limit, so that a kernel that hangs
-    costs one file's results (reported as such), not the whole record."""
+    costs one file's results (reported as such), not the whole record. Past `deadline` (a
+    time.time() value) the remaining files are reported as not run instead of being started."""
     cases, logs, exit_code, t0 = [], [], 0, time.time()
     for f in _gpu_test_files(paths):
+        left = None if deadline is None else deadline - time.time()
+        if left is not None and left < 20:
+            cases.append({"test": f"{f.stem}::*", "outcome": "error", "seconds": 0.0,
+                          "message": "not run: the record's time limit was reached"})
+            exit_code = exit_code or 124
+            continue
+        file_timeout_now = file_timeout if left is None else int(min(file_timeout, left - 10))
         # junit files stay out of `out`: the device machine returns at most 8 files from $OUT.
         junit = Path(tempfile.gettempdir()) / f"epilora_junit_{os.getpid()}_{f.stem}.xml"
         cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
                str(f.relative_to(ROOT))]
         try:
-            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=file_timeout)
+            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=file_timeout_now)
             logs.append(r.stdout + r.stderr)
             if r.returncode not in (0, 5):  # 5: nothing selected in this file
                 exit_code = r.returncode
         except subprocess.TimeoutExpired as e:
             out_txt = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            logs.append(out_txt + f"\n[gpu_record] {f.name} killed after {file_timeout} s")
-            cases.append({"test": f"{f.stem}::*", "outcome": "error", "seconds": float(file_timeout),
-                          "message": f"the file did not finish within {file_timeout} s (a kernel hang?)"})
+            logs.append(out_txt + f"\n[gpu_record] {f.name} killed after {file_timeout_now} s")
+            cases.append({"test": f"{f.stem}::*", "outcome": "error", "seconds": float(file_timeout_now),
+                          "message": f"the file did not finish within {file_timeout_now} s (a kernel hang?)"})
             exit_code = exit_code or 124
             continue
         if junit.exists():
@@ -123,6 +131,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bench-sections", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--file-timeout", type=int, default=300, help="seconds per test file before it is killed")
+    ap.add_argument("--time-limit", type=int, default=None,
+                    help="seconds for the whole record: test files that would start after it are reported as not run")
     args = ap.parse_args(argv)
     import torch
     if not torch.cuda.is_available():
@@ -139,7 +149,8 @@ def main(argv=None) -> int:
     # record cut short by the machine's call limit still holds the numbers.
     bench = run_bench(args.out, args.bench_sections, args.quick)
     print(bench.get("tail", "")[-2500:], flush=True)
-    tests = run_tests(args.out, args.tests, args.file_timeout)
+    tests = run_tests(args.out, args.tests, args.file_timeout,
+                      None if args.time_limit is None else t0 + args.time_limit)
     print(f"tests: {tests['counts']}", flush=True)
     metas = {json.loads(p.read_text())["dsl_version"] for p in Path(os.environ.get("EPILORA_CACHE_DIR", "/nonexistent")).rglob("meta.json")} \
         if os.environ.get("EPILORA_CACHE_DIR") else set()

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The device calls of one GPU session, as commands (docs/gpu_record/README.md explains the plan).
 #   call A (carry .devvllm/1):                    nvidia-smi -L
-#   call B (carry .devvllm/2 .epilora_cache):     bash tools/gpu_session.sh record <commit>   (~9 min)
-#   call C (carry .epilora_cache, machine warm):  bash tools/gpu_session.sh tests <commit>    (~4 min)
+#   call B (carry .devvllm/2 .epilora_cache):     bash tools/gpu_session.sh record <commit>   (~8 min)
+#   call C (carry .epilora_cache, machine warm):  bash tools/gpu_session.sh tests <commit>    (~8 min)
 #   call D (carry .epilora_cache, machine warm):  bash tools/gpu_session.sh e2e <commit>      (~9 min)
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
@@ -22,17 +22,16 @@ case $mode in
         python3 tools/kernel_diag.py decode 1 2>&1 | tail -4
     } > "$OUT/diag.log" 2>&1
     cat "$OUT/diag.log"
-    # The benchmark (vLLM anchors, decode stages and experiments, prefill) and the test files of
-    # the kernels changed since the last record.
-    timeout -s KILL 370 python3 tools/gpu_record.py --out "$OUT" --quick --bench-sections layer,stages,prefill \
-      --tests tests/test_k2_gpu.py tests/test_lora_linear_gpu.py tests/test_k2_prefill.py \
-      --file-timeout 130 2>&1 | tail -60
+    # The benchmark only (vLLM anchors, decode stages and experiments, the K2 sweep, prefill); the
+    # bench writes its JSON after every section, so a call cut short keeps what it measured.
+    timeout -s KILL 440 python3 tools/gpu_record.py --out "$OUT" --quick \
+      --bench-sections layer,stages,k2sweep,prefill --tests 2>&1 | tail -60
     ;;
   tests)
-    # The other GPU test files (quantization, Triton path, K1, expand-add) with the cheap bench.
-    timeout -s KILL 540 python3 tools/gpu_record.py --out "$OUT" --quick --bench-sections quant \
-      --tests tests/test_quant_gpu.py tests/test_triton_path.py tests/test_k1_shrink.py tests/test_expand_add.py \
-      --file-timeout 150 2>&1 | tail -60
+    # Every GPU test file, each with its own time limit (a hang costs one file, not the call).
+    timeout -s KILL 580 python3 tools/gpu_record.py --out "$OUT" --quick --bench-sections launch \
+      --tests tests/test_k2_gpu.py tests/test_lora_linear_gpu.py tests/test_k2_prefill.py tests/test_quant_gpu.py \
+      tests/test_triton_path.py tests/test_k1_shrink.py tests/test_expand_add.py --file-timeout 160 --time-limit 560 2>&1 | tail -60
     ;;
   e2e)
     timeout -s KILL 570 python3 tools/e2e_vllm.py --out "$OUT" 2>&1 | tail -60
