@@ -24,7 +24,7 @@ case $mode in
     cat "$OUT/diag.log"
     # The benchmark only (vLLM anchors, decode stages and experiments, the K2 sweep, prefill); the
     # bench writes its JSON after every section, so a call cut short keeps what it measured.
-    timeout -s KILL 440 python3 tools/gpu_record.py --out "$OUT" --quick \
+    timeout -s KILL 400 python3 tools/gpu_record.py --out "$OUT" --quick \
       --bench-sections layer,stages,k2sweep,prefill --tests 2>&1 | tail -60
     ;;
   tests)
