@@ -1,0 +1,112 @@
+"""tools/bench_hybrid_stages.py (the `hybrid_stages` bench section): everything but the GPU timing."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def test_registered():
+    from tools import bench, bench_hybrid_stages
+
+    bench._optional_sections()
+    assert bench.SECTIONS["hybrid_stages"] is bench_hybrid_stages.bench_hybrid_stages
+
+
+def test_skips_without_a_hopper_gpu(capsys, monkeypatch):
+    from tools import bench_hybrid_stages as bh
+
+    monkeypatch.setattr(bh.torch.cuda, "is_available", lambda: False)
+    assert bh.bench_hybrid_stages(True) == []
+    assert "needs an sm_90 GPU" in capsys.readouterr().out
+
+
+def test_settings():
+    from tools.bench_hybrid_stages import settings
+
+    assert settings({}) == ([32, 256, 2048], [1, 32])
+    assert settings({"EPILORA_BENCH_TOKENS": "64", "EPILORA_BENCH_ADAPTERS": "8"}) == ([64], [8])
+    with pytest.raises(ValueError):
+        settings({"EPILORA_BENCH_TOKENS": "x"})
+
+
+def test_floors():
+    from tools.bench_decode import QWEN3_8B
+    from tools.bench_hybrid_stages import floors
+
+    qkv = QWEN3_8B[0]
+    f = floors(qkv, 32, 32, 64, 1000.0)  # 1000 GB/s -> µs = bytes / 1e6
+    assert f["k1_floor_us"] == pytest.approx((32 * 4096 * 3 + 32 * 64 * 4096 * 3 * 2) / 1e6)
+    assert f["expand_floor_us"] == pytest.approx((4 * 32 * 6144 + 32 * 6144 * 64 * 2) / 1e6)
+    # adapters beyond the token count cannot be active
+    assert floors(qkv, 32, 64, 64, 1000.0) == f
+
+
+def test_geometry_is_host_only():
+    from tools.bench_decode import QWEN3_8B
+    from tools.bench_hybrid_stages import geometry
+
+    for p in QWEN3_8B:
+        for m in (32, 256, 2048):
+            for max_loras in (8, 32):
+                g = geometry(p, m, 64, max_loras)
+                assert set(g) == {"k1_cfg", "k1_grid", "expand_cfg", "expand_grid"}
+                assert all(int(v) >= 1 for v in g["k1_grid"].split("x"))
+                assert all(int(v) >= 1 for v in g["expand_grid"].split("x"))
+
+
+def test_sum_layer_and_format():
+    from tools.bench_hybrid_stages import format_row, sum_layer
+
+    base = {"section": "hybrid_stages", "M": 32, "adapters": 32, "max_loras": 32, "rank": 64}
+    rows = [dict(base, proj=p, k1_us=10.0, gemm_us=20.0, expand_add_us=5.0, hybrid_us=40.0) for p in "abcd"]
+    rows[1]["vllm_lora_us"] = 7.0  # missing in the others: not summed
+    rows[2]["k1_error"] = "boom"
+    layer = sum_layer(rows)
+    assert layer["proj"] == "layer" and layer["k1_us"] == 40.0 and layer["hybrid_us"] == 160.0
+    assert layer["stages_sum_us"] == 140.0 and "vllm_lora_us" not in layer
+    line = format_row(dict(rows[2], k1_cfg="r64_s3_bm64_kc512_st3", k1_grid="8x1x1"))
+    assert "k1 10.0" in line and "k1_error ERROR (boom)" in line and "k1_grid=8x1x1" in line
+
+
+def test_time_stages_reports_errors():
+    from tools.bench_hybrid_stages import time_stages
+
+    def bad():
+        raise RuntimeError("no kernel")
+    row = {}
+    time_stages(row, {"k1": lambda: None, "gemm": bad}, timer=lambda fn: (fn(), 3.0)[1])
+    assert row["k1_us"] == 3.0 and row["gemm_error"].startswith("RuntimeError: no kernel")
+
+
+def test_orchestration_with_the_gpu_parts_faked(capsys, monkeypatch):
+    from tools import bench_hybrid_stages as bh
+
+    monkeypatch.setattr(bh.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bh.torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(bh, "read_bandwidth_gbs", lambda: 4000.0)
+    monkeypatch.setattr(bh, "LayerCase", lambda p, m, r, num_adapters, max_loras: (p, m, num_adapters, max_loras))
+    seen = []
+
+    class Fake:
+        def __init__(self, c):
+            seen.append(c)
+
+        def launchers(self):
+            return {s: (lambda: None) for s in bh.STAGES}
+    monkeypatch.setattr(bh, "HybridStages", Fake)
+    monkeypatch.setattr(bh, "_vllm_launchers", lambda c: {"_vllm_error": "no vllm"})
+    monkeypatch.setattr(bh, "time_graph", lambda fn: 1.0)
+    monkeypatch.setattr(bh.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.delenv("EPILORA_BENCH_TOKENS", raising=False)
+    monkeypatch.delenv("EPILORA_BENCH_ADAPTERS", raising=False)
+    rows = bh.bench_hybrid_stages(True)
+    assert len(rows) == 2 * 3 * 5  # (adapters, tokens) x (4 projections + the layer row)
+    assert {c[3] for c in seen if c[2] == 1} == {8} and {c[3] for c in seen if c[2] == 32} == {32}
+    layer = [r for r in rows if r["proj"] == "layer"]
+    assert len(layer) == 6 and all(r["hybrid_us"] == 4.0 and r["stages_sum_us"] == 12.0 for r in layer)
+    assert "vLLM columns left out" in capsys.readouterr().out

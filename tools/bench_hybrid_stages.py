@@ -1,0 +1,230 @@
+"""Bench section `hybrid_stages`: the hybrid path (issue #4) taken apart, stage by stage.
+
+    python tools/bench.py --sections hybrid_stages [--quick] [--out DIR]
+
+Per Qwen3-8B projection, rank 64, M in {32, 256, 2048} tokens, 1 and 32 adapters (tokens
+assigned round-robin, max_loras as in the `prefill` section: max(8, adapters)), CUDA-graph
+replays with the L2 flushed before each (median, tools/gpu_timing):
+
+  k1_us          our K1 alone (kernels_dsl/k1_shrink.py: quantization + split-K shrink), outputs
+                 preallocated
+  gemm_us        the vendor FP8 GEMM alone (ops.vendor_fp8_gemm: vLLM's cutlass_scaled_mm
+                 writing y in place, cuBLAS without vLLM) on K1's codes and scales
+  expand_add_us  our expand-add alone (kernels_dsl/expand_add.py) on K1's h, adding into y
+  hybrid_us      the whole op, lora_linear_fp8(path="hybrid") (validation + the three launches)
+  k1_<v>_us, expand_add_<v>_us   the same kernels at other launch geometries where the kernels
+                 offer them (VARIANTS; e.g. the group split forced to 1 = the geometry before it)
+  vllm_fp8_us, vllm_lora_us      vLLM's quantization + GEMM, and + its LoRA shrink/expand, for the
+                 same projection (when vLLM imports), so vllm_lora - vllm_fp8 is vLLM's adapter cost
+  k1_floor_us / expand_floor_us   least DRAM traffic at the measured read bandwidth: x read +
+                 codes written + the active adapters' A / y read and written + their B
+  k1_cfg, k1_grid, expand_cfg, expand_grid   the launch geometry the op uses (host-side, no GPU)
+
+One extra row per (M, adapters) with proj = "layer" sums the four projections. A stage that raises
+is reported as `<stage>_error`. Knobs: EPILORA_BENCH_TOKENS, EPILORA_BENCH_ADAPTERS (as `prefill`).
+Budget: 24 projection rows x <= 8 timed graphs of <= ~1 ms: well under a minute on the H200.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Mapping
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tools.bench_decode import QWEN3_8B, LayerCase, Projection  # noqa: E402
+from tools.bench_prefill import _int_list, max_loras_for  # noqa: E402
+from tools.gpu_timing import read_bandwidth_gbs, time_graph  # noqa: E402
+
+RANK = 64
+TOKENS = (32, 256, 2048)
+ADAPTERS = (1, 32)
+STAGES = ("k1", "gemm", "expand_add", "hybrid")
+# Extra launch geometries, timed beside the defaults: name -> (k1 keyword args, expand keyword args).
+# Filled by the kernels' host code when it offers knobs (see launch_variants()).
+VARIANTS: dict[str, tuple[dict, dict]] = {}
+
+
+def settings(env: Mapping[str, str] | None = None) -> tuple[list[int], list[int]]:
+    env = os.environ if env is None else env
+    tokens = (_int_list(env["EPILORA_BENCH_TOKENS"], "EPILORA_BENCH_TOKENS") if env.get("EPILORA_BENCH_TOKENS")
+              else list(TOKENS))
+    adapters = (_int_list(env["EPILORA_BENCH_ADAPTERS"], "EPILORA_BENCH_ADAPTERS")
+                if env.get("EPILORA_BENCH_ADAPTERS") else list(ADAPTERS))
+    return tokens, adapters
+
+
+def floors(p: Projection, m: int, adapters: int, rank: int, bw_gbs: float) -> dict:
+    """Least DRAM traffic of each adapter kernel at the measured bandwidth (µs)."""
+    active = min(adapters, m)
+    k1_bytes = m * p.k * 2 + m * p.k + active * rank * p.k * len(p.slices) * 2  # x, codes, A
+    ex_bytes = 2 * m * p.n * 2 + active * p.n * rank * 2  # y read + written, B
+    per_us = 1e6 / (bw_gbs * 1e9)
+    return {"k1_floor_us": k1_bytes * per_us, "expand_floor_us": ex_bytes * per_us}
+
+
+def geometry(p: Projection, m: int, rank: int, max_loras: int) -> dict:
+    """The launch geometry the hybrid op uses for this projection (host code only)."""
+    from kernels_dsl import expand_add as ea
+    from kernels_dsl import k1_shrink as k1
+
+    kc = k1.select(len(p.slices), p.k, rank)
+    ec = ea.select(len(p.slices), m, rank)
+    g1 = _call_geometry(k1.grid, p.k, m, kc, max_loras=max_loras)
+    g2 = _call_geometry(ea.grid, p.slices, m, ec, max_loras=max_loras)
+    k1_grid = g1[0] if isinstance(g1[0], tuple) else g1
+    return {"k1_cfg": kc.name(), "k1_grid": "x".join(map(str, k1_grid)),
+            "expand_cfg": ec.name(), "expand_grid": "x".join(map(str, g2))}
+
+
+def _call_geometry(fn, *args, **kw):
+    """grid() with max_loras where the kernel's host code takes it (the group split), else without."""
+    try:
+        return fn(*args, **kw)
+    except TypeError:
+        return fn(*args)
+
+
+def sum_layer(rows: list[dict]) -> dict:
+    """The four projections of one (M, adapters) as one layer row: every *_us column summed where
+    all projections have it."""
+    out = {k: rows[0][k] for k in ("section", "M", "adapters", "max_loras", "rank")}
+    out["proj"] = "layer"
+    keys = [k for k in rows[0] if k.endswith("_us")]
+    for k in keys:
+        if all(k in r for r in rows):
+            out[k] = sum(r[k] for r in rows)
+    if "hybrid_us" in out and all(f"{s}_us" in out for s in ("k1", "gemm", "expand_add")):
+        out["stages_sum_us"] = out["k1_us"] + out["gemm_us"] + out["expand_add_us"]
+    return out
+
+
+def format_row(row: dict) -> str:
+    head = f"hybrid_stages {row['proj']:>7s} M={row['M']:5d} A={row['adapters']:2d}"
+    parts = [f"{k[:-3]} {v:.1f}" for k, v in row.items() if k.endswith("_us") and isinstance(v, float)]
+    parts += [f"{k} ERROR ({v[:60]})" for k, v in row.items() if k.endswith("_error")]
+    geo = [f"{k}={row[k]}" for k in ("k1_cfg", "k1_grid", "expand_cfg", "expand_grid") if k in row]
+    return head + "  " + "  ".join(parts) + "  (us)" + ("\n    " + " ".join(geo) if geo else "")
+
+
+def time_stages(row: dict, fns: Mapping[str, Callable[[], object]],
+                timer: Callable[[Callable[[], object]], float] = time_graph) -> None:
+    for name, fn in fns.items():
+        try:
+            row[f"{name}_us"] = timer(fn)
+        except Exception as e:  # noqa: BLE001 - a stage that can't run is reported, not fatal
+            row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
+
+
+class HybridStages:
+    """Buffers of one projection's hybrid path, K1 run once so that every stage has real inputs."""
+
+    def __init__(self, c: LayerCase):
+        from kernels_dsl.k1_shrink import k1_quant_shrink
+
+        self.c = c
+        m, k = c.x.shape
+        dev = c.x.device
+        self.codes = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev)
+        self.scales = torch.empty(m, 1, dtype=torch.float32, device=dev)
+        self.h = torch.empty(len(c.proj.slices), m, c.rank, dtype=torch.float32, device=dev)
+        self.y = torch.empty(m, c.proj.n, dtype=torch.bfloat16, device=dev)
+        self.out = torch.empty_like(self.y)
+        k1_quant_shrink(c.x, c.lora_a, c.meta, self.codes, self.scales, self.h)
+        torch.cuda.synchronize()
+
+    def launchers(self) -> dict[str, Callable[[], object]]:
+        from epilora_cute import ops
+        from kernels_dsl.expand_add import expand_add
+        from kernels_dsl.k1_shrink import k1_quant_shrink
+
+        c = self.c
+
+        def k1(**kw):
+            return lambda: k1_quant_shrink(c.x, c.lora_a, c.meta, self.codes, self.scales, self.h, **kw)
+
+        def ex(**kw):
+            return lambda: expand_add(self.y, self.h, c.lora_b, c.meta, **kw)
+
+        fns = {"k1": k1(),
+               "gemm": lambda: ops.vendor_fp8_gemm(self.codes, self.scales, c.w_q, c.w_s, out=self.y),
+               "expand_add": ex(),
+               "hybrid": lambda: ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=self.out,
+                                                     path="hybrid")}
+        for name, (k1_kw, ex_kw) in launch_variants(c).items():
+            if k1_kw is not None:
+                fns[f"k1_{name}"] = k1(**k1_kw)
+            if ex_kw is not None:
+                fns[f"expand_add_{name}"] = ex(**ex_kw)
+        return fns
+
+
+def launch_variants(c: LayerCase) -> dict[str, tuple[dict | None, dict | None]]:
+    """name -> (K1 keyword args or None, expand-add keyword args or None) for this case."""
+    return dict(VARIANTS)
+
+
+def _vllm_launchers(c: LayerCase) -> dict[str, Callable[[], object]]:
+    try:
+        from tools.bench_decode import VllmPath
+        vp = VllmPath(c)
+    except Exception as e:  # noqa: BLE001 - no vLLM: our columns only
+        return {"_vllm_error": str(e)}
+    return {"vllm_fp8": vp.base, "vllm_lora": vp.with_lora}
+
+
+def bench_hybrid_stages(quick: bool) -> list[dict]:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        print("hybrid_stages: needs an sm_90 GPU; skipped")
+        return []
+    tokens, adapters = settings()
+    bw = read_bandwidth_gbs()
+    rows: list[dict] = []
+    vllm_note = None
+    for a in adapters:
+        max_loras = max_loras_for(a)
+        for m in tokens:
+            proj_rows = []
+            for p in QWEN3_8B:
+                row = {"section": "hybrid_stages", "proj": p.name, "M": m, "adapters": a, "max_loras": max_loras,
+                       "rank": RANK, **floors(p, m, a, RANK, bw)}
+                try:
+                    row.update(geometry(p, m, RANK, max_loras))
+                    c = LayerCase(p, m, RANK, num_adapters=a, max_loras=max_loras)
+                    fns = HybridStages(c).launchers()
+                    vl = _vllm_launchers(c)
+                    if "_vllm_error" in vl:
+                        vllm_note = vllm_note or vl["_vllm_error"]
+                    else:
+                        fns.update(vl)
+                    time_stages(row, fns, timer=time_graph)
+                except Exception as e:  # noqa: BLE001 - a case that can't be built is reported
+                    row["error"] = f"{type(e).__name__}: {e}"[:200]
+                proj_rows.append(row)
+                rows.append(row)
+                print(format_row(row), flush=True)
+                c = fns = None  # noqa: F841
+                gc.collect()
+                torch.cuda.empty_cache()
+            layer = sum_layer(proj_rows)
+            rows.append(layer)
+            print(format_row(layer), flush=True)
+    if vllm_note:
+        print(f"hybrid_stages: vLLM columns left out ({vllm_note[:120]})")
+    return rows
+
+
+SECTIONS = {"hybrid_stages": bench_hybrid_stages}
+
+
+if __name__ == "__main__":
+    from tools import bench
+
+    sys.exit(bench.main(["--sections", "hybrid_stages", *sys.argv[1:]]))
