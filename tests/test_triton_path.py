@@ -256,6 +256,143 @@ def test_empty_batch():
     assert y.shape == (0, 32)
 
 
+# ----------------------------------------------------------------------------- CUDA-graph capture and the cached tables
+#
+# The first vLLM run on the H200 failed in CUDA-graph capture: a pointer table missing from the
+# cache was made inside the capture with torch.tensor(host list, device=cuda), a pageable copy
+# CUDA refuses there. It was missing because the 256-entry LRU held fewer tables than Qwen3-8B's
+# 144 layers use per forward (288 pointer tables), so every lookup missed, warm-up or not. These
+# tests model a capture on the CPU: ``tp._capturing()`` is True inside ``capture()``, and
+# torch.tensor(..., device=...) raises there as CUDA does.
+
+class FakeCapture:
+    def __init__(self, monkeypatch):
+        self.on = False
+        monkeypatch.setattr(tp, "_capturing", lambda: self.on, raising=False)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: self.on)
+        real = torch.tensor
+
+        def guarded(data, *args, **kw):
+            if self.on and kw.get("device") is not None:
+                raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless "
+                                   "the CPU tensor is pinned")
+            return real(data, *args, **kw)
+
+        monkeypatch.setattr(torch, "tensor", guarded)
+
+    def __enter__(self):
+        self.on = True
+        return self
+
+    def __exit__(self, *exc):
+        self.on = False
+
+
+@pytest.fixture
+def capture(monkeypatch):
+    for name, value in (("_TABLE_CACHE", tp.OrderedDict()), ("_GRAPH_TABLES", {}), ("_CAPTURE_ONLY", []),
+                        ("_COUNTERS", {}), ("_RETIRED_COUNTERS", []), ("_WARNED", set())):
+        monkeypatch.setattr(tp, name, value, raising=False)
+    return FakeCapture(monkeypatch)
+
+
+def _layer_buffers(L=2, R=16, K=64, widths=(32, 16, 16)):
+    a = [torch.zeros(L, 1, R, K, dtype=torch.bfloat16, device=DEVICE) for _ in widths]
+    b = [torch.zeros(L, 1, n, R, dtype=torch.bfloat16, device=DEVICE) for n in widths]
+    return a, b
+
+
+def _layer_tables(a, b, block_n=32):
+    """The tables a launch of this layer reads, looked up as _launch_k1 / _launch_k2 do."""
+    a3, b3 = [t[:, 0] for t in a], [t[:, 0] for t in b]
+    return (tp._pointer_table(a3, DEVICE), tp._pointer_table(b3, DEVICE),
+            tp._col_tile_table([t.shape[1] for t in b3], block_n, DEVICE))
+
+
+def test_warm_up_then_capture_over_more_tables_than_an_lru_holds(capture):
+    """vLLM's flow without prepare_tables: every layer runs eagerly, then the same step is
+    captured. 150 layers (300 pointer tables): no table may be made inside the capture, and the
+    capture must get the very tensors the warm-up made."""
+    layers = [_layer_buffers() for _ in range(150)]
+    eager = [_layer_tables(a, b) for a, b in layers]
+    with capture:
+        captured = [_layer_tables(a, b) for a, b in layers]
+    assert tp._CAPTURE_ONLY == []
+    assert all(x is y for e, c in zip(eager, captured) for x, y in zip(e, c))
+
+
+def test_tables_a_capture_used_are_never_evicted(capture, monkeypatch):
+    monkeypatch.setattr(tp, "_TABLE_CACHE_SIZE", 3)  # one layer's tables
+    a, b = _layer_buffers()
+    first = _layer_tables(a, b)
+    with capture:
+        in_graph = _layer_tables(a, b)
+    assert all(x is y for x, y in zip(first, in_graph))
+    for _ in range(20):  # eager traffic through the small LRU
+        _layer_tables(*_layer_buffers())
+    assert all(x is y for x, y in zip(_layer_tables(a, b), in_graph))
+    assert all(any(t is g for g in tp._GRAPH_TABLES.values()) for t in in_graph)
+
+
+def test_device_built_tables_hold_the_host_values():
+    for widths in ([4096, 1024, 1024], [12288, 12288], [48], [16, 40, 8]):
+        for block_n in tp.COL_BLOCK_NS:
+            want = torch.tensor(tp._col_tile_rows(widths, block_n), dtype=torch.int32).reshape(-1, 4)
+            assert torch.equal(tp._make_col_tile_table(widths, block_n, DEVICE).cpu(), want)
+    a, _ = _layer_buffers()
+    assert tp._make_pointer_table([t.data_ptr() for t in a], DEVICE).tolist() == [t.data_ptr() for t in a]
+
+
+CAPTURE_CONFIGS = [TritonLoraConfig(k1_split_k=3, k1_block_r=16, k2_block_n=bn, k2_block_k=64, k2_block_r=16)
+                   for bn in (16, 32, 64)] + [None]
+
+
+def test_prepared_layer_runs_under_capture_at_any_token_count(capture):
+    """prepare_tables (what the plugin calls when vLLM creates the buffers) covers every config:
+    a capture at a token count never run eagerly makes nothing, and computes what eager does."""
+    p = make_problem(9, 128, [32, 16, 16], 16, 3, seed=4)
+    tp.prepare_tables(p["a"], p["b"])
+    made = (len(tp._GRAPH_TABLES), tp._COUNTERS[str(DEVICE)])
+    for cfg in CAPTURE_CONFIGS:
+        for M in (1, 9):
+            meta = build_meta(p["slots"][:M].to(DEVICE), p["L"])
+            with capture:
+                y = triton_lora_linear(p["x"][:M], p["w_q"], p["w_scale"], p["a"], p["b"], meta, config=cfg)
+            assert torch.equal(y.view(torch.int16), triton_lora_linear(p["x"][:M], p["w_q"], p["w_scale"], p["a"],
+                                                                       p["b"], meta, config=cfg).view(torch.int16))
+    assert tp._CAPTURE_ONLY == [] and tp._TABLE_CACHE == {}
+    assert (len(tp._GRAPH_TABLES), tp._COUNTERS[str(DEVICE)]) == made
+    with capture, pytest.raises(RuntimeError, match="outside CUDA-graph capture"):
+        tp.prepare_tables(p["a"], p["b"])
+
+
+def test_capture_miss_makes_a_graph_private_table(capture, caplog):
+    """Nothing prepared, nothing run eagerly: the capture still works, with tables of its own
+    (device fills the graph re-runs at each replay) that never enter the shared cache."""
+    p = make_problem(5, 128, [32, 16], 16, 2, seed=8)
+    cfg = TritonLoraConfig(k1_split_k=2, k1_block_r=16, k2_block_n=32, k2_block_k=64, k2_block_r=16)
+    with caplog.at_level("WARNING", logger="vllm.epilora"), capture:
+        y = triton_lora_linear(p["x"], p["w_q"], p["w_scale"], p["a"], p["b"], p["meta"], config=cfg)
+    assert len(tp._CAPTURE_ONLY) == 4  # A and B pointers, column tiles, counters
+    assert tp._TABLE_CACHE == {} and tp._GRAPH_TABLES == {} and tp._COUNTERS == {}
+    assert sum("not prepared before this CUDA-graph capture" in r.getMessage() for r in caplog.records) == 3
+    y_eager = triton_lora_linear(p["x"], p["w_q"], p["w_scale"], p["a"], p["b"], p["meta"], config=cfg)
+    assert torch.equal(y.view(torch.int16), y_eager.view(torch.int16))
+    assert len(tp._TABLE_CACHE) == 3 and len(tp._CAPTURE_ONLY) == 4
+
+
+def test_split_k_counters_a_graph_uses_are_never_replaced(capture):
+    dev = str(DEVICE)
+    small = tp._split_k_counters(DEVICE, 8)
+    with capture:
+        assert tp._split_k_counters(DEVICE, 8) is small  # big enough: shared
+        own = tp._split_k_counters(DEVICE, small.numel() + 1)  # too small: the graph's own
+    assert own is not small and tp._COUNTERS[dev] is small and tp._CAPTURE_ONLY == [own]
+    assert int(own.abs().sum()) == 0
+    bigger = tp._split_k_counters(DEVICE, small.numel() + 1)  # eager growth keeps the old alive
+    assert bigger.numel() > small.numel() and tp._COUNTERS[dev] is bigger and tp._RETIRED_COUNTERS == [small]
+
+
 # ----------------------------------------------------------------------------- input validation
 
 def _bad(p, **over):
@@ -417,6 +554,38 @@ def test_gpu_cuda_graph_replay():
         x.copy_((torch.randn(M, K, generator=g) * 2).to(torch.bfloat16))
         slots = torch.randint(-1, 4, (M,), generator=g, dtype=torch.int32)
         meta.prepare(slots.to(DEVICE))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y_graph.view(torch.int16), run().view(torch.int16))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "graph-private-tables"])
+def test_gpu_capture_of_a_layer_never_run_eagerly(prepared):
+    """vLLM's flow: the tables are prepared when the adapter buffers are made, and a capture size
+    may be the layer's first call. Without prepare_tables the capture makes its own tables (device
+    fills re-run at each replay). Either way replays match eager runs. The kernels are compiled
+    first on another layer of the same shapes (a JIT compile cannot happen inside a capture)."""
+    widths, K = QWEN3_8B["qkv"]
+    M = 8
+    other = make_problem(M, K, widths, 64, 4, seed=20, max_loras=4)
+    triton_lora_linear(other["x"], other["w_q"], other["w_scale"], other["a"], other["b"], other["meta"])
+    p = make_problem(M, K, widths, 64, 4, seed=21, max_loras=4)
+    if prepared:
+        tp.prepare_tables(p["a"], p["b"])
+    before = len(tp._CAPTURE_ONLY)
+    x, meta = p["x"].clone(), p["meta"]
+    run = lambda: triton_lora_linear(x, p["w_q"], p["w_scale"], p["a"], p["b"], meta)  # noqa: E731
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_graph = run()
+    assert (len(tp._CAPTURE_ONLY) == before) == prepared
+    for seed in range(3):
+        g = _gen(200 + seed)
+        x.copy_((torch.randn(M, K, generator=g) * 2).to(torch.bfloat16))
+        meta.prepare(torch.randint(-1, 4, (M,), generator=g, dtype=torch.int32).to(DEVICE))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y_graph.view(torch.int16), run().view(torch.int16))

@@ -404,6 +404,46 @@ def test_follower_layers_share_one_metadata(vcfg, plugin_on):
     assert layers[0]._epilora_state.leader() is layers[0]
 
 
+@pytest.mark.parametrize("kind", ["qkv", "gate_up", "row"])
+def test_kernel_tables_prepared_when_vllm_makes_the_buffers(vcfg, plugin_on, monkeypatch, kind):
+    """The Triton kernels' device tables (slice pointers, column tiles for every block_n,
+    split-K counters) are built in create_lora_weights, long before vLLM captures CUDA graphs:
+    a capture must not build them (the first H200 run failed there), whatever token count it is."""
+    from vllm_adapter import fused
+    from vllm_adapter import triton_path as tp
+
+    monkeypatch.setattr(fused, "kernel_path", lambda device: "triton")  # what a GPU gets
+    for name, value in (("_GRAPH_TABLES", {}), ("_TABLE_CACHE", tp.OrderedDict()), ("_COUNTERS", {}),
+                        ("_RETIRED_COUNTERS", [])):
+        monkeypatch.setattr(tp, name, value)
+    lora_layer = _from_layer(vcfg, _fp8_layer(vcfg, kind), kind)
+    assert lora_layer._epilora_active
+    a = [t[:, 0] for t in lora_layer.lora_a_stacked]
+    b = [t[:, 0] for t in lora_layer.lora_b_stacked]
+    dev = a[0].device
+    for bufs in (a, b):
+        assert tp._GRAPH_TABLES[tp._pointer_key(bufs, dev)].tolist() == [t.data_ptr() for t in bufs]
+    widths = [t.shape[1] for t in b]
+    assert widths == list(_kinds()[kind][3])
+    for block_n in tp.COL_BLOCK_NS:
+        assert tp._col_key(widths, block_n, dev) in tp._GRAPH_TABLES
+    assert tp._COUNTERS[str(dev)].numel() >= tp._MIN_COUNTERS
+    assert len(tp._GRAPH_TABLES) == 2 + len(tp.COL_BLOCK_NS)
+
+
+def test_table_preparation_failure_keeps_vllm_math(vcfg, plugin_on, log, monkeypatch):
+    from vllm_adapter import fused
+
+    def boom(*a):
+        raise RuntimeError("no device memory")
+
+    monkeypatch.setattr(fused, "prepare_layer", boom)
+    lora_layer = _from_layer(vcfg, _fp8_layer(vcfg, "row"), "row")
+    assert type(lora_layer).__name__ == "EpiLoRARowParallelLinearWithLoRA" and not lora_layer._epilora_active
+    assert any("computes with vLLM's kernels: could not prepare the kernels' tables (RuntimeError: no device "
+               "memory)" in r.getMessage() for r in log)
+
+
 # ----------------------------------------------------------------------------- fallbacks
 
 def _unquantized(vcfg, kind="column"):

@@ -103,6 +103,20 @@ def shape_reason(device, n: int, k: int, rank: int, num_slices: int) -> str | No
     return None
 
 
+def prepare_layer(lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor]) -> None:
+    """Build the kernels' per-layer device tables now, outside any CUDA-graph capture: called once
+    vLLM has created a layer's adapter buffers (their addresses never change after that). The
+    Triton kernels read them ("triton", and "cute": ``epilora_cute.ops``' timed dispatch runs the
+    Triton path); vLLM captures its graphs later, and a capture must not build them (it records
+    fills and copies without running them). Raises when the buffers are not ones the kernels take."""
+    device = lora_a[0].device
+    if kernel_path(device) not in ("cute", "triton"):
+        return
+    from .triton_path import prepare_tables
+
+    prepare_tables(list(lora_a), list(lora_b))
+
+
 def _reference(x, w_q, w_scale, lora_a, lora_b, meta: LoRABatchMeta) -> torch.Tensor:
     from epilora_cute.reference import lora_linear
 

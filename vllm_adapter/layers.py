@@ -159,6 +159,11 @@ class EpiLoRALinearMixin:
     def create_lora_weights(self, max_loras, lora_config, model_config=None) -> None:
         super().create_lora_weights(max_loras, lora_config, model_config)
         v = check_buffers(self)
+        if v:
+            try:  # the kernels' device tables, before vLLM captures CUDA graphs (fused.prepare_layer)
+                fused.prepare_layer(self.lora_a_stacked, self.lora_b_stacked)
+            except Exception as e:  # noqa: BLE001 - the layer then computes with vLLM's kernels
+                v = eligibility.Verdict(False, f"could not prepare the kernels' tables ({type(e).__name__}: {e})")
         self._epilora_active = v.ok
         if not v:
             logger.info("EpiLoRA: %s computes with vLLM's kernels: %s", layer_name(self.base_layer), v.reason)

@@ -14,8 +14,10 @@ run on CPU tensors under the Triton interpreter: ``TRITON_INTERPRET=1`` must be 
 ``vllm_adapter.triton_kernels`` is imported (Triton picks interpreter or compiler when it decorates).
 
 CUDA graphs: the per-layer pointer and tile tables and the split-K arrival counters are cached
-device tensors made on first use; run each layer once eagerly (with the largest batch) before
-capturing, so that capture never has to create them. The counters are shared per device: do not
+device tensors. ``prepare_tables(lora_a, lora_b)`` builds all of a layer's, for every token count,
+before any capture (the vLLM plugin calls it when vLLM creates the layer's adapter buffers); tables
+a capture used are never evicted or replaced, and one still missing during a capture is made for
+that graph alone (see "cached device tables" below). The counters are shared per device: do not
 run this path on two streams of one device at the same time.
 """
 
@@ -308,49 +310,180 @@ def _check_out(name: str, out: Optional[torch.Tensor], shape: tuple, dtype: torc
 
 
 # ----------------------------------------------------------------------------- cached device tables
+#
+# A launch reads small device tables: the adapter slices' base addresses (one per A and B buffer
+# set), K2's column tiles (per slice widths and block_n) and K1's split-K arrival counters. A
+# CUDA graph bakes their addresses in, so a table a graph may read must
+#
+# * exist, filled, before the capture: a capture records fills and copies, it does not run them
+#   (a table made inside one holds its values only while that graph replays, and a pageable
+#   host -> device copy is refused there: the first GPU e2e run failed on exactly that), and
+# * live as long as the graph.
+#
+# Hence: ``prepare_tables(lora_a, lora_b)`` builds everything a layer can need at any token
+# count (both pointer tables, the column tiles for every block_n in COL_BLOCK_NS, the counters)
+# and keeps it for good; the plugin calls it when vLLM has created the layer's adapter buffers.
+# A table first used while the stream captures is kept for good from then on (``_GRAPH_TABLES``);
+# only tables never seen by a capture are evicted (``_TABLE_CACHE``, LRU: vLLM's Qwen3-8B alone
+# has 288 pointer tables, and cycling through more tables than an LRU holds misses every time).
+# A table still missing during a capture (a caller that skipped prepare_tables, a block_n outside
+# COL_BLOCK_NS) is made for that graph alone, by device fills that the graph re-runs at every
+# replay before its kernels, kept alive with the graph and never cached (warned once).
 
 _TABLE_CACHE: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
-_TABLE_CACHE_SIZE = 256
-_COUNTERS: dict = {}
+_TABLE_CACHE_SIZE = 4096
+_GRAPH_TABLES: dict = {}  # tables a captured graph may read: never evicted, never replaced
+_CAPTURE_ONLY: list = []  # tables and counters made inside a capture, alive as long as their graphs
+_COUNTERS: dict = {}  # device -> the shared split-K arrival counters
+_RETIRED_COUNTERS: list = []  # counters replaced by larger ones (a captured graph may still use them)
+_WARNED: set = set()
+# K2 column tiles are built ahead for every power-of-two block_n up to 256 (pick_config uses 16-256).
+COL_BLOCK_NS = (16, 32, 64, 128, 256)
+_MIN_COUNTERS = 1024
 
 
-def _cached(key: tuple, make) -> torch.Tensor:
-    t = _TABLE_CACHE.get(key)
-    if t is None:
-        t = make()
-        _TABLE_CACHE[key] = t
-        if len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
-            _TABLE_CACHE.popitem(last=False)
-    else:
-        _TABLE_CACHE.move_to_end(key)
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (tests replace this to model one on
+    the CPU)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _warn_capture_miss(what: str) -> None:
+    if what not in _WARNED:
+        _WARNED.add(what)
+        import logging
+
+        logging.getLogger("vllm.epilora").warning(
+            "EpiLoRA Triton path: %s was not prepared before this CUDA-graph capture; made for this "
+            "graph only (re-filled at every replay). Call vllm_adapter.triton_path.prepare_tables() "
+            "for the layer's adapter buffers before capturing.", what)
+
+
+def _table(key: tuple, make) -> torch.Tensor:
+    """The cached table for ``key``; ``make()`` builds it with device ops only (no host copy)."""
+    t = _GRAPH_TABLES.get(key)
+    if t is not None:
+        return t
+    capturing = _capturing()
+    t = _TABLE_CACHE.pop(key, None)
+    if t is not None:
+        if capturing:  # a graph reads it from now on: it must outlive the graph
+            _GRAPH_TABLES[key] = t
+        else:
+            _TABLE_CACHE[key] = t  # most recently used
+        return t
+    t = make()
+    if capturing:
+        _warn_capture_miss(f"a {key[0]} table")
+        _CAPTURE_ONLY.append(t)
+        return t
+    _TABLE_CACHE[key] = t
+    while len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
+        _TABLE_CACHE.popitem(last=False)
     return t
 
 
+def _make_pointer_table(ptrs: Sequence[int], device) -> torch.Tensor:
+    t = torch.empty(len(ptrs), dtype=torch.int64, device=device)
+    for i, p in enumerate(ptrs):  # one fill per slice (<= 4): device ops, capturable
+        t[i].fill_(p)
+    return t
+
+
+def _pointer_key(bufs: Sequence[torch.Tensor], device) -> tuple:
+    # Keyed by address and shape (as vLLM caches its own): the contents are the addresses, so a
+    # table stays right for any buffer that later occupies the same addresses.
+    return ("pointer", str(device)) + tuple((b.data_ptr(), tuple(b.shape)) for b in bufs)
+
+
 def _pointer_table(bufs: Sequence[torch.Tensor], device) -> torch.Tensor:
-    """int64 [S] of the slices' base addresses (keyed by address and shape, as vLLM caches them)."""
-    key = ("ptr", str(device)) + tuple((b.data_ptr(), tuple(b.shape)) for b in bufs)
-    return _cached(key, lambda: torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=device))
+    """int64 [S] of the slices' base addresses."""
+    return _table(_pointer_key(bufs, device), lambda: _make_pointer_table([b.data_ptr() for b in bufs], device))
+
+
+def _col_tile_rows(widths: Sequence[int], block_n: int) -> list[tuple[int, int, int, int]]:
+    """(slice, first column in slice, slice's first column in y, slice width) per K2 column tile."""
+    rows, col0 = [], 0
+    for s, n in enumerate(widths):
+        rows += [(s, t * block_n, col0, n) for t in range(-(-n // block_n))]
+        col0 += n
+    return rows
+
+
+def _make_col_tile_table(widths: Sequence[int], block_n: int, device) -> torch.Tensor:
+    t = torch.empty((sum(-(-n // block_n) for n in widths), 4), dtype=torch.int32, device=device)
+    r0, col0 = 0, 0
+    for s, n in enumerate(widths):  # four small device ops per slice, capturable
+        tiles = -(-n // block_n)
+        seg = t[r0:r0 + tiles]
+        seg[:, 0].fill_(s)
+        seg[:, 1].copy_(torch.arange(0, tiles * block_n, block_n, dtype=torch.int32, device=device))
+        seg[:, 2].fill_(col0)
+        seg[:, 3].fill_(n)
+        r0, col0 = r0 + tiles, col0 + n
+    return t
+
+
+def _col_key(widths: Sequence[int], block_n: int, device) -> tuple:
+    return ("column-tile", str(device), tuple(int(n) for n in widths), int(block_n))
 
 
 def _col_tile_table(widths: Sequence[int], block_n: int, device) -> torch.Tensor:
-    """int32 [T, 4]: (slice, first column in slice, slice's first column in y, slice width) per tile."""
-    def make():
-        rows, col0 = [], 0
-        for s, n in enumerate(widths):
-            rows += [(s, t * block_n, col0, n) for t in range(-(-n // block_n))]
-            col0 += n
-        return torch.tensor(rows, dtype=torch.int32, device=device).reshape(-1, 4)
-    return _cached(("cols", str(device), tuple(widths), block_n), make)
+    """int32 [T, 4]: ``_col_tile_rows`` on the device."""
+    return _table(_col_key(widths, block_n, device), lambda: _make_col_tile_table(widths, block_n, device))
+
+
+def _counters_wanted(device) -> int:
+    # pick_config splits K only while a launch has fewer than 4 programs per SM, so its launches
+    # need fewer than 4 * SMs counters.
+    return max(_MIN_COUNTERS, 4 * _num_sms(torch.device(device)))
 
 
 def _split_k_counters(device, n: int) -> torch.Tensor:
     """Zeroed int32 arrival counters, at least n; K1 leaves them zero after every launch."""
     key = str(device)
     t = _COUNTERS.get(key)
-    if t is None or t.numel() < n:
-        t = torch.zeros(max(n, 1024, 2 * (0 if t is None else t.numel())), dtype=torch.int32, device=device)
-        _COUNTERS[key] = t
+    if t is not None and t.numel() >= n:
+        return t
+    if _capturing():  # this graph's own, zeroed by a memset node at every replay
+        _warn_capture_miss(f"{n} split-K counters")
+        t = torch.zeros(max(n, 1), dtype=torch.int32, device=device)
+        _CAPTURE_ONLY.append(t)
+        return t
+    if t is not None:
+        _RETIRED_COUNTERS.append(t)  # graphs captured with it keep reading it
+    t = torch.zeros(max(n, _counters_wanted(device), 2 * (0 if t is None else t.numel())),
+                    dtype=torch.int32, device=device)
+    _COUNTERS[key] = t
     return t
+
+
+def prepare_tables(lora_a_slices, lora_b_slices) -> None:
+    """Build every device table a layer with these adapter buffers can read, for any token count,
+    and keep them for as long as the process: call it before capturing CUDA graphs that run the
+    layer (the vLLM plugin does, when vLLM has created the layer's buffers). Buffers in vLLM's
+    layout ([L, 1, rows, cols]) or 3-D, as ``triton_lora_linear`` takes them."""
+    if _capturing():
+        raise RuntimeError("prepare_tables builds device tables: call it outside CUDA-graph capture")
+    a = [_squeeze_vllm(f"lora_a_slices[{i}]", t) for i, t in enumerate(_as_slices(lora_a_slices))]
+    b = [_squeeze_vllm(f"lora_b_slices[{i}]", t) for i, t in enumerate(_as_slices(lora_b_slices))]
+    if not a or not b:
+        raise ValueError("prepare_tables needs the A and the B buffers")
+    device = a[0].device
+    for bufs in (a, b):
+        key = _pointer_key(bufs, device)
+        if key not in _GRAPH_TABLES:
+            _GRAPH_TABLES[key] = _TABLE_CACHE.pop(key, None)
+            if _GRAPH_TABLES[key] is None:
+                _GRAPH_TABLES[key] = _make_pointer_table([t.data_ptr() for t in bufs], device)
+    widths = [t.shape[1] for t in b]
+    for block_n in COL_BLOCK_NS:
+        key = _col_key(widths, block_n, device)
+        if key not in _GRAPH_TABLES:
+            _GRAPH_TABLES[key] = _TABLE_CACHE.pop(key, None)
+            if _GRAPH_TABLES[key] is None:
+                _GRAPH_TABLES[key] = _make_col_tile_table(widths, block_n, device)
+    _split_k_counters(device, _counters_wanted(device))
 
 
 # ----------------------------------------------------------------------------- launches
@@ -523,6 +656,7 @@ def triton_lora_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor
 
 
 __all__ = [
-    "ENV_FORCE_TRITON", "TritonLoraConfig", "pick_config", "triton_gemm_lora", "triton_lora_linear",
-    "triton_path_applies", "triton_path_forced", "triton_quant_shrink", "validate_token_lora_mapping",
+    "ENV_FORCE_TRITON", "TritonLoraConfig", "pick_config", "prepare_tables", "triton_gemm_lora",
+    "triton_lora_linear", "triton_path_applies", "triton_path_forced", "triton_quant_shrink",
+    "validate_token_lora_mapping",
 ]
