@@ -210,7 +210,8 @@ if cute is not None:
             S = cfg.num_slices
             NT = self.threads
             tidx, _, _ = cute.arch.thread_idx()
-            bx, by, _ = cute.arch.block_idx()
+            bx, by, bz = cute.arch.block_idx()
+            _, _, nz = cute.arch.grid_dim()
             warp_i = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             M = cute.size(mY, mode=[0])
 
@@ -235,8 +236,17 @@ if cute is not None:
             rows = cutlass.min(M - r0, BM)
             if sl >= 0 and rows > 0:
                 ncols = cutlass.min(n_s - c0, BN)
-                g_first = mRowGroup[r0]
-                n_groups = mRowGroup[r0 + rows - 1] - g_first + 1
+                # This CTA's adapter groups: the tile's groups cut into grid-z chunks (group split).
+                # A row belongs to one group, so each y row is written by exactly one z-CTA; nz = 1
+                # is the tile's whole group range (rows [0, rows)).
+                g_tile = mRowGroup[r0]
+                ng_tile = mRowGroup[r0 + rows - 1] - g_tile + 1
+                per_z = (ng_tile + nz - 1) // nz
+                gz_lo = cutlass.min(bz * per_z, ng_tile)
+                n_groups = cutlass.max(cutlass.min(per_z, ng_tile - gz_lo), 0)
+                g_first = g_tile + gz_lo
+                row_lo = cutlass.max(mStart[g_first] - r0, 0)
+                row_hi = cutlass.max(cutlass.min(mStart[g_first + n_groups] - r0, rows), row_lo)
 
                 st = _smem_allocator().allocate(self.storage)
                 sA = st.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
@@ -248,11 +258,13 @@ if cute is not None:
                 thr_cb = tiled_copy_b.get_slice(tidx)
                 tBsB = thr_cb.partition_D(sB)
                 tBcB = thr_cb.partition_D(cute.make_identity_tensor((BN, RP)))
-                self._load_b(g_first, 0, mActive, mRanks, has_ranks, mBs, sl, n_s, c0, ncols, tiled_copy_b, tBsB,
-                             tBcB)
+                if n_groups > 0:
+                    self._load_b(g_first, 0, mActive, mRanks, has_ranks, mBs, sl, n_s, c0, ncols, tiled_copy_b, tBsB,
+                                 tBcB)
                 cute.arch.cp_async_commit_group()
 
-                self._stage_h(mH, mTok, sA, sl, r0, rows, tidx)
+                if n_groups > 0:  # a z-CTA without groups only passes the barriers
+                    self._stage_h(mH, mTok, sA, sl, r0, rows, tidx)
 
                 # ---- MMA fragments -------------------------------------------------------------
                 thr_mma = tiled_mma.get_slice(tidx)
@@ -318,7 +330,7 @@ if cute is not None:
                     v = it * NT + tidx
                     r = v // CPR
                     cc = v - r * CPR
-                    if r < rows and cc * 8 < ncols:
+                    if r >= row_lo and r < row_hi and cc * 8 < ncols:
                         if mSorted[r0 + r] >= 0:
                             t = mTok[r0 + r]
                             g_y = cute.zipped_divide(mY[t, None], (8,))
@@ -450,8 +462,26 @@ def column_tiles(widths, bn: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def grid(widths, m: int, cfg: Config) -> tuple[int, int, int]:
-    return (sum(-(-w // cfg.bn) for w in widths), -(-m // cfg.bm), 1)
+TARGET_CTAS = 4 * 132  # expand-add CTAs are short and small (<= 256 threads, 35-98 KiB): ~4 per SM
+
+
+def choose_zsplit(widths, m: int, cfg: Config, max_loras: int | None, target_ctas: int = TARGET_CTAS) -> int:
+    """Grid z: how many CTAs share one (column tile, row tile)'s adapter groups (each takes
+    ceil(groups / z) of them and writes only their rows). Without it a CTA loads one B tile per
+    group of its row tile, one after another (32 adapters x 1 token: 32 round trips per CTA). More
+    z only while the grid is short of target_ctas, never more than a tile's possible groups."""
+    if max_loras is None:
+        return 1
+    ctas = sum(-(-w // cfg.bn) for w in widths) * -(-m // cfg.bm)
+    want = max(1, target_ctas // max(ctas, 1))
+    return max(1, min(want, cfg.bm, m, max_loras + 1, 65535))
+
+
+def grid(widths, m: int, cfg: Config, max_loras: int | None = None, zsplit: int | None = None) -> tuple[int, int, int]:
+    """The launch grid; max_loras (the B buffers' slot count) lets the group split (grid z) apply,
+    zsplit forces it."""
+    z = zsplit or choose_zsplit(widths, m, cfg, max_loras)
+    return (sum(-(-w // cfg.bn) for w in widths), -(-m // cfg.bm), z)
 
 
 def _as_3d(b: torch.Tensor, name: str) -> torch.Tensor:
@@ -486,7 +516,7 @@ def check_slot_ranks(slot_ranks, max_loras: int, device):
 
 
 def expand_add(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks: torch.Tensor | None = None,
-               *, config: Config | None = None) -> torch.Tensor:
+               *, config: Config | None = None, zsplit: int | None = None) -> torch.Tensor:
     """y[m, slice s] += h[s, m] . B_s[slot(m)]^T in place (fp32 accumulation, one bf16 rounding);
     tokens with slot -1 untouched. Returns y.
 
@@ -497,6 +527,7 @@ def expand_add(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks
     meta: epilora_cute.metadata.LoRABatchMeta prepared for these M tokens.
     slot_ranks: optional int32 [>= max_loras]: per-slot effective rank; work beyond it is skipped
         (exact when the buffers are zero-padded beyond it, as vLLM keeps them).
+    zsplit: force the group split (grid z, choose_zsplit); the result does not depend on it.
     """
     from epilora_cute.arch import arch_of
     from epilora_cute.kernels import get_kernel
@@ -539,27 +570,31 @@ def expand_add(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks
     cfg = config or select(S, M, R)
     if cfg.rank != R or cfg.num_slices != S:
         raise ValueError(f"config {cfg.name()} does not match rank {R} / {S} slices")
+    if zsplit is not None and not 1 <= zsplit <= 65535:
+        raise ValueError(f"zsplit must be 1..65535, got {zsplit}")
     kernel = get_kernel(sys.modules[__name__], cfg, arch_of(y))
     ranks = slot_ranks if slot_ranks is not None else meta.active_lora_ids  # never read when has_ranks = 0
     args = [y, h, meta.token_indices_sorted_by_lora_ids, meta.sorted_lora_ids, meta.row_group,
             meta.active_lora_ids, meta.lora_token_start_loc, ranks]
     args += [b.reshape(L * w, R) for b, w in zip(bs, widths)]
     args += widths + [1 if slot_ranks is not None else 0]
-    kernel(*args, grid=grid(widths, M, cfg), smem=cfg.smem_bytes)
+    kernel(*args, grid=grid(widths, M, cfg, max_loras=L, zsplit=zsplit), smem=cfg.smem_bytes)
     return y
 
 
 def emulate(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks=None,
-            config: Config | None = None) -> torch.Tensor:
+            config: Config | None = None, zsplit: int | None = None) -> torch.Tensor:
     """Pure-torch model of the kernel's tiling and arithmetic (CPU): column tiles inside slices,
     BM-row tiles of the sorted tokens, the adapter groups of each tile, rows of other groups
     zeroed, k16 steps below the effective rank, bf16(h), fp32 accumulation, fp32 add to y and one
-    rounding, rows with slot -1 untouched. Returns a new y."""
+    rounding, rows with slot -1 untouched; with the group split (zsplit, default as the launch)
+    each z-chunk of a tile's groups accumulates and writes only its groups' rows. Returns a new y."""
     bs = [_as_3d(b, "b") for b in (lora_b_slices if isinstance(lora_b_slices, (list, tuple)) else [lora_b_slices])]
     M, _ = y.shape
     R = bs[0].shape[2]
     widths = [int(b.shape[1]) for b in bs]
     cfg = config or select(len(bs), M, R)
+    nz = zsplit or choose_zsplit(widths, M, cfg, int(bs[0].shape[0]))
     RP = cfg.rank_pad
     out = y.clone()
     tok = meta.token_indices_sorted_by_lora_ids[:M].long()
@@ -574,25 +609,41 @@ def emulate(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks=No
         bmat[:, :, :R] = bs[s].float()
         for r0 in range(0, M, cfg.bm):
             rows = min(M - r0, cfg.bm)
-            acc = torch.zeros(cfg.bm, cfg.bn)
-            g_first, g_last = int(rg[r0]), int(rg[r0 + rows - 1])
             a_tile = torch.zeros(cfg.bm, RP)
             a_tile[:rows] = hb[s, tok[r0:r0 + rows]]
-            for g in range(g_first, g_last + 1):
-                lid = int(act[g])
-                if lid < 0:
-                    continue
-                keff = RP if slot_ranks is None else min((max(int(slot_ranks[lid]), 0) + 15) // 16 * 16, RP)
-                if keff == 0:
-                    continue
-                lo, hi = max(int(start[g]) - r0, 0), min(int(start[g + 1]) - r0, rows)
-                a = torch.zeros_like(a_tile)
-                a[lo:hi, :keff] = a_tile[lo:hi, :keff]
-                b = torch.zeros(cfg.bn, RP)
-                b[:ncols, :keff] = bmat[lid, c0:c0 + ncols, :keff]
-                acc += a @ b.t()
-            keep = sorted_ids[r0:r0 + rows] >= 0
-            t = tok[r0:r0 + rows][keep]
-            cols = slice(base + c0, base + c0 + ncols)
-            out[t, cols] = (out[t, cols].float() + acc[:rows][keep][:, :ncols]).to(torch.bfloat16)
+            g_tile, ng_tile = int(rg[r0]), int(rg[r0 + rows - 1]) - int(rg[r0]) + 1
+            per_z = -(-ng_tile // nz)
+            for z in range(nz):
+                gz_lo = min(z * per_z, ng_tile)
+                n_groups = max(min(per_z, ng_tile - gz_lo), 0)
+                g_first = g_tile + gz_lo
+                row_lo = max(int(start[g_first]) - r0, 0)
+                row_hi = max(min(int(start[g_first + n_groups]) - r0, rows), row_lo)
+                _emulate_tile(out, a_tile, bmat, act, start, sorted_ids, tok, slot_ranks, cfg, r0, rows, ncols,
+                              base + c0, c0, range(g_first, g_first + n_groups), row_lo, row_hi)
     return out
+
+
+def _emulate_tile(out, a_tile, bmat, act, start, sorted_ids, tok, slot_ranks, cfg, r0, rows, ncols, col0, c0,
+                  groups, row_lo, row_hi):
+    """One CTA of emulate(): its groups' MMAs into a fresh accumulator, then y += acc for the tile
+    rows [row_lo, row_hi) that have an adapter."""
+    RP = cfg.rank_pad
+    acc = torch.zeros(cfg.bm, cfg.bn)
+    for g in groups:
+        lid = int(act[g])
+        if lid < 0:
+            continue
+        keff = RP if slot_ranks is None else min((max(int(slot_ranks[lid]), 0) + 15) // 16 * 16, RP)
+        if keff == 0:
+            continue
+        lo, hi = max(int(start[g]) - r0, 0), min(int(start[g + 1]) - r0, rows)
+        a = torch.zeros_like(a_tile)
+        a[lo:hi, :keff] = a_tile[lo:hi, :keff]
+        b = torch.zeros(cfg.bn, RP)
+        b[:ncols, :keff] = bmat[lid, c0:c0 + ncols, :keff]
+        acc += a @ b.t()
+    keep = sorted_ids[r0 + row_lo:r0 + row_hi] >= 0
+    t = tok[r0 + row_lo:r0 + row_hi][keep]
+    cols = slice(col0, col0 + ncols)
+    out[t, cols] = (out[t, cols].float() + acc[row_lo:row_hi][keep][:, :ncols]).to(torch.bfloat16)

@@ -235,7 +235,8 @@ if cute is not None:
             BM, R, RP, ST, NT = self.BM, self.R, self.RP, self.ST, self.NT
             S = cfg.num_slices
             tidx, _, _ = cute.arch.thread_idx()
-            _, by, _ = cute.arch.block_idx()
+            _, by, bz = cute.arch.block_idx()
+            _, _, nz = cute.arch.grid_dim()
             split = cute.arch.make_warp_uniform(cute.arch.block_in_cluster_idx()[0])
             nsplit = cute.arch.make_warp_uniform(cute.arch.block_in_cluster_dim()[0])
             warp_i = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -251,8 +252,17 @@ if cute is not None:
             # (the host keeps per <= NKB; the clamp only guards shared memory against a bad launch)
             nkb = cutlass.max(cutlass.min(cutlass.min(per, nkb_total - kb_lo), self.NKB), 0)
             k0 = kb_lo * BK
-            g_first = mRowGroup[r0]
-            n_groups = mRowGroup[r0 + rows - 1] - g_first + 1
+            # ---- this CTA's adapter groups: the tile's groups cut into grid-z chunks (group split) -
+            # Every row belongs to one group, so each row's h is computed and stored by exactly one
+            # z-CTA; z = 0 also quantizes the tile. nz = 1 is the tile's whole group range.
+            g_tile = mRowGroup[r0]
+            ng_tile = mRowGroup[r0 + rows - 1] - g_tile + 1
+            per_z = (ng_tile + nz - 1) // nz
+            gz_lo = cutlass.min(bz * per_z, ng_tile)
+            n_groups = cutlass.max(cutlass.min(per_z, ng_tile - gz_lo), 0)  # 0: nothing but the barriers
+            g_first = g_tile + gz_lo
+            row_lo = cutlass.max(mStart[g_first] - r0, 0)  # the rows of these groups in the tile
+            row_hi = cutlass.max(cutlass.min(mStart[g_first + n_groups] - r0, rows), row_lo)
             items_per_slice = n_groups * nkb
 
             st_ = _smem_allocator().allocate(self.storage)
@@ -335,12 +345,14 @@ if cute is not None:
                     sP[rc[0], rc[1]] = acc[e]
                 acc.fill(0.0)
                 if cutlass.const_expr(s == 0):
-                    self._row_amax(sX, sAmax, rows, nkb, k0, K, tidx)
+                    if bz == 0:
+                        self._row_amax(sX, sAmax, rows, nkb, k0, K, tidx)
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
                 if cutlass.const_expr(s == 0):
-                    self._quantize(sX, sAmax, mQ16, mScale, mTok, r0, rows, nkb, k0, K, split, nsplit, tidx)
-                self._reduce(sP, mH, mTok, mActive, mRowGroup, mRanks, has_ranks, s, r0, rows, split, nsplit, tidx)
+                    if bz == 0:
+                        self._quantize(sX, sAmax, mQ16, mScale, mTok, r0, rows, nkb, k0, K, split, nsplit, tidx)
+                self._reduce(sP, mH, mTok, s, r0, row_lo, row_hi, split, nsplit, tidx)
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
             cute.arch.cp_async_wait_group(0)
@@ -432,8 +444,16 @@ if cute is not None:
             if r < rows:
                 amax = cutlass.Float32(0.0)
                 addr = sAmax.iterator.toint() + r * 4
-                for q in cutlass.range(nsplit, unroll=1):
-                    amax = D.fmax_f32(amax, D.ld_dsmem_f32(addr, q))
+                # All the cluster's maxima are loaded before they are folded (independent DSMEM
+                # loads in flight together; max is exact, so the fold order is free).
+                part = []
+                for q in cutlass.range_constexpr(MAX_SPLITS):
+                    m_q = cutlass.Float32(0.0)
+                    if q < nsplit:
+                        m_q = D.ld_dsmem_f32(addr, q)
+                    part.append(m_q)
+                for q in cutlass.range_constexpr(MAX_SPLITS):
+                    amax = D.fmax_f32(amax, part[q])
                 scale = D.fmax_f32(D.div_rn_f32(amax, cutlass.Float32(FP8_MAX)), cutlass.Float32(MIN_SCALE))
                 t = mTok[r0 + r]
                 if split == 0 and sub == 0:
@@ -455,21 +475,31 @@ if cute is not None:
                         cute.autovec_copy(r_q, g_q[None, (k0 + u * 8) // 8])
 
         @cute.jit
-        def _reduce(self, sP, mH, mTok, mActive, mRowGroup, mRanks, has_ranks, s, r0, rows, split, nsplit, tidx):
-            """h[s, tok, c] = sum over the cluster's partials in split order 0..n-1; this CTA stores the
-            elements [split * E / n, (split + 1) * E / n) of the E = rows * R valid ones."""
+        def _reduce(self, sP, mH, mTok, s, r0, row_lo, row_hi, split, nsplit, tidx):
+            """h[s, tok, c] = sum over the cluster's partials in split order 0..n-1, for the tile rows
+            [row_lo, row_hi) (this CTA's adapter groups); this CTA stores the elements
+            [split * E / n, (split + 1) * E / n) of the E = (row_hi - row_lo) * R."""
             R, NT = self.R, self.NT
-            n_el = rows * R
+            n_el = (row_hi - row_lo) * R
             lo = split * n_el // nsplit
             hi = (split + 1) * n_el // nsplit
             base = sP.iterator.toint()
             for e in cutlass.range(lo + tidx, hi, NT, unroll=1):
-                r = e // R
-                c = e - r * R
+                r = row_lo + e // R
+                c = e - (r - row_lo) * R
                 off = base + (r * (self.RP + P_PAD) + c) * 4
+                # The partials are all loaded first (independent DSMEM loads in flight together),
+                # then summed in split order 0..n-1 as before: the same additions, bit for bit.
+                part = []
+                for q in cutlass.range_constexpr(MAX_SPLITS):
+                    p_q = cutlass.Float32(0.0)
+                    if q < nsplit:
+                        p_q = D.ld_dsmem_f32(off, q)
+                    part.append(p_q)
                 v = cutlass.Float32(0.0)
-                for q in cutlass.range(nsplit, unroll=1):
-                    v = v + D.ld_dsmem_f32(off, q)
+                for q in cutlass.range_constexpr(MAX_SPLITS):
+                    if q < nsplit:
+                        v = v + part[q]
                 mH[s, mTok[r0 + r], c] = v
 
 
@@ -565,10 +595,32 @@ def choose_splits(k: int, m: int, cfg: Config, target_ctas: int = TARGET_CTAS) -
     return -(-nkb // -(-nkb // s))  # drop splits the ceil(nkb / s) share would leave empty
 
 
-def grid(k: int, m: int, cfg: Config, splits: int | None = None) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """(grid, cluster) of a launch."""
+def max_groups_per_tile(m: int, bm: int, max_loras: int) -> int:
+    """The most adapter groups a row tile can meet: its rows, and at most max_loras slots plus the
+    no-adapter group."""
+    return max(1, min(bm, m, max_loras + 1))
+
+
+def choose_zsplit(m: int, cfg: Config, splits: int, max_loras: int | None, target_ctas: int = TARGET_CTAS) -> int:
+    """Grid z: how many CTAs share one row tile's adapter groups (each takes ceil(groups / z) of
+    them; the rows of a group belong to exactly one). Without it a CTA streams the A blocks of every
+    group of its tile one after another, e.g. 32 adapters x 1 token each through 8 CTAs. More z
+    only while the grid is short of ~2 CTAs per SM, and never more than a tile's possible groups
+    (the count itself is on the device: surplus z-CTAs find no group and only pass the barriers)."""
+    if max_loras is None:
+        return 1
+    ctas = splits * -(-m // cfg.bm)
+    want = max(1, target_ctas // max(ctas, 1))
+    return max(1, min(want, max_groups_per_tile(m, cfg.bm, max_loras), 65535))
+
+
+def grid(k: int, m: int, cfg: Config, splits: int | None = None, max_loras: int | None = None,
+         zsplit: int | None = None) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(grid, cluster) of a launch. max_loras (the adapter buffers' slot count) lets the group
+    split (grid z) apply; zsplit forces it."""
     s = splits or choose_splits(k, m, cfg)
-    return (s, -(-m // cfg.bm), 1), (s, 1, 1)
+    z = zsplit or choose_zsplit(m, cfg, s, max_loras)
+    return (s, -(-m // cfg.bm), z), (s, 1, 1)
 
 
 def _as_3d(a: torch.Tensor, name: str) -> torch.Tensor:
@@ -584,7 +636,7 @@ def _as_3d(a: torch.Tensor, name: str) -> torch.Tensor:
 def k1_quant_shrink(x: torch.Tensor, lora_a_slices, meta, codes: torch.Tensor | None = None,
                     scales: torch.Tensor | None = None, h: torch.Tensor | None = None,
                     slot_ranks: torch.Tensor | None = None, *, config: Config | None = None,
-                    splits: int | None = None):
+                    splits: int | None = None, zsplit: int | None = None):
     """One launch: (codes [M, K] e4m3, scales [M, 1] fp32) = reference.quantize_fp8_per_token(x)
     bit for bit, and h [S, M, R] fp32 = x . A_s[slot]^T per slice (0 for slot -1 and beyond a
     slot's effective rank when slot_ranks is given). Returns (codes, scales, h).
@@ -593,6 +645,8 @@ def k1_quant_shrink(x: torch.Tensor, lora_a_slices, meta, codes: torch.Tensor | 
         aligned. lora_a_slices: S (1..4) tensors [max_loras, 1, R, K] (or [max_loras, R, K]) bf16
         with unit column stride. meta: LoRABatchMeta prepared for these M tokens.
     codes / scales / h: optional outputs to write in place (same constraints; scales contiguous).
+    splits / zsplit: force the cluster size / the group split (grid z, choose_zsplit); the results
+    do not depend on zsplit, bit for bit.
     """
     from epilora_cute.arch import arch_of
     from epilora_cute.kernels import get_kernel
@@ -643,7 +697,9 @@ def k1_quant_shrink(x: torch.Tensor, lora_a_slices, meta, codes: torch.Tensor | 
     cfg = config or select(S, K, R)
     if cfg.rank != R or cfg.num_slices != S:
         raise ValueError(f"config {cfg.name()} does not match rank {R} / {S} slices")
-    g, cl = grid(K, M, cfg, splits)
+    if zsplit is not None and not 1 <= zsplit <= 65535:
+        raise ValueError(f"zsplit must be 1..65535, got {zsplit}")
+    g, cl = grid(K, M, cfg, splits, max_loras=L, zsplit=zsplit)
     nkb_total = -(-K // BK)
     if not 1 <= g[0] <= MAX_SPLITS or -(-nkb_total // g[0]) > cfg.nkb:
         raise ValueError(f"{g[0]} splits of K = {K} do not fit {cfg.name()} (<= {MAX_SPLITS} splits of <= {cfg.kc})")
@@ -658,11 +714,13 @@ def k1_quant_shrink(x: torch.Tensor, lora_a_slices, meta, codes: torch.Tensor | 
 
 
 def emulate(x: torch.Tensor, lora_a_slices, meta, slot_ranks=None, config: Config | None = None,
-            splits: int | None = None):
+            splits: int | None = None, zsplit: int | None = None):
     """Pure-torch model of the kernel (CPU): sorted BM-row tiles, the k-block split of the
     cluster, per-split partials of every (slice, group) pass with rows of other groups zeroed and
     rank columns beyond the slot's effective rank skipped, the fixed-order split sum, and the
-    quantization from the folded per-split maxima. Returns (codes, scales, h)."""
+    quantization from the folded per-split maxima; with the group split (zsplit, default as the
+    launch) each z-chunk of a tile's groups computes and stores only its groups' rows (rows nobody
+    stores stay NaN, so a gap shows). Returns (codes, scales, h)."""
     from epilora_cute.reference import FP8_MAX as FMAX, MIN_SCALE as MINS, _clamp_like_cuda, _nan_ignoring_abs_max
 
     as_ = [_as_3d(a, "a") for a in (lora_a_slices if isinstance(lora_a_slices, (list, tuple)) else [lora_a_slices])]
@@ -671,6 +729,7 @@ def emulate(x: torch.Tensor, lora_a_slices, meta, slot_ranks=None, config: Confi
     S = len(as_)
     cfg = config or select(S, K, R)
     nsplit = splits or choose_splits(K, M, cfg)
+    nz = zsplit or choose_zsplit(M, cfg, nsplit, L)
     nkb_total = -(-K // BK)
     per = -(-nkb_total // nsplit)
     assert per <= cfg.nkb, "capacity exceeded"
@@ -679,7 +738,7 @@ def emulate(x: torch.Tensor, lora_a_slices, meta, slot_ranks=None, config: Confi
     xf = x.float()
     codes = torch.empty(M, K, dtype=torch.float8_e4m3fn)
     scales = torch.empty(M, 1)
-    h = torch.zeros(S, M, R)
+    h = torch.full((S, M, R), float("nan"))
     for r0 in range(0, M, cfg.bm):
         rows = min(M - r0, cfg.bm)
         xt = xf[tok[r0:r0 + rows]]
@@ -692,25 +751,40 @@ def emulate(x: torch.Tensor, lora_a_slices, meta, slot_ranks=None, config: Confi
         sc = torch.maximum(amax / torch.tensor(FMAX), torch.tensor(MINS))
         scales[tok[r0:r0 + rows]] = sc
         codes[tok[r0:r0 + rows]] = _clamp_like_cuda(xt / sc).to(torch.float8_e4m3fn)
-        g_first, g_last = int(rg[r0]), int(rg[r0 + rows - 1])
-        for s in range(S):
-            partials = []
-            for lo, hi in ranges:
-                acc = torch.zeros(rows, cfg.rank_pad)
-                for g in range(g_first, g_last + 1):
-                    lid = int(act[g])
-                    if lid < 0 or hi <= lo:
-                        continue
-                    keff = cfg.rank_pad if slot_ranks is None else \
-                        min((max(int(slot_ranks[lid]), 0) + 15) // 16 * 16, cfg.rank_pad)
-                    keff = min(keff, R)
-                    glo, ghi = max(int(start[g]) - r0, 0), min(int(start[g + 1]) - r0, rows)
-                    xm = torch.zeros(rows, hi - lo)
-                    xm[glo:ghi] = xt[glo:ghi, lo:hi]
-                    acc[:, :keff] += xm @ as_[s][lid, :keff, lo:hi].float().t()
-                partials.append(acc[:, :R])
-            tot = torch.zeros(rows, R)
-            for p in partials:  # split order 0..n-1
-                tot = tot + p
-            h[s, tok[r0:r0 + rows]] = tot
+        g_tile, ng_tile = int(rg[r0]), int(rg[r0 + rows - 1]) - int(rg[r0]) + 1
+        per_z = -(-ng_tile // nz)
+        for z in range(nz):
+            gz_lo = min(z * per_z, ng_tile)
+            n_groups = max(min(per_z, ng_tile - gz_lo), 0)
+            g_first = g_tile + gz_lo
+            row_lo = max(int(start[g_first]) - r0, 0)
+            row_hi = max(min(int(start[g_first + n_groups]) - r0, rows), row_lo)
+            _emulate_h(h, xt, as_, act, start, slot_ranks, cfg, ranges, tok[r0:r0 + rows], r0, rows,
+                       range(g_first, g_first + n_groups), row_lo, row_hi)
     return codes, scales, h
+
+
+def _emulate_h(h, xt, as_, act, start, slot_ranks, cfg, ranges, tok, r0, rows, groups, row_lo, row_hi):
+    """One z-CTA column of emulate(): per slice, per split the partial of its groups, the split
+    sum, stored for the rows [row_lo, row_hi) of the tile."""
+    R = as_[0].shape[1]
+    for s in range(len(as_)):
+        partials = []
+        for lo, hi in ranges:
+            acc = torch.zeros(rows, cfg.rank_pad)
+            for g in groups:
+                lid = int(act[g])
+                if lid < 0 or hi <= lo:
+                    continue
+                keff = cfg.rank_pad if slot_ranks is None else \
+                    min((max(int(slot_ranks[lid]), 0) + 15) // 16 * 16, cfg.rank_pad)
+                keff = min(keff, R)
+                glo, ghi = max(int(start[g]) - r0, 0), min(int(start[g + 1]) - r0, rows)
+                xm = torch.zeros(rows, hi - lo)
+                xm[glo:ghi] = xt[glo:ghi, lo:hi]
+                acc[:, :keff] += xm @ as_[s][lid, :keff, lo:hi].float().t()
+            partials.append(acc[:, :R])
+        tot = torch.zeros(rows, R)
+        for p in partials:  # split order 0..n-1
+            tot = tot + p
+        h[s, tok[row_lo:row_hi]] = tot[row_lo:row_hi]

@@ -59,6 +59,21 @@ def test_geometry_is_host_only():
                 assert all(int(v) >= 1 for v in g["expand_grid"].split("x"))
 
 
+def test_geometry_group_split_and_variants():
+    from tools.bench_decode import QWEN3_8B
+    from tools.bench_hybrid_stages import geometry, launch_variants
+
+    g = geometry(QWEN3_8B[0], 32, 64, 32)  # qkv, 32 tokens, 32 adapter slots
+    assert g["k1_grid"] == "8x1x32" and g["expand_grid"].startswith("48x1x")
+    assert geometry(QWEN3_8B[0], 2048, 64, 32)["k1_grid"] == "8x32x1"
+
+    class Case:  # what launch_variants reads of a LayerCase
+        proj, m, rank, max_loras = QWEN3_8B[0], 32, 64, 32
+    assert launch_variants(Case()) == {"z1": ({"zsplit": 1}, {"zsplit": 1})}
+    Case.m = 2048
+    assert launch_variants(Case()) == {}
+
+
 def test_sum_layer_and_format():
     from tools.bench_hybrid_stages import format_row, sum_layer
 

@@ -284,6 +284,34 @@ def test_dsl46_prebuild_set():
     run_dsl46(Path(__file__).resolve(), "all", 3600)
 
 
+
+def test_emulation_group_split_invariant():
+    """The group split (grid z) only moves whole groups between CTAs: y is bit-identical for any z,
+    and every row with an adapter is written (rows of slot -1 untouched)."""
+    case = make_case(150, 32, 64, (136, 64, 72), seed=13)
+    case["h"][:, case["ids"] < 0] = float("nan")
+    base = E.emulate(case["y"], case["h"], case["bs"], case["meta"], zsplit=1)
+    assert_close_bf16(base, expected(case, bf16_h=True), True)
+    for z in (2, 5, 33, 64):
+        got = E.emulate(case["y"], case["h"], case["bs"], case["meta"], zsplit=z)
+        assert torch.equal(got.view(torch.int16), base.view(torch.int16)), z
+
+
+def test_choose_zsplit():
+    qkv = (4096, 1024, 1024)
+    cfg = E.select(3, 32, 64)
+    assert E.grid(qkv, 32, cfg) == (48, 1, 1)  # no max_loras: no group split (the old geometry)
+    assert E.grid(qkv, 32, cfg, max_loras=32) == (48, 1, E.TARGET_CTAS // 48)
+    assert E.grid(qkv, 32, cfg, max_loras=32, zsplit=3) == (48, 1, 3)
+    assert E.grid(qkv, 2048, E.select(3, 2048, 64), max_loras=32)[2] == 1  # enough CTAs already
+    for m in (1, 5, 33, 256):
+        for L in (1, 8, 32, 128):
+            for widths in (qkv, (4096,), (12288, 12288)):
+                c = E.select(len(widths), m, 64)
+                z = E.choose_zsplit(widths, m, c, L)
+                assert 1 <= z <= min(c.bm, m, L + 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU (the integrator runs these on the H200): launches through epilora_cute.kernels.get_kernel
 # ---------------------------------------------------------------------------------------------
@@ -344,6 +372,25 @@ def test_gpu_bitwise_deterministic(M):
             first = y
         else:
             assert torch.equal(y.view(torch.int16), first.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", (33, 256))
+def test_gpu_group_split_bitwise_invariant(M):
+    """Grid z (the group split) only moves whole groups between CTAs: bit-identical y for z = 1
+    (the geometry before the split), the default and odd splits, and equal to the reference."""
+    _hopper()
+    case = make_case(M, 32, 64, (4096, 1024, 1024), seed=M + 17, device="cuda")
+    y0 = case["y"].clone()
+    outs = {}
+    for z in (1, None, 5, 64):
+        y = y0.clone()
+        E.expand_add(y, case["h"], case["bs"], case["meta"], zsplit=z)
+        outs[z] = y
+    torch.cuda.synchronize()
+    for z, y in outs.items():
+        assert torch.equal(y.view(torch.int16), outs[1].view(torch.int16)), z
+    assert_close_bf16(outs[None], expected(dict(case, y=y0), bf16_h=True), True)
 
 
 @pytest.mark.gpu

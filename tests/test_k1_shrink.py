@@ -180,6 +180,35 @@ def test_select_splits_and_capacity():
         K1.select(1, 40000, 64)
 
 
+def test_choose_zsplit():
+    cfg = K1.select(3, 4096, 64)
+    assert K1.grid(4096, 32, cfg) == ((8, 1, 1), (8, 1, 1))  # no max_loras: no group split
+    assert K1.grid(4096, 32, cfg, max_loras=32) == ((8, 1, 32), (8, 1, 1))  # one token per group
+    assert K1.grid(4096, 32, cfg, max_loras=8) == ((8, 1, 9), (8, 1, 1))
+    assert K1.grid(4096, 256, cfg, max_loras=32) == ((8, 4, K1.TARGET_CTAS // 32), (8, 1, 1))
+    assert K1.grid(4096, 2048, cfg, max_loras=32)[0][2] == 1  # 256 CTAs already
+    assert K1.grid(4096, 32, cfg, max_loras=32, zsplit=3)[0] == (8, 1, 3)
+    for m in (1, 33, 256, 8192):
+        for L in (1, 8, 32, 128):
+            for k in (4096, 12288):
+                c = K1.select(1, k, 64)
+                (s, _, z), _ = K1.grid(k, m, c, max_loras=L)
+                assert 1 <= z <= min(c.bm, m, L + 1)
+
+
+def test_emulation_group_split_invariant():
+    """Grid z only moves whole groups between CTAs: codes, scales and h are bit-identical for any
+    z, and every row's h is stored (emulate() leaves unstored rows NaN)."""
+    case = make_case(150, 32, 64, 1040, 3, seed=5)
+    ref = K1.emulate(case["x"], case["As"], case["meta"], splits=3, zsplit=1)
+    assert not ref[2].isnan().any()
+    for z in (2, 7, 33, 64):
+        got = K1.emulate(case["x"], case["As"], case["meta"], splits=3, zsplit=z)
+        assert torch.equal(got[0].view(torch.uint8), ref[0].view(torch.uint8))
+        assert torch.equal(got[1], ref[1])
+        assert torch.equal(got[2].view(torch.int32), ref[2].view(torch.int32)), z
+
+
 def test_config_shapes():
     for c in K1.prebuild_configs():
         assert c.rank_pad % (c.wn * 16) == 0 and c.threads <= 256
@@ -350,6 +379,27 @@ def test_gpu_bitwise_deterministic(M):
             first = cur
         else:
             assert all(torch.equal(a, b) for a, b in zip(cur, first))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,K", [(33, 4096), (256, 4096), (64, 12288)])
+def test_gpu_group_split_bitwise_invariant(M, K):
+    """Grid z (the group split) only moves whole groups between CTAs; z = 0 alone quantizes: codes,
+    scales and h bit-identical for z = 1 (the geometry before the split), the default and odd
+    splits, every output written (poisoned first), and equal to the reference."""
+    _hopper()
+    S = 3 if K == 4096 else 1
+    case = make_case(M, 32, 64, K, S, seed=M + K, device="cuda", spread=True)
+    outs = {}
+    for z in (1, None, 5, 64):
+        codes, scales, h = _poisoned(M, K, S, 64)
+        K1.k1_quant_shrink(case["x"], case["As"], case["meta"], codes, scales, h, zsplit=z)
+        outs[z] = (codes.view(torch.uint8), scales.view(torch.int32), h.view(torch.int32))
+    torch.cuda.synchronize()
+    for z, o in outs.items():
+        assert all(torch.equal(a, b) for a, b in zip(o, outs[1])), z
+    _check(case, outs[None][0].view(torch.float8_e4m3fn), outs[None][1].view(torch.float32),
+           outs[None][2].view(torch.float32), K)
 
 
 @pytest.mark.gpu

@@ -12,8 +12,8 @@ replays with the L2 flushed before each (median, tools/gpu_timing):
                  writing y in place, cuBLAS without vLLM) on K1's codes and scales
   expand_add_us  our expand-add alone (kernels_dsl/expand_add.py) on K1's h, adding into y
   hybrid_us      the whole op, lora_linear_fp8(path="hybrid") (validation + the three launches)
-  k1_<v>_us, expand_add_<v>_us   the same kernels at other launch geometries where the kernels
-                 offer them (VARIANTS; e.g. the group split forced to 1 = the geometry before it)
+  k1_z1_us, expand_add_z1_us     the same kernels with the group split (grid z) forced to 1: the
+                 launch geometry before v0.6 (timed only where the default z is > 1)
   vllm_fp8_us, vllm_lora_us      vLLM's quantization + GEMM, and + its LoRA shrink/expand, for the
                  same projection (when vLLM imports), so vllm_lora - vllm_fp8 is vLLM's adapter cost
   k1_floor_us / expand_floor_us   least DRAM traffic at the measured read bandwidth: x read +
@@ -47,9 +47,6 @@ RANK = 64
 TOKENS = (32, 256, 2048)
 ADAPTERS = (1, 32)
 STAGES = ("k1", "gemm", "expand_add", "hybrid")
-# Extra launch geometries, timed beside the defaults: name -> (k1 keyword args, expand keyword args).
-# Filled by the kernels' host code when it offers knobs (see launch_variants()).
-VARIANTS: dict[str, tuple[dict, dict]] = {}
 
 
 def settings(env: Mapping[str, str] | None = None) -> tuple[list[int], list[int]]:
@@ -77,19 +74,10 @@ def geometry(p: Projection, m: int, rank: int, max_loras: int) -> dict:
 
     kc = k1.select(len(p.slices), p.k, rank)
     ec = ea.select(len(p.slices), m, rank)
-    g1 = _call_geometry(k1.grid, p.k, m, kc, max_loras=max_loras)
-    g2 = _call_geometry(ea.grid, p.slices, m, ec, max_loras=max_loras)
-    k1_grid = g1[0] if isinstance(g1[0], tuple) else g1
-    return {"k1_cfg": kc.name(), "k1_grid": "x".join(map(str, k1_grid)),
+    (g1, _) = k1.grid(p.k, m, kc, max_loras=max_loras)
+    g2 = ea.grid(p.slices, m, ec, max_loras=max_loras)
+    return {"k1_cfg": kc.name(), "k1_grid": "x".join(map(str, g1)),
             "expand_cfg": ec.name(), "expand_grid": "x".join(map(str, g2))}
-
-
-def _call_geometry(fn, *args, **kw):
-    """grid() with max_loras where the kernel's host code takes it (the group split), else without."""
-    try:
-        return fn(*args, **kw)
-    except TypeError:
-        return fn(*args)
 
 
 def sum_layer(rows: list[dict]) -> dict:
@@ -167,8 +155,14 @@ class HybridStages:
 
 
 def launch_variants(c: LayerCase) -> dict[str, tuple[dict | None, dict | None]]:
-    """name -> (K1 keyword args or None, expand-add keyword args or None) for this case."""
-    return dict(VARIANTS)
+    """name -> (K1 keyword args or None, expand-add keyword args or None) for this case: "z1", the
+    group split forced off (the geometry before v0.6), for the kernels whose default z is > 1."""
+    g = geometry(c.proj, c.m, c.rank, c.max_loras)
+    k1_z = int(g["k1_grid"].split("x")[2])
+    ex_z = int(g["expand_grid"].split("x")[2])
+    if k1_z == 1 and ex_z == 1:
+        return {}
+    return {"z1": ({"zsplit": 1} if k1_z > 1 else None, {"zsplit": 1} if ex_z > 1 else None)}
 
 
 def _vllm_launchers(c: LayerCase) -> dict[str, Callable[[], object]]:
