@@ -302,7 +302,7 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     if reason is not None:
         raise ValueError(f"path={path!r} does not apply: {reason}")
     if path == "no_adapter":
-        return _k2_no_adapter(x, w_q, w_scale, widths, out)
+        return _k2_no_adapter(x, w_q, w_scale, widths, out, pdl)
     return _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl)
 
 
@@ -395,7 +395,7 @@ def _launch_spec(kernel, spec, pdl: bool) -> None:
     kernel(*spec["args"], grid=spec["grid"], smem=spec["smem"], pdl=pdl, cluster=spec["cluster"])
 
 
-def _k2_no_adapter(x, w_q, w_scale, widths, out):
+def _k2_no_adapter(x, w_q, w_scale, widths, out, pdl: bool = True):
     from kernels_dsl import k2_gemm
 
     m, k = x.shape
@@ -403,8 +403,10 @@ def _k2_no_adapter(x, w_q, w_scale, widths, out):
     codes, scales = quantize_fp8_per_token(x)
     _, cfg = k2_gemm.select(widths, m)
     spec = k2_gemm.launch(cfg, w_q=w_q, w_scale=w_scale, x_q=codes, x_scale=scales, y=out,
-                          sync=_sync_buffer(x.device), n_quant=0, split=k2_gemm.choose_split(n, k, cfg.bm))
-    _launch_spec(get_kernel(k2_gemm, cfg, "sm_90a"), spec, pdl=False)
+                          sync=_sync_buffer(x.device), n_quant=0, split=k2_gemm.split_for(cfg, n, k))
+    # K2 as the quantization kernel's PDL dependent: its weight stream starts under the
+    # quantization (it waits with griddepcontrol.wait before reading x_q).
+    _launch_spec(get_kernel(k2_gemm, cfg, "sm_90a"), spec, pdl=pdl)
     return out
 
 
@@ -431,7 +433,7 @@ def _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl
                                 num_active=meta.num_active, slot_ranks=slot_ranks, split=split_s)
     k_cfg, _ = k2_gemm.select(widths, m, rank)
     k_spec = k2_gemm.launch(k_cfg, w_q=w_q, w_scale=w_scale, x_q=x_q, x_scale=x_scale, y=out, sync=sync,
-                            n_quant=s_spec["n_quant"], split=k2_gemm.choose_split(n, k, k_cfg.bm), h=h,
+                            n_quant=s_spec["n_quant"], split=k2_gemm.split_for(k_cfg, n, k), h=h,
                             token_lora=token_lora, active_lora_ids=meta.active_lora_ids, num_active=meta.num_active,
                             slot_ranks=slot_ranks, slice_start=_slice_start(widths, dev), lora_b=b)
     _launch_spec(get_kernel(lora_shrink, s_cfg, "sm_90a"), s_spec, pdl=False)

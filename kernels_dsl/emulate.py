@@ -36,6 +36,19 @@ def lora_items(active_ids: list[int], num_active: int, slot_ranks: list[int], ra
     return items
 
 
+def k2_items(token_lora, slot_ranks: list[int], rank: int, chunk: int):
+    """K2's epilogue items in its enumeration order: the tile's adapter groups in the order of
+    each slot's first token (K2 builds this table from token_lora itself), then rank chunks."""
+    items, seen = [], set()
+    for t in [int(v) for v in token_lora]:
+        if t < 0 or t in seen:
+            continue
+        seen.add(t)
+        reff = max(min(slot_ranks[t], rank), 0)
+        items += [(t, c) for c in range(-(-reff // chunk))]
+    return items
+
+
 def _squeeze(buf):
     return buf[:, 0] if buf.dim() == 4 else buf
 
@@ -91,7 +104,7 @@ def emulate_k2(xq, sx, w_codes, w_scale, h, lora_b, token_lora, active_ids, num_
         starts.append(starts[-1] + wd)
     assert starts[-1] == N and all(wd % bm == 0 for wd in widths)
     chunk = max(16, min(rank, 64))
-    items = lora_items(active_ids, num_active, slot_ranks, rank, chunk) if lora else []
+    items = k2_items(token_lora, slot_ranks, rank, chunk) if lora else []
     nk = -(-K // bk)
     wf = w_codes.float()
     xf = xq.float()

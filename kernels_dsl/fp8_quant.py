@@ -130,6 +130,9 @@ if cute is not None:  # the kernel itself exists only where the DSL is importabl
 
         @cute.kernel
         def kernel(self, m_x: cute.Tensor, m_q: cute.Tensor, m_scale: cute.Tensor):
+            # A PDL dependent (K2 without adapter) may be scheduled at once: it streams its first
+            # weight stages and executes griddepcontrol.wait before it reads x_q / s_x.
+            cute.arch.griddepcontrol_launch_dependents()
             tidx, _, _ = cute.arch.thread_idx()
             row, _, _ = cute.arch.block_idx()
             k = m_x.shape[1]

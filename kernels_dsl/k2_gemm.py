@@ -8,22 +8,29 @@ partials meet in distributed shared memory and every element of y is summed in t
 split 0, 1, ..., S-1 and written exactly once, by one CTA. No workspace, no atomics on data, so
 results are bitwise reproducible.
 
-Warp specialization: warpgroup 0 is the producer (one thread issues every TMA; setmaxnreg
-lowers it to 40 registers), warpgroup 1 the WGMMA consumer (setmaxnreg 232).
+Warp specialization: warpgroup 0 is the producer (setmaxnreg lowers it to 40 registers): warp 0
+streams the weights and x_q, warp 1 (adapter builds) builds the tile's adapter table and streams
+the B chunks; warpgroup 1 is the WGMMA consumer (setmaxnreg 232, or 216 for builds with two CTAs
+per SM - the decode path's default, see default_config).
 
 Activations: x_q/s_x are written by the quantization CTAs of the shrink kernel, launched just
 before K2 (K2 is its PDL dependent). K2 cannot use griddepcontrol.wait for them without giving
 up the overlap, so the producer spins (ld.acquire.gpu) on a counter those CTAs increment
 (red.release.gpu) once per CTA; it issues the first weight stages before spinning. The last K2
-CTA to pass the spin resets the counter for the next call (see docs/k2_design.md).
+CTA to pass the spin resets the counter for the next call (see docs/k2_design.md). With
+n_quant = 0 (x_q from the standalone quantization kernel, the no-adapter path) the producer
+instead executes griddepcontrol.wait after requesting the first weight stages.
 
-Adapter epilogue (Config.lora): after the main loop the consumer executes griddepcontrol.wait
-(h comes from the shrink kernel), then for every (adapter group, 64-wide rank chunk) item
-assigned to this CTA (items are dealt round-robin over the cluster's CTAs) it runs a second
-WGMMA: acc_lora[BM, BN] += B_chunk[BM, 64] . hmask^T, with hmask = bf16(h) of the group's tokens
-and 0 for all other tokens. The B chunks are TMA-loaded by the producer into a small ring of
-buffers, the first ones right after the main loop's pipeline is full, i.e. long before the wait.
-partial = acc * s_x[token] * s_w + acc_lora, then the cluster reduction above.
+Adapter epilogue (Config.lora): the adapter groups come from the tile's own tokens (token_lora,
+one lane per token, first token of each slot; slot_ranks gives its effective rank), built into
+smem by producer warp 1 at the start, so the epilogue reads no metadata from global memory.
+After the main loop the consumer executes griddepcontrol.wait (h comes from the shrink kernel),
+then for every (adapter group, 64-wide rank chunk) item assigned to this CTA (items are dealt
+round-robin over the cluster's CTAs) it runs a second WGMMA: acc_lora[BM, BN] += B_chunk[BM, 64]
+. hmask^T, with hmask = bf16(h) of the group's tokens and 0 for all other tokens. The B chunks
+are TMA-loaded by warp 1 into a small ring of buffers, the first ones at the kernel's start.
+partial = acc * s_x[token] * s_w + acc_lora, then the cluster reduction above (its buffer reuses
+the weight stages' smem).
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ CONSUMER_REGS = 232  # one CTA per SM: 128 x (40 + 232) <= 256 x 232, the launch
 CONSUMER_REGS_2CTA = 216
 SMEM_PER_SM = 228 * 1024  # H100/H200; each resident CTA also reserves 1 KiB
 RED_PAD = 4  # fp32 words of padding per token column of the reduction buffer (bank spread)
+META_ROWS = 32  # the adapter table in smem: one row per token of the tile (bn <= 32)
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,8 @@ class Config:
     ctas: int = 1  # CTAs per SM the kernel is built for (1 or 2: registers and the launch bound)
 
     def __post_init__(self):
+        if (self.bm + RED_PAD) * self.bn * 4 > self.bm * self.bk * self.stages:
+            raise ValueError("the reduction buffer must fit the weight stages it reuses")
         if self.bn not in (8, 16, 32):
             raise ValueError("bn must be 8, 16 or 32")
         if self.bm not in (64, 128):
@@ -127,9 +137,10 @@ class Config:
         """Dynamic shared memory of a launch: the kernel's smem struct, field by field."""
         st, nb, bn = self.stages, self.b_bufs, self.bn
         f = [(8 * st, 8), (8 * st, 8), (8, 8), (4 * bn, 4), (8 * nb, 8), (8 * nb, 8),
-             (self.bm * self.bk * st, 1024), (bn * self.bk * st, 1024), ((self.bm + RED_PAD) * bn * 4, 16)]
+             (self.bm * self.bk * st, 1024), (bn * self.bk * st, 1024)]
         if self.lora:
-            f += [(nb * self.bm * self.rank_chunk * 2, 1024), (bn * self.rank_chunk * 2, 1024)]
+            f += [(nb * self.bm * self.rank_chunk * 2, 1024), (bn * self.rank_chunk * 2, 1024),
+                  (8, 8), (4 * META_ROWS, 4), (4 * META_ROWS, 4)]
         return struct_size(f)
 
 
@@ -211,7 +222,6 @@ if cute is not None:
                 bempty: cute.struct.MemRange[cutlass.Int64, nb]
                 sW: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sW_layout)], 1024]
                 sX: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sX_layout)], 1024]
-                sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, red_cosize], 16]
 
             @cute.struct
             class StorageLora:
@@ -223,9 +233,11 @@ if cute is not None:
                 bempty: cute.struct.MemRange[cutlass.Int64, nb]
                 sW: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sW_layout)], 1024]
                 sX: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sX_layout)], 1024]
-                sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, red_cosize], 16]
                 sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sB_layout)], 1024]
                 sH: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sH_layout)], 1024]
+                meta_ready: cute.struct.MemRange[cutlass.Int64, 1]
+                sTok: cute.struct.MemRange[cutlass.Int32, META_ROWS]
+                sReff: cute.struct.MemRange[cutlass.Int32, META_ROWS]
 
             if cutlass.const_expr(lora):
                 self.storage = StorageLora
@@ -290,7 +302,10 @@ if cute is not None:
             bempty = st.bempty.data_ptr()
             sW = st.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)
             sX = st.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
-            sRed = st.sRed.get_tensor(cute.make_layout((BM, BN), stride=(1, BM + RED_PAD)))
+            # The split-K partials reuse the weight stages' smem: when the consumer writes them, it
+            # has waited for every stage's TMA and every WGMMA that read one (red_fits_stages).
+            sRed = cute.make_tensor(cute.recast_ptr(st.sW.data_ptr(), dtype=cutlass.Float32),
+                                    cute.make_layout((BM, BN), stride=(1, BM + RED_PAD)))
 
             if tidx == 0:
                 for i in cutlass.range_constexpr(STAGES):
@@ -300,6 +315,8 @@ if cute is not None:
                 for i in cutlass.range_constexpr(NB):
                     cute.arch.mbarrier_init(bfull + i, 1)
                     cute.arch.mbarrier_init(bempty + i, 128)
+                if cutlass.const_expr(cfg.lora):
+                    cute.arch.mbarrier_init(st.meta_ready.data_ptr(), 1)
                 cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
 
@@ -340,22 +357,26 @@ if cute is not None:
                         with cute.arch.elect_one():
                             cute.arch.mbarrier_arrive_and_expect_tx(full + i, stage_bytes)
                         cute.copy(tma_w, tWg[(None, kb_lo + i)], tWs[(None, i)], tma_bar_ptr=full + i)
-                    # 2. adapter B chunks that fit the ring: they depend on nothing the shrink kernel
-                    #    writes, so they are requested now, long before griddepcontrol.wait.
-                    if cutlass.const_expr(cfg.lora):
-                        self._issue_b(0, NB, tma_bs, mBs, st, sB_layout, bfull, bempty, mActive,
-                                      mNumActive, mSlotRanks, sl, row_in_slice, n_s, split, nsplit)
+                    # 2. (the adapter's B chunks are warp 1's job, below)
                     # 3. wait until the quantization CTAs have published x_q / s_x (every lane
                     #    acquires, then orders its later async-proxy reads after it).
                     sync_addr = mSync.iterator.toint()
+                    if n_quant == 0:
+                        # x_q from a previous kernel (the standalone quantization): as its PDL
+                        # dependent, wait for it here, after the first weight stages are requested
+                        # (a no-op when launched without PDL).
+                        cute.arch.griddepcontrol_wait()
                     while D.ld_acquire_gpu_s32(sync_addr) < n_quant:
                         D.nanosleep(32)
                     D.fence_proxy_async_global()
+                    # s_x goes to the consumer through smem + an mbarrier, so that its reads are
+                    # ordered after this acquire (the consumer never saw the flag). One token per
+                    # lane (bn <= 32): one memory round trip, not one per token (a serial loop here
+                    # cost ~0.4 us per token before the first x_q load, measured on the H200).
+                    if lane < cutlass.min(M, BN):
+                        sSx[lane] = mSx[lane]
+                    cute.arch.sync_warp()
                     if lane == 0:
-                        # s_x goes to the consumer through smem + an mbarrier, so that its reads
-                        # are ordered after this acquire (the consumer never saw the flag).
-                        for j in cutlass.range(cutlass.min(M, BN), unroll=1):
-                            sSx[j] = mSx[j]
                         cute.arch.mbarrier_arrive(sx_ready)
                         gdim = cute.arch.grid_dim()
                         total = gdim[0] * gdim[1] * gdim[2]
@@ -375,10 +396,13 @@ if cute is not None:
                             cute.arch.mbarrier_arrive_and_expect_tx(full + s, stage_bytes)
                         cute.copy(tma_w, tWg[(None, kb_lo + i)], tWs[(None, s)], tma_bar_ptr=full + s)
                         cute.copy(tma_x, tXg[(None, kb_lo + i)], tXs[(None, s)], tma_bar_ptr=full + s)
-                    # 5. the rest of the B chunks, as the consumer frees buffers.
-                    if cutlass.const_expr(cfg.lora):
-                        self._issue_b(NB, 1 << 30, tma_bs, mBs, st, sB_layout, bfull, bempty, mActive,
-                                      mNumActive, mSlotRanks, sl, row_in_slice, n_s, split, nsplit)
+                if cutlass.const_expr(cfg.lora):
+                    if warp_idx == 1:
+                        # The adapter side, beside the weight stream: the tile's token table, then
+                        # every B chunk of this CTA's items (the ring's first ones at once: they
+                        # depend on nothing the shrink kernel writes).
+                        self._adapter_producer(tma_bs, mBs, st, sB_layout, bfull, bempty, mTok, mSlotRanks,
+                                               sl, row_in_slice, n_s, split, nsplit, M)
             else:
                 # ===================================== consumer ====================================
                 cute.arch.setmaxregister_increase(cfg.consumer_regs)
@@ -417,9 +441,10 @@ if cute is not None:
                 if cutlass.const_expr(cfg.lora):
                     # h comes from the shrink kernel: wait for it here, after the main loop, and not
                     # a moment earlier.
+                    cute.arch.mbarrier_wait(st.meta_ready.data_ptr(), 0)
                     cute.arch.griddepcontrol_wait()
                     self._lora_epilogue(ctid, acc_l, tiled_mma_l, st, sB_layout, sH_layout, bfull, bempty,
-                                        mH, mTok, mActive, mNumActive, mSlotRanks, sl, M, split, nsplit)
+                                        mH, sl, M, split, nsplit)
 
                 # partial = acc * s_x[token] * s_w (+ adapter), into this CTA's reduction buffer.
                 s_w = mSw[0]
@@ -445,14 +470,25 @@ if cute is not None:
                 lo = split * n_el // nsplit
                 hi = (split + 1) * n_el // nsplit
                 red_base = sRed.iterator.toint()
-                for e in cutlass.range(lo + ctid, hi, 128, unroll=1):
-                    j = e // BM
-                    r = e - j * BM
-                    off = red_base + (r + j * (BM + RED_PAD)) * 4
-                    v = cutlass.Float32(0.0)
-                    for q in cutlass.range(nsplit, unroll=1):
-                        v = v + D.ld_dsmem_f32(off, q)
-                    mY[j, n0 + r] = v.to(cutlass.BFloat16)
+                # Every element this thread owns is summed over the splits in the fixed order
+                # 0, 1, ..., S-1; the loads of one split are independent, so they are unrolled
+                # and all in flight at once (a serial load-add chain per element was the
+                # epilogue's largest cost at bn = 32).
+                RU = BM * BN // 128
+                vals = cute.make_rmem_tensor((RU,), cutlass.Float32)
+                vals.fill(0.0)
+                for q in cutlass.range(nsplit, unroll=1):
+                    for u in cutlass.range_constexpr(RU):
+                        e = lo + ctid + 128 * u
+                        if e < hi:
+                            j = e // BM
+                            r = e - j * BM
+                            vals[u] = vals[u] + D.ld_dsmem_f32(red_base + (r + j * (BM + RED_PAD)) * 4, q)
+                for u in cutlass.range_constexpr(RU):
+                    e = lo + ctid + 128 * u
+                    if e < hi:
+                        j = e // BM
+                        mY[j, n0 + e - j * BM] = vals[u].to(cutlass.BFloat16)
 
             # Keep this CTA's smem alive until every CTA of the cluster has read it.
             cute.arch.cluster_arrive()
@@ -460,79 +496,109 @@ if cute is not None:
 
         # -----------------------------------------------------------------------------------------
         @cute.jit
-        def _issue_b(self, q_lo, q_hi, tma_bs: tuple, mBs: tuple, st, sB_layout, bfull, bempty,
-                     mActive, mNumActive, mSlotRanks, sl, row_in_slice, n_s, split, nsplit):
-            """Producer warp (all 32 lanes): TMA the B chunks of this CTA's items with ordinals in
-            [q_lo, q_hi)."""
+        def _adapter_producer(self, tma_bs: tuple, mBs: tuple, st, sB_layout, bfull, bempty, mTok, mSlotRanks,
+                              sl, row_in_slice, n_s, split, nsplit, M):
+            """Producer warp 1 (all 32 lanes): the adapter table, then the B chunks.
+
+            Table: row j (one lane each) holds token j's slot (sTok) and, when j is the first token
+            of its slot, the slot's effective rank (sReff; 0 otherwise) - the tile's adapter groups
+            in token order, from one parallel round of loads instead of a dependent chain of
+            metadata reads at the end of the kernel. Items: (group, 64-wide rank chunk) in table
+            order, dealt round-robin over the cluster's CTAs; the consumer walks the same order."""
             cfg = self.cfg
-            BM, RC, NB, R = self.bm, self.rc, self.nb, cfg.rank
+            BM, BN, RC, NB, R = self.bm, self.bn, self.rc, self.nb, cfg.rank
+            sTok = st.sTok.get_tensor(cute.make_layout(META_ROWS))
+            sReff = st.sReff.get_tensor(cute.make_layout(META_ROWS))
+            lane = cute.arch.lane_idx()
+            mv = cutlass.min(M, BN)
+            tok = cutlass.Int32(-1)
+            if lane < mv:
+                tok = mTok[lane]
+            sTok[lane] = tok
+            cute.arch.sync_warp()
+            first = tok >= 0
+            for i in cutlass.range(lane, unroll=1):
+                if sTok[i] == tok:
+                    first = False
+            reff = cutlass.Int32(0)
+            if first:
+                reff = cutlass.max(cutlass.min(mSlotRanks[tok], R), 0)
+            sReff[lane] = reff
+            cute.arch.sync_warp()
+            if lane == 0:
+                cute.arch.mbarrier_arrive(st.meta_ready.data_ptr())
+
             sB = st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
             t = cutlass.Int32(0)  # global item index (all CTAs of the cluster)
             q = cutlass.Int32(0)  # this CTA's item ordinal
-            num_active = mNumActive[0]
-            for g in cutlass.range(num_active, unroll=1):
-                lid = mActive[g]
-                if lid >= 0:
-                    reff = cutlass.max(cutlass.min(mSlotRanks[lid], R), 0)
-                    nch = (reff + RC - 1) // RC
-                    for c in cutlass.range(nch, unroll=1):
+            for g in cutlass.range(mv, unroll=1):
+                rg = sReff[g]
+                if rg > 0:
+                    lid = sTok[g]
+                    for c in cutlass.range((rg + RC - 1) // RC, unroll=1):
                         if t % nsplit == split:
-                            if q >= q_lo and q < q_hi:
-                                b = q % NB
-                                if q >= NB:
-                                    cute.arch.mbarrier_wait(bempty + b, ((q // NB) + 1) % 2)
-                                with cute.arch.elect_one():
-                                    cute.arch.mbarrier_arrive_and_expect_tx(bfull + b, BM * RC * 2)
-                                row_blk = (lid * n_s + row_in_slice) // BM
-                                for i in cutlass.range_constexpr(cfg.num_slices):
-                                    if sl == i:
-                                        gB = cute.local_tile(mBs[i], (BM, RC), (None, None))
-                                        tBs, tBg = cute.nvgpu.cpasync.tma_partition(
-                                            tma_bs[i], 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
-                                            cute.group_modes(gB, 0, 2))
-                                        cute.copy(tma_bs[i], tBg[(None, row_blk, c)], tBs[(None, b)],
-                                                  tma_bar_ptr=bfull + b)
+                            b = q % NB
+                            if q >= NB:
+                                cute.arch.mbarrier_wait(bempty + b, ((q // NB) + 1) % 2)
+                            with cute.arch.elect_one():
+                                cute.arch.mbarrier_arrive_and_expect_tx(bfull + b, BM * RC * 2)
+                            row_blk = (lid * n_s + row_in_slice) // BM
+                            for i in cutlass.range_constexpr(cfg.num_slices):
+                                if sl == i:
+                                    gB = cute.local_tile(mBs[i], (BM, RC), (None, None))
+                                    tBs, tBg = cute.nvgpu.cpasync.tma_partition(
+                                        tma_bs[i], 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+                                        cute.group_modes(gB, 0, 2))
+                                    cute.copy(tma_bs[i], tBg[(None, row_blk, c)], tBs[(None, b)],
+                                              tma_bar_ptr=bfull + b)
                             q = q + 1
                         t = t + 1
 
         @cute.jit
         def _lora_epilogue(self, ctid, acc_l, tiled_mma_l, st, sB_layout, sH_layout, bfull, bempty,
-                           mH, mTok, mActive, mNumActive, mSlotRanks, sl, M, split, nsplit):
-            """Consumer: acc_l += B_chunk . hmask^T for this CTA's items, in item order."""
+                           mH, sl, M, split, nsplit):
+            """Consumer: acc_l += B_chunk . hmask^T for this CTA's items, in the table's order."""
             cfg = self.cfg
             BN, RC, NB, R = self.bn, self.rc, self.nb, cfg.rank
             sB = st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
             sH = st.sH.get_tensor(sH_layout.outer, swizzle=sH_layout.inner)
+            sTok = st.sTok.get_tensor(cute.make_layout(META_ROWS))
+            sReff = st.sReff.get_tensor(cute.make_layout(META_ROWS))
             thr = tiled_mma_l.get_slice(ctid)
             tLrB = tiled_mma_l.make_fragment_A(thr.partition_A(sB))
             tLrH = tiled_mma_l.make_fragment_B(thr.partition_B(sH))
             tiled_mma_l.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             n_kk = cute.size(tLrB, mode=[2])
+            HU = BN * RC // 128  # hmask elements per consumer thread
+            hv = cute.make_rmem_tensor((HU,), cutlass.Float32)
             t = cutlass.Int32(0)
             q = cutlass.Int32(0)
-            num_active = mNumActive[0]
-            for g in cutlass.range(num_active, unroll=1):
-                lid = mActive[g]
-                if lid >= 0:
-                    reff = cutlass.max(cutlass.min(mSlotRanks[lid], R), 0)
-                    nch = (reff + RC - 1) // RC
-                    for c in cutlass.range(nch, unroll=1):
+            for g in cutlass.range(cutlass.min(M, BN), unroll=1):
+                rg = sReff[g]
+                if rg > 0:
+                    lid = sTok[g]
+                    for c in cutlass.range((rg + RC - 1) // RC, unroll=1):
                         if t % nsplit == split:
                             b = q % NB
-                            # hmask chunk: bf16(h) of this group's tokens, 0 elsewhere.
-                            for e in cutlass.range(ctid, BN * RC, 128, unroll=1):
+                            # hmask chunk: bf16(h) of this group's tokens, 0 elsewhere. Loads first,
+                            # all independent (one round trip), then the smem stores.
+                            for u in cutlass.range_constexpr(HU):
+                                e = ctid + 128 * u
                                 j = e // RC
                                 rr = e - j * RC
-                                v = cutlass.Float32(0.0)
+                                hv[u] = cutlass.Float32(0.0)
                                 if j < M and c * RC + rr < R:
-                                    if mTok[j] == lid:
-                                        v = mH[sl, j, c * RC + rr]
-                                sH[j, rr, 0] = v.to(cutlass.BFloat16)
+                                    if sTok[j] == lid:
+                                        hv[u] = mH[sl, j, c * RC + rr]
+                            for u in cutlass.range_constexpr(HU):
+                                e = ctid + 128 * u
+                                j = e // RC
+                                sH[j, e - j * RC, 0] = hv[u].to(cutlass.BFloat16)
                             cute.arch.fence_proxy("async.shared", space="cta")
                             cute.arch.barrier(barrier_id=1, number_of_threads=128)
                             cute.arch.mbarrier_wait(bfull + b, (q // NB) % 2)
                             # k16 steps past the slot's effective rank multiply zeros: skip them.
-                            n_steps = (cutlass.min(reff - c * RC, RC) + 15) // 16
+                            n_steps = (cutlass.min(rg - c * RC, RC) + 15) // 16
                             cute.nvgpu.warpgroup.fence()
                             for kk in cutlass.range_constexpr(n_kk):
                                 if kk < n_steps:
@@ -657,23 +723,34 @@ def launch(config: Config, *, w_q, w_scale, x_q, x_scale, y, sync, n_quant: int,
 
 
 def choose_split(n_out: int, k: int, bm: int = 128, bk: int = 128, sms: int = SM_COUNT_H100,
-                 max_split: int = 8, ctas_per_sm: int = 1, overhead_kblocks: float = 2.0) -> int:
+                 max_split: int = 8, ctas_per_sm: int = 2, overhead_kblocks: float = 4.0,
+                 sm_boost: float = 1.6) -> int:
     """Split-K (cluster size) so that every SM streams weights.
 
-    Cost model: the busiest SM runs ceil(tiles*S / (sms*ctas_per_sm)) CTAs one after another,
-    each streaming nk/S k-blocks plus a fixed overhead (pipeline fill, epilogue, reduction) of
-    about `overhead_kblocks`. A starting point for the runtime's timed dispatch, not a tuning.
-    """
+    Cost model, in k-block times at an SM's fair share of the bandwidth: the whole projection
+    needs tiles*nk/sms; the busiest SM, holding ceil(tiles*S/sms) CTAs of nk/S k-blocks, streams
+    them at most `sm_boost` times faster than its fair share; each of its CTAs adds a fixed cost
+    (pipeline fill, epilogue, reduction) of `overhead_kblocks`. Builds with one CTA per SM stop at
+    S = 2: a cluster then needs S free SMs of one GPC, and on the H200 clusters of 4 spilled into a
+    second wave (o / down at S = 4: 18.9 / 33.0 us against 14.3 / 25.2 us with two CTAs per SM).
+    Fitted to docs/gpu_record/run4 (k2sweep); a starting point for the timed dispatch."""
     tiles = n_out // bm
     nk = -(-k // bk)
+    top = max_split if ctas_per_sm > 1 else min(max_split, 2)
     best, best_t = 1, None
-    for s in range(1, max_split + 1):
+    for s in range(1, top + 1):
         if nk // s < 2:
             break
-        t = -(-tiles * s // (sms * ctas_per_sm)) * (nk / s + overhead_kblocks)
-        if best_t is None or t < best_t - 1e-9:
+        per_sm = -(-tiles * s // sms)
+        t = max(tiles * nk / sms, per_sm * (nk / s) / sm_boost) + per_sm * overhead_kblocks
+        if best_t is None or t <= best_t + 1e-9:  # ties: the larger split (o at S = 4, measured)
             best, best_t = s, t
     return best
+
+
+def split_for(cfg: "Config", n_out: int, k: int) -> int:
+    """choose_split for a built configuration (its bm, bk and CTAs per SM)."""
+    return choose_split(n_out, k, cfg.bm, cfg.bk, ctas_per_sm=cfg.ctas)
 
 
 def token_tile(m: int) -> int:
@@ -682,19 +759,31 @@ def token_tile(m: int) -> int:
     return 8 if m <= 8 else 16 if m <= 16 else 32
 
 
-def select(widths, m: int, rank: int | None = None, ctas: int = 1, stages: int = 4):
+def default_config(bn: int, bm: int, **kw) -> Config:
+    """The decode path's build for a token tile: two CTAs per SM (measured on the H200: the
+    second CTA's stream covers the first one's prologue and epilogue, and clusters of up to 8
+    stay in one wave), with 4 weight stages, or 3 where 4 don't fit twice (bn = 32 with an
+    adapter); one CTA per SM only if neither fits."""
+    for stages in (4, 3):
+        c = Config(bn=bn, bm=bm, stages=stages, ctas=2, **kw)
+        if c.fits_ctas():
+            return c
+    return Config(bn=bn, bm=bm, stages=4, ctas=1, **kw)
+
+
+def select(widths, m: int, rank: int | None = None, ctas: int | None = None, stages: int | None = None):
     """(adapter config or None, no-adapter config) for a projection with these slice widths.
 
-    ctas = 2 (two CTAs per SM) and stages = 8 (twice the bytes in flight) ask for the experimental
-    builds that tools/bench_stages.py times against the default (both prebuilt for rank 64 and no
-    adapter, where they fit); a configuration without such a build falls back to the default."""
+    ctas / stages ask for an experimental build that tools/bench_stages.py times against the
+    default (prebuilt for rank 64 and no adapter: the former default, one CTA per SM with 4
+    stages, and one CTA per SM with 8 stages); without such a build the default is returned."""
     bm, bn = bm_for(widths), token_tile(m)
 
     def pick(**kw):
-        default = Config(bn=bn, bm=bm, **kw)
-        if ctas == 1 and stages == 4:  # the decode path's per-call case: no set lookup
+        default = default_config(bn, bm, **kw)
+        if ctas is None and stages is None:  # the decode path's per-call case: no set lookup
             return default
-        want = Config(bn=bn, bm=bm, ctas=ctas, stages=stages, **kw)
+        want = Config(bn=bn, bm=bm, ctas=ctas or default.ctas, stages=stages or default.stages, **kw)
         return want if want in _experiment_builds() else default
 
     lora = pick(lora=True, num_slices=len(widths), rank=rank) if rank else None
@@ -703,7 +792,12 @@ def select(widths, m: int, rank: int | None = None, ctas: int = 1, stages: int =
 
 @functools.lru_cache(maxsize=1)
 def _experiment_builds() -> frozenset:
-    return frozenset(c for c in prebuild_configs() if c.ctas != 1 or c.stages != 4)
+    defaults = {default_config(c.bn, c.bm, **_kw(c)) for c in prebuild_configs()}
+    return frozenset(c for c in prebuild_configs() if c not in defaults)
+
+
+def _kw(c: Config) -> dict:
+    return dict(lora=c.lora, num_slices=c.num_slices, rank=c.rank) if c.lora else dict(lora=False)
 
 
 def configs_for(widths) -> list[Config]:
@@ -748,14 +842,13 @@ def prebuild_configs() -> list[Config]:
     for _, _, _, widths, _ in projection_shapes():
         bm = bm_for(widths)
         for bn in TOKEN_TILES:
-            cfgs.add(Config(bn=bn, bm=bm, lora=False))
+            cfgs.add(default_config(bn, bm, lora=False))
             for r in RANKS:
-                cfgs.add(Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=r))
+                cfgs.add(default_config(bn, bm, lora=True, num_slices=len(widths), rank=r))
             # Experiments timed against the default by tools/bench_stages.py (the no-adapter kernel
-            # and rank 64, where they fit): two CTAs per SM, or 8 stages (128 KiB of weights in
-            # flight per SM instead of 64: 4 x 16 KiB is about what Little's law asks of one SM at
-            # ~32 GB/s and ~2 us of loaded latency, so the default may starve the memory system).
-            for kw in (dict(ctas=2), dict(stages=8)):
+            # and rank 64, where they fit): the former default (one CTA per SM, 4 stages) and one
+            # CTA per SM with 8 stages (128 KiB of weights in flight per SM).
+            for kw in (dict(ctas=1, stages=4), dict(ctas=1, stages=8)):
                 for c in (Config(bn=bn, bm=bm, lora=False, **kw),
                           Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=64, **kw)):
                     if c.fits_ctas() and c.smem_bytes() <= 227 * 1024:

@@ -238,10 +238,13 @@ if cute is not None:
             else:
                 # ================================ down-projection ==================================
                 g = bz - zq
+                # The count and the group's slot are loaded together (one round trip, not two):
+                # the slot load is clamped into the table and discarded past the count.
                 n_active = mNumActive[0]
+                lid_any = mActive[cutlass.min(g, cute.size(mActive) - 1)]
                 lid = cutlass.Int32(-1)
                 if g < n_active:
-                    lid = mActive[g]
+                    lid = lid_any
                 sl = by // NCH
                 c = by - sl * NCH
                 reff = cutlass.Int32(0)
@@ -315,15 +318,30 @@ if cute is not None:
                     lo = split * n_el // nsplit
                     hi = (split + 1) * n_el // nsplit
                     base = sRed.iterator.toint()
-                    for e in cutlass.range(lo + tidx, hi, THREADS, unroll=1):
-                        j = e // rows
-                        r = e - j * rows
-                        if mTok[j] == lid:
-                            off = base + (r + j * (64 + RED_PAD)) * 4
-                            v = cutlass.Float32(0.0)
-                            for q in cutlass.range(nsplit, unroll=1):
-                                v = v + D.ld_dsmem_f32(off, q)
-                            mH[sl, j, c * 64 + r] = v
+                    # Each element is summed over the splits in the fixed order 0..S-1. The token
+                    # slots and then each split's partials are loaded for all of this thread's
+                    # elements at once (unrolled: independent loads in flight together), not as
+                    # one dependent chain per element.
+                    RU = 64 * BN // THREADS
+                    toks = cute.make_rmem_tensor((RU,), cutlass.Int32)
+                    vals = cute.make_rmem_tensor((RU,), cutlass.Float32)
+                    vals.fill(0.0)
+                    for u in cutlass.range_constexpr(RU):
+                        e = lo + tidx + THREADS * u
+                        toks[u] = cutlass.Int32(-2)
+                        if e < hi:
+                            toks[u] = mTok[e // rows]
+                    for q in cutlass.range(nsplit, unroll=1):
+                        for u in cutlass.range_constexpr(RU):
+                            e = lo + tidx + THREADS * u
+                            if toks[u] == lid:
+                                j = e // rows
+                                vals[u] = vals[u] + D.ld_dsmem_f32(base + (e - j * rows + j * (64 + RED_PAD)) * 4, q)
+                    for u in cutlass.range_constexpr(RU):
+                        e = lo + tidx + THREADS * u
+                        if toks[u] == lid:
+                            j = e // rows
+                            mH[sl, j, c * 64 + e - j * rows] = vals[u]
                     cute.arch.cluster_arrive()
                     cute.arch.cluster_wait()
 

@@ -68,21 +68,25 @@ def k2_ptx_problems(cfg: k2_gemm.Config, ptx: str) -> list[str]:
                 "ld.shared::cluster.f32"):
         if ins not in ptx:
             bad.append(f"missing {ins}")
+    # The producer's griddepcontrol.wait (taken only when n_quant = 0: x_q from the standalone
+    # quantization kernel, whose PDL dependent this K2 then is) precedes the main loop's WGMMAs in
+    # the code; an adapter build's consumer waits once more, after the main loop, before the
+    # epilogue's WGMMA (h comes from the shrink kernel).
+    if not wait or (fp8 and not wait[0] < min(fp8)):
+        bad.append("no griddepcontrol.wait before the main loop (the producer's, for n_quant = 0)")
     if cfg.lora:
-        if len(wait) != 1:
-            bad.append(f"{len(wait)} griddepcontrol.wait (expected exactly one)")
-        elif fp8 and not (wait[0] > max(fp8)):
-            bad.append("griddepcontrol.wait is not after the main loop")
+        if len(wait) != 2:
+            bad.append(f"{len(wait)} griddepcontrol.wait (expected the producer's and the epilogue's)")
+        elif fp8 and not (wait[1] > max(fp8)):
+            bad.append("the epilogue's griddepcontrol.wait is not after the main loop")
         if not bf:
             bad.append("no bf16 epilogue WGMMA")
-        elif wait and not (wait[0] < min(bf)):
+        elif len(wait) == 2 and not (wait[1] < min(bf)):
             bad.append("griddepcontrol.wait is not before the epilogue WGMMA")
-        # The first B chunks are requested before the wait (producer path), i.e. TMA for them
-        # exists in the code; that their issue precedes the wait in time is a property of the
-        # warp roles (the producer never executes griddepcontrol.wait).
+        # The B chunks are requested by producer warp 1, which never executes griddepcontrol.wait.
     else:
-        if wait:
-            bad.append("griddepcontrol.wait in the no-adapter variant")
+        if len(wait) != 1:
+            bad.append(f"{len(wait)} griddepcontrol.wait in the no-adapter variant (expected the producer's)")
         if bf:
             bad.append("epilogue WGMMA in the no-adapter variant")
     if "griddepcontrol.launch_dependents" in ptx:

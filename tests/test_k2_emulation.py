@@ -12,7 +12,7 @@ import torch
 
 from epilora_cute.metadata import build_meta
 from epilora_cute.reference import lora_linear, lora_shrink, quantize_fp8_per_tensor
-from kernels_dsl.emulate import emulate_k2, emulate_shrink, k_range, lora_items
+from kernels_dsl.emulate import emulate_k2, emulate_shrink, k2_items, k_range, lora_items
 
 
 def _problem(M, widths, K, rank, n_adapters, max_loras, seed, slot_ranks=None, none_frac=0.3):
@@ -117,3 +117,9 @@ def test_split_ranges_partition_k():
 def test_items_cover_each_group_chunk_once():
     items = lora_items([-1, 0, 3, 5, -1], 4, [64, 0, 0, 200, 0, 17], 256, 64)
     assert items == [(0, 0), (3, 0), (3, 1), (3, 2), (3, 3), (5, 0)]
+
+
+def test_k2_items_follow_first_tokens():
+    # Groups in the order of each slot's first token; slots of rank 0 give no item; -1 none.
+    items = k2_items([3, -1, 0, 3, 5, 0], [64, 0, 0, 200, 0, 17], 256, 64)
+    assert items == [(3, 0), (3, 1), (3, 2), (3, 3), (0, 0), (5, 0)]

@@ -9,7 +9,8 @@ CUDA-graph replays with the L2 flushed (median), all in one run:
   shrink_noquant_us the shrink kernel's down-projection alone
   decode_us         shrink then K2 as the decode path runs them (PDL)
   decode_nopdl_us   the same without PDL
-  k2_{c2,st8}_us, k2_epilogue_{c2,st8}_us   the K2 rows with two CTAs per SM / 8 stages (where built)
+  k2_{c1,c1st8}_us, k2_epilogue_{c1,c1st8}_us   the K2 rows with the former default (one CTA per SM,
+                    4 stages) and one CTA per SM with 8 stages (where built)
 The differences place the decode path's time (docs/perf.md): e.g. decode - k2 is what the adapter
 and the quantization cost on top of streaming the weights.
 """
@@ -63,7 +64,7 @@ class DecodeStages:
         self.s_spec_nq = lora_shrink.launch(self.s_cfg_nq, sync=self.sync_alone, **shrink_args)
         l_cfg, n_cfg = k2_gemm.select(widths, m, c.rank)
         self.l_cfg, self.n_cfg = l_cfg, n_cfg
-        split = k2_gemm.choose_split(n, k, l_cfg.bm)
+        split = k2_gemm.split_for(l_cfg, n, k)
         k2_common = dict(w_q=c.w_q, w_scale=c.w_s, x_q=self.x_q, x_scale=self.x_scale, y=c.y, split=split)
         lora_args = dict(h=self.h, slice_start=_slice_start(widths, dev), lora_b=c.lora_b, **common)
         self.k2_spec = k2_gemm.launch(n_cfg, sync=self.sync_alone, n_quant=0, **k2_common)
@@ -72,9 +73,9 @@ class DecodeStages:
                                            **lora_args)
         # The same two K2 runs with the experimental builds (k2_gemm.select: ctas / stages).
         self.variants = {}
-        for tag, kw in (("c2", dict(ctas=2)), ("st8", dict(stages=8))):
+        for tag, kw in (("c1", dict(ctas=1, stages=4)), ("c1st8", dict(ctas=1, stages=8))):
             lv, nv = k2_gemm.select(widths, m, c.rank, **kw)
-            common_v = dict(k2_common, split=k2_gemm.choose_split(n, k, l_cfg.bm, ctas_per_sm=lv.ctas))
+            common_v = dict(k2_common, split=k2_gemm.split_for(lv, n, k))
             if nv != n_cfg:
                 self.variants[f"k2_{tag}"] = (nv, k2_gemm.launch(nv, sync=self.sync_alone, n_quant=0, **common_v))
             if lv != l_cfg:
