@@ -7,6 +7,15 @@ i.e. EPILORA_DISABLE unset) shifts every logprob by OURS_LP_SHIFT and, for adapt
 FLIP_ADAPTER_ID, changes the greedy token at generated position FLIP_AT, so the tests know
 exactly what the comparison must find. EPILORA_E2E_FAKE_FAIL=<config> makes that engine fail,
 EPILORA_E2E_FAKE_SLOW=[<config>:]<seconds> makes that engine (or every one) start that slowly.
+
+``collective_rpc`` runs the real ``tools.e2e_model.WorkerProbe`` on a stand-in worker and, like
+vLLM 0.26, sends the reply only when it holds exactly dict / list / str / int / float / bool /
+None (msgspec refuses the rest, str subclasses included); otherwise, as in vLLM, the engine's
+output thread dies with a log line and the call never returns. Failure switches (value: the
+configuration, "stock" or "ours"): EPILORA_E2E_FAKE_RPC_DIES (the output thread dies on the
+probe's reply whatever it holds), EPILORA_E2E_FAKE_RPC_SILENT (the probe never returns, nothing
+logged), EPILORA_E2E_FAKE_DIES_SCORING (the engine dies at the first prompt-logprobs request,
+logging vLLM's fatal-error line, and the call hangs).
 """
 
 from __future__ import annotations
@@ -43,12 +52,36 @@ class FakeLLM:
         else:
             print("INFO 00:00:00 vllm.epilora: EpiLoRA plugin disabled by EPILORA_DISABLE")
 
+    def _fails(self, switch: str) -> bool:
+        return os.environ.get(switch) == ("ours" if self.ours else "stock")
+
+    @staticmethod
+    def _hang():
+        while True:
+            time.sleep(3600)
+
+    def _worker(self):
+        import torch
+
+        from tools.e2e_model import WorkerProbe
+
+        name = "EpiLoRAFakeWithLoRA" if self.ours else "FakeWithLoRA"
+        cls = type(name, (torch.nn.Linear,), {"_epilora_active": self.ours})
+        model = torch.nn.ModuleList(cls(2, 2) for _ in range(4 * self.layers))
+        return type("FakeWorker", (WorkerProbe,), {"get_model": lambda w: model, "model_runner": object()})()
+
     def collective_rpc(self, method):
-        assert method == "e2e_lora_layers"
-        n = 4 * self.layers
-        return [{"lora_classes": {"EpiLoRAFakeWithLoRA" if self.ours else "FakeWithLoRA": n},
-                 "epilora_layers": n if self.ours else 0, "epilora_active": n if self.ours else 0,
-                 "gpu": "fake", "kernel_path": "triton" if self.ours else "unknown", "env": {}}]
+        if self._fails("EPILORA_E2E_FAKE_RPC_SILENT"):
+            self._hang()
+        reply = [getattr(self._worker(), method)()]
+        unsendable = _unsendable(reply)
+        if unsendable or self._fails("EPILORA_E2E_FAKE_RPC_DIES"):
+            # what vLLM 0.26 logs when its output thread cannot encode a reply; the caller waits forever
+            print("(EngineCore pid=1) Exception in thread Thread-3 (process_output_sockets):\n"
+                  "(EngineCore pid=1) Traceback (most recent call last):\n"
+                  f"(EngineCore pid=1) TypeError: Object of type {unsendable or 'fake'} is not serializable", flush=True)
+            self._hang()
+        return reply
 
     def _base(self, ctx, lid):
         return (sum(ctx[-4:]) * 2654435761 + 97 * lid) % self.vocab
@@ -63,6 +96,10 @@ class FakeLLM:
         return -1.0 - ((sum(ctx[-4:]) + tok + lid) % 1000) / 100.0 + (OURS_LP_SHIFT if self.ours else 0.0)
 
     def generate(self, prompts, sp, lora_request=None, use_tqdm=True):
+        if getattr(sp, "prompt_logprobs", None) is not None and self._fails("EPILORA_E2E_FAKE_DIES_SCORING"):
+            print("(EngineCore pid=1) ERROR 00:00:00 vllm.v1.engine.core: EngineCore encountered a fatal error.\n"
+                  "(EngineCore pid=1) RuntimeError: CUDA error: an illegal memory access was encountered", flush=True)
+            self._hang()
         outs = []
         for k, p in enumerate(prompts):
             ids = list(p["prompt_token_ids"])
@@ -85,3 +122,14 @@ class FakeLLM:
                     plp.append(d)
             outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=gen)], prompt_logprobs=plp))
         return outs
+
+
+def _unsendable(obj) -> str | None:
+    """The first type in ``obj`` that msgspec would refuse (exact types only), else None."""
+    if obj is None or type(obj) in (bool, int, float, str):
+        return None
+    if type(obj) is dict:
+        return next((u for k, v in obj.items() for u in (_unsendable(k), _unsendable(v)) if u), None)
+    if type(obj) is list:
+        return next((u for v in obj if (u := _unsendable(v))), None)
+    return f"<class '{type(obj).__module__}.{type(obj).__qualname__}'>"

@@ -184,6 +184,26 @@ def test_worker_probe_counts_lora_classes(monkeypatch):
     assert r["kernel_path"] == "plugin not registered"  # this process never ran register()
 
 
+def test_probe_reply_is_plain_json():
+    """Everything collective_rpc returns crosses vLLM's msgspec encoder, which refuses str
+    subclasses such as torch.__version__ (the first H200 run lost its stock engine to that)."""
+    model = torch.nn.ModuleDict({"qkv": type("EpiLoRAQKVParallelLinearWithLoRA", (torch.nn.Linear,), {})(2, 2)})
+    worker = type("FakeWorker", (m.WorkerProbe,), {"get_model": lambda self: model, "model_runner": object()})()
+    r = worker.e2e_lora_layers()
+    assert m.not_plain(r) == [] and e2e_fake._unsendable(r) is None
+    assert type(r["torch"]) is str and r["torch"] == str(torch.__version__)
+    assert e2e_fake._unsendable(worker._e2e_lora_layers()) is not None  # what it was before plain()
+    assert m.plain({"v": torch.__version__, "t": (1, 2.5, None), "d": torch.device("cpu"), 3: {True}}) == \
+        {"v": str(torch.__version__), "t": [1, 2.5, None], "d": "cpu", "3": [True]}
+    assert m.not_plain({"a": [1, torch.__version__]}) == ["result['a'][1]: torch.torch_version.TorchVersion"]
+
+
+def test_engine_kwargs_overrides_replace_defaults(tmp_path):
+    kw = e.engine_kwargs(tmp_path, 0, {"max_model_len": 256, "enforce_eager": True})
+    assert kw["max_model_len"] == 256 and kw["enforce_eager"] is True and kw["max_num_seqs"] == 64
+    assert e.engine_kwargs(tmp_path, 0)["max_model_len"] == 1024
+
+
 def test_parse_env_pairs():
     assert e.parse_env_pairs(["A=1", "B_2=x=y", "C="]) == {"A": "1", "B_2": "x=y", "C": ""}
     for bad in ("A", "=1", "1A=2"):
@@ -261,8 +281,8 @@ def test_prompts_deterministic():
 
 # ----------------------------------------------------------------------------- the whole pipeline, stand-in engine
 
-def _run_tool(tmp_path, *extra, fail=None, slow=None, out="out"):
-    env = dict(os.environ, EPILORA_E2E_LLM_FACTORY="tests.e2e_fake:FakeLLM", PYTHONPATH=str(ROOT))
+def _run_tool(tmp_path, *extra, fail=None, slow=None, out="out", env_extra=None):
+    env = dict(os.environ, EPILORA_E2E_LLM_FACTORY="tests.e2e_fake:FakeLLM", PYTHONPATH=str(ROOT), **(env_extra or {}))
     env.pop("OUT", None)
     if fail:
         env["EPILORA_E2E_FAKE_FAIL"] = fail
@@ -361,7 +381,87 @@ def test_failing_engine_is_reported(tmp_path):
     assert r.returncode == 1
     assert rep["runs"]["stock"]["done"] and "greedy" in rep["runs"]["stock"]["phases"]
     assert "before its engine was up" in rep["notes"]["ours"] and "fake engine failure" in rep["runs"]["ours"]["log_tail"]
-    assert "**ours**" in (tmp_path / "out" / "e2e.md").read_text()
+    assert "RuntimeError: fake engine failure" in rep["notes"]["ours"]  # the root cause, in the note
+    assert "fake engine failure" in rep["runs"]["ours"]["errors"]["engine"]
+    md = (tmp_path / "out" / "e2e.md").read_text()
+    assert "**ours**" in md and "ours.log, last 15 lines:" in md
+
+
+def test_reply_vllm_cannot_send_is_reported_at_once(tmp_path):
+    """The first H200 run: the stock engine came up, its probe's reply could not be encoded, the
+    engine's output thread died and the tool waited for its 420 s start limit. Now the log line
+    ends it within seconds, with the root cause and the log's tail in the report."""
+    import time
+
+    t = time.time()
+    r, rep = _run_tool(tmp_path, "--phases", "greedy", "--start-timeout", "250",
+                       env_extra={"EPILORA_E2E_FAKE_RPC_DIES": "stock"})
+    took = time.time() - t
+    assert r.returncode == 1 and took < 120, (took, r.stdout[-2000:])
+    note = rep["notes"]["stock"]
+    assert note.startswith("its engine failed before measuring: TypeError: Object of type fake is not serializable")
+    assert rep["runs"]["ours"]["done"] and "greedy" in rep["runs"]["ours"]["phases"]
+    assert "process_output_sockets" in rep["runs"]["stock"]["log_tail"]
+    md = (tmp_path / "out" / "e2e.md").read_text()
+    assert "stock.log, last 15 lines:" in md and "Exception in thread Thread-3 (process_output_sockets)" in md
+    assert _leftover_processes(tmp_path) == []
+
+
+def test_probe_that_never_answers_times_out_in_the_worker(tmp_path):
+    r, rep = _run_tool(tmp_path, "--phases", "greedy", "--start-timeout", "250",
+                       env_extra={"EPILORA_E2E_FAKE_RPC_SILENT": "ours", e.RPC_TIMEOUT_ENV: "20"})
+    assert r.returncode == 1
+    assert rep["runs"]["ours"]["fatal"].startswith("collective_rpc('e2e_lora_layers') did not return within 20 s")
+    assert f"exited with {e.EXIT_ENGINE_UNUSABLE} before its engine was up: collective_rpc(" in rep["notes"]["ours"]
+    assert rep["runs"]["stock"]["done"]
+    assert _leftover_processes(tmp_path) == []
+
+
+def test_engine_dying_while_measuring_is_stopped(tmp_path):
+    r, rep = _run_tool(tmp_path, "--phases", "greedy,logprobs", "--only", "ours",
+                       env_extra={"EPILORA_E2E_FAKE_DIES_SCORING": "ours"})
+    assert r.returncode == 1
+    assert rep["notes"]["ours"].startswith("its engine failed while measuring: RuntimeError: CUDA error: an illegal "
+                                           "memory access was encountered")
+    assert "greedy" in rep["runs"]["ours"]["phases"] and not rep["runs"]["ours"]["done"]
+    assert _leftover_processes(tmp_path) == []
+
+
+def test_error_summary_finds_the_root_cause():
+    ours = "\n".join([
+        "(EngineCore pid=2780) INFO 10:39:01 vllm.model_executor.warmup.cutedsl_warmup: Skipping CuTeDSL warmup",
+        "(EngineCore pid=2780) ERROR 10:39:11 vllm.v1.engine.core: EngineCore failed to start.",
+        "(EngineCore pid=2780) Traceback (most recent call last):",
+        "(EngineCore pid=2780)     return _cached(key, lambda: torch.tensor([b.data_ptr() for b in bufs]))",
+        "(EngineCore pid=2780) RuntimeError: Cannot copy between CPU and CUDA tensors during CUDA graph capture "
+        "unless the CPU tensor is pinned. Please use tensor.pin_memory().",
+        "Traceback (most recent call last):",
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"])
+    assert e.error_summary(ours).startswith("RuntimeError: Cannot copy between CPU and CUDA tensors during CUDA graph")
+    assert e.error_summary("(EngineCore pid=2842) TypeError: Object of type <class 'torch.torch_version."
+                           "TorchVersion'> is not serializableSet VLLM_ALLOW_INSECURE_SERIALIZATION=1") \
+        .startswith("TypeError: Object of type <class 'torch.torch_version.TorchVersion'> is not serializable")
+    assert e.error_summary("INFO all fine\n[W1130 socket.cpp:207] err=-3") is None
+    assert any(p.search("(EngineCore pid=2842) Exception in thread Thread-3 (process_output_sockets):")
+               for p in e.FATAL_LOG_PATTERNS)
+
+
+def test_smoke_mode(tmp_path):
+    r, rep = _run_tool(tmp_path, "--smoke")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    spec = rep["spec"]
+    assert spec["layers"] == e.SMOKE["layers"] and spec["phases"] == ["greedy", "logprobs"] and spec["reps"] == 1
+    assert spec["smoke"]["skipped"] == ["tpot", "throughput"] and spec["smoke"]["of_layers"] == TINY["num_hidden_layers"]
+    for k, v in e.SMOKE["engine"].items():
+        assert spec["engine"][k] == v
+    assert "enforce_eager" not in spec["engine"] and "compilation_config" not in spec["engine"]  # graphs, compile on
+    assert set(rep["runs"]["ours"]["phases"]) == {"greedy", "logprobs"}
+    assert rep["comparison"]["greedy"]["none"]["identical"] == 16
+    md = (tmp_path / "out" / "e2e.md").read_text()
+    assert "**SMOKE RUN** (`--smoke`): 4 of the model's 2 layers" in md and "skipped: tpot, throughput" in md
+    assert "Not measured: smoke run." in md and "TPOT batch 1" not in md
+    assert "SMOKE RUN: 4 of 2 layers, greedy + logprobs only" in r.stdout and "Expected on an H200" in r.stdout
+    assert "limits: engine start 210 s, whole run 270 s" in r.stdout
 
 
 # ----------------------------------------------------------------------------- vLLM's own loaders (.venv-vllm)
@@ -398,6 +498,21 @@ ecfg = EngineArgs(**e2e_vllm.engine_kwargs(model_dir, 0)).create_engine_config()
 out = {"engine": [ecfg.model_config.quantization, ecfg.lora_config.max_loras, ecfg.lora_config.max_lora_rank,
                   ecfg.cache_config.kv_cache_memory_bytes, ecfg.parallel_config.worker_extension_cls],
        "probe_conflicts": [a for a in dir(e2e_model.WorkerProbe) if not a.startswith("__") and hasattr(Worker, a)]}
+scfg = EngineArgs(**e2e_vllm.engine_kwargs(model_dir, 0, e2e_vllm.SMOKE["engine"])).create_engine_config()
+out["smoke_engine"] = [scfg.model_config.max_model_len, scfg.scheduler_config.max_num_seqs,
+                       scfg.scheduler_config.max_num_batched_tokens, scfg.cache_config.kv_cache_memory_bytes]
+# the probe's reply through vLLM's own msgspec encoder (what runs in the engine's output thread)
+from vllm.v1.serial_utils import MsgpackEncoder
+model = torch.nn.ModuleDict({"o": type("EpiLoRARowParallelLinearWithLoRA", (torch.nn.Linear,), {})(2, 2)})
+worker = type("W", (e2e_model.WorkerProbe,), {"get_model": lambda self: model, "model_runner": object()})()
+reply = worker.e2e_lora_layers()
+MsgpackEncoder().encode([reply])
+try:
+    MsgpackEncoder().encode([{"torch": torch.__version__}])
+    out["torch_version_encodes"] = True
+except TypeError:
+    out["torch_version_encodes"] = False
+out["probe_torch"] = reply["torch"]
 ctx = e2e_vllm.Ctx(None, {"adapters": [adapter_dir] * 8, "seed": 0, "vocab_size": 512}, None, {})
 sp = ctx.sampling(4, skip_reading_prefix_cache=True)
 out["sampling"] = [type(sp).__name__, sp.max_tokens, sp.temperature, sp.skip_reading_prefix_cache, sp.ignore_eos]
@@ -443,6 +558,9 @@ def test_files_load_with_vllm_qwen3_and_lora_loaders(tmp_path):
     out = json.loads(lines[-1][len("XCHECK "):])
     assert out["architecture"] == ["Qwen3ForCausalLM"]
     assert out["engine"] == ["fp8", 8, 64, 16 << 30, "tools.e2e_model.WorkerProbe"] and out["probe_conflicts"] == []
+    assert out["smoke_engine"] == [256, 16, 2048, 4 << 30]
+    # vLLM refuses torch.__version__ (the first H200 run's stock failure); the probe's reply encodes
+    assert out["torch_version_encodes"] is False and out["probe_torch"]
     assert out["sampling"] == ["SamplingParams", 4, 0.0, True, True]
     assert out["lora_request"] == ["LoRARequest", 3, str(adapter)]
     assert out["params_not_loaded"] == [] and out["loaded_not_params"] == []

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import struct
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -221,12 +222,51 @@ def make_plugin_shim(directory: Path) -> Path:
 
 # ----------------------------------------------------------------------------- worker probe
 
+def plain(obj):
+    """A copy of ``obj`` made of exactly dict / list / str / int / float / bool / None.
+
+    What a worker returns over ``collective_rpc`` crosses vLLM's msgspec encoder, which refuses
+    anything else, subclasses of str included (``torch.__version__`` is a ``TorchVersion``); it
+    raises in the engine's output thread, which dies, and the caller waits forever (the first H200
+    run). Unknown objects become their ``str``."""
+    if obj is None or type(obj) in (bool, int, float, str):
+        return obj
+    if isinstance(obj, bool):
+        return bool(obj)
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, float):
+        return float(obj)
+    if isinstance(obj, str):
+        return str.__str__(obj)
+    if isinstance(obj, dict):
+        return {str.__str__(k) if isinstance(k, str) else str(k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [plain(v) for v in obj]
+    return str(obj)
+
+
+def not_plain(obj, where: str = "result") -> list[str]:
+    """Where ``obj`` holds something other than the exact plain JSON types (empty: nothing)."""
+    if obj is None or type(obj) in (bool, int, float, str):
+        return []
+    if type(obj) is dict:
+        bad = [f"{where} key {k!r} ({type(k).__name__})" for k in obj if type(k) is not str]
+        return bad + [b for k, v in obj.items() for b in not_plain(v, f"{where}[{k!r}]")]
+    if type(obj) is list:
+        return [b for i, v in enumerate(obj) for b in not_plain(v, f"{where}[{i}]")]
+    return [f"{where}: {type(obj).__module__}.{type(obj).__qualname__}"]
+
+
 class WorkerProbe:
     """Mixed into vLLM's GPU worker (``LLM(worker_extension_cls="tools.e2e_model.WorkerProbe")``);
     ``llm.collective_rpc("e2e_lora_layers")`` returns, from inside the engine, which class each
-    LoRA layer got and which kernel path the plugin routes to."""
+    LoRA layer got and which kernel path the plugin routes to, as plain JSON types (``plain``)."""
 
     def e2e_lora_layers(self) -> dict:
+        return plain(self._e2e_lora_layers())
+
+    def _e2e_lora_layers(self) -> dict:
         import torch
 
         model = self.get_model()
@@ -251,6 +291,10 @@ class WorkerProbe:
             out["kernel_path"] = fused.kernel_path(device) if plugin.is_registered() else "plugin not registered"
         except Exception as e:  # the plugin is not importable
             out["kernel_path"] = f"unknown ({type(e).__name__}: {e})"
+        tp = sys.modules.get("vllm_adapter.triton_path")
+        if tp is not None:  # tables made inside a capture: 0 when create_lora_weights prepared them all
+            out["triton_tables"] = {"kept_for_graphs": len(tp._GRAPH_TABLES), "eager_cache": len(tp._TABLE_CACHE),
+                                    "made_inside_a_capture": len(tp._CAPTURE_ONLY)}
         if out["kernel_path"] == "cute":  # epilora_cute.ops.lora_linear_fp8, path="auto"
             out["ops_auto_path"] = ("decode (CuTe, <= 32 tokens) else triton"
                                     if os.environ.get("EPILORA_DECODE_PATH", "0") == "1" else "triton")

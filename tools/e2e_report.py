@@ -36,6 +36,7 @@ ANCHORS = {"tpot_none_ms": 3.51, "tpot_one_adapter_ms": 5.97,
 # also gives the per-position top-1 agreement and the identical count it predicts.
 TOL_MEAN_NATS = 0.02
 TOL_MAX_NATS = 0.2
+LOG_TAIL_LINES = 15  # of a failed engine's log, in e2e.md (e2e.json keeps 40)
 
 PLUGIN_LOG_PATTERNS = {
     "taken_over": re.compile(r"EpiLoRA: (\S+) -> (EpiLoRA\w+) \(fused FP8 LoRA\)"),
@@ -170,6 +171,13 @@ def write_markdown(rep: dict, path: Path) -> None:
          f"- ours: env {rep['ours_env'] or '{}'}; engine start stock "
          f"{_f(_get(runs, 'stock', 'engine_start_s'), '{:.0f}')} s, ours {_f(_get(runs, 'ours', 'engine_start_s'), '{:.0f}')} s"
          + (" (started together)" if rep["concurrent"] else "")]
+    smoke = spec.get("smoke")
+    if smoke:
+        eng = smoke.get("engine", {})
+        L[1:1] = ["", f"**SMOKE RUN** (`--smoke`): {smoke['layers']} of the model's {smoke['of_layers']} layers, "
+                  f"correctness checks only; skipped: {', '.join(smoke['skipped']) or 'nothing'}. Engine: "
+                  + ", ".join(f"{k} {v}" for k, v in eng.items())
+                  + "; CUDA graphs and torch.compile on. Not issue #5's numbers: a first contact."]
     for c in CONFIGS:
         for k, v in (runs.get(c, {}).get("errors") or {}).items():
             L.append(f"- **{c}: {k} failed**: `{(str(v).strip().splitlines() or ['?'])[-1][:300]}`")
@@ -185,7 +193,10 @@ def write_markdown(rep: dict, path: Path) -> None:
           f"reasons: {pl.get('fallback_reasons') or 'none'}",
           f"- kernel path: {pr.get('kernel_path', '—')}"
           + (f" (epilora_cute.ops auto: {pr['ops_auto_path']})" if pr.get("ops_auto_path") else "")
-          + f"; EPILORA_* in the engine: {pr.get('env', '—')}; model runner {pr.get('model_runner', '—')}",
+          + f"; EPILORA_* in the engine: {pr.get('env', '—')}; model runner {pr.get('model_runner', '—')}"
+          + (f"; Triton tables: {pr['triton_tables']['kept_for_graphs']} kept for CUDA graphs, "
+             f"{pr['triton_tables']['made_inside_a_capture']} made inside a capture (expected 0)"
+             if pr.get("triton_tables") else ""),
           f"- stock engine: plugin disabled {(rep['plugin_log'].get('stock') or {}).get('plugin_disabled', '—')}, "
           f"LoRA classes {_get(runs, 'stock', 'probe', 'lora_classes') or '—'}", "",
           "## Correctness (ours vs stock, same prompts)", "",
@@ -227,11 +238,20 @@ def write_markdown(rep: dict, path: Path) -> None:
         r = cmp_.get(f"{c}_adapter_effect")
         cells.append(f"{r['mean_abs']:.3f} (max {r['max_abs']:.2f})" if r and r.get("positions") else "—")
     L.append(f"| adapter effect: mean abs Δlogprob with vs without the adapter, nats | {cells[0]} | {cells[1]} |")
-    L += ["", "## Performance (median of %d; tok/s = tokens / wall time of `LLM.generate`)" % spec["reps"], "",
-          "| metric | stock | ours | ours/stock | target | stock anchor (notes) |", "|---|---|---|---|---|---|"]
-    for r in rep["performance"]:
-        tgt = (r["target"] or "") + ("" if r["met"] is None else (" ✔" if r["met"] else " ✘"))
-        fmt = "{:.2f}" if "TPOT" in r["metric"] else "{:.0f}"
-        L.append(f"| {r['metric']} | {_f(r['stock'], fmt)} | {_f(r['ours'], fmt)} | {_f(r['ratio'], '{:.3f}')} | {tgt} | "
-                 f"{_f(r['anchor'], fmt)} |")
+    if smoke and not {"tpot", "throughput"} & set(spec.get("phases", ())):
+        L += ["", "## Performance", "", "Not measured: smoke run."]
+    else:
+        L += ["", "## Performance (median of %d; tok/s = tokens / wall time of `LLM.generate`)" % spec["reps"], "",
+              "| metric | stock | ours | ours/stock | target | stock anchor (notes) |", "|---|---|---|---|---|---|"]
+        for r in rep["performance"]:
+            tgt = (r["target"] or "") + ("" if r["met"] is None else (" ✔" if r["met"] else " ✘"))
+            fmt = "{:.2f}" if "TPOT" in r["metric"] else "{:.0f}"
+            L.append(f"| {r['metric']} | {_f(r['stock'], fmt)} | {_f(r['ours'], fmt)} | {_f(r['ratio'], '{:.3f}')} | "
+                     f"{tgt} | {_f(r['anchor'], fmt)} |")
+    tails = [(c, runs[c]["log_tail"]) for c in CONFIGS if (runs.get(c) or {}).get("log_tail")]
+    if tails:
+        L += ["", "## Log tails of the engines that did not finish", ""]
+        for c, tail in tails:
+            L += [f"{c}.log, last {LOG_TAIL_LINES} lines:", "", "```",
+                  *[line[:300] for line in tail.splitlines()[-LOG_TAIL_LINES:]], "```", ""]
     path.write_text("\n".join(L) + "\n")

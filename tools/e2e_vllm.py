@@ -1,7 +1,7 @@
 """End to end in vLLM: stock vLLM against vLLM with the EpiLoRA plugin, in one command (issue #5).
 
     python tools/e2e_vllm.py [--out DIR] [--only stock|ours] [--layers N] [--skip-throughput]
-                             [--ours-env KEY=VAL ...] [--stock-from FILE] [--sequential]
+                             [--ours-env KEY=VAL ...] [--stock-from FILE] [--sequential] [--smoke]
 
 On the GPU machine (vLLM importable, the repository as working directory, not pip-installed):
 writes a random Qwen3-8B-shaped bf16 checkpoint and 8 rank-64 PEFT adapters under --work-dir
@@ -43,12 +43,22 @@ lines, DEBUG included, are counted into the report, and a probe mixed into vLLM'
 (``tools.e2e_model.WorkerProbe``) reports which class each LoRA layer got and the kernel path).
 Workers save their results after every phase; an engine not up after --start-timeout is stopped
 (a hang in one configuration does not cost the other's numbers), and everything stops at
---time-budget with the report written from what was measured.
+--time-budget with the report written from what was measured. A dead engine is not waited for:
+a worker exits when its engine fails to start or the probe RPC gets no answer, and the parent
+stops a worker FATAL_GRACE_S after its log shows a fatal engine error (FATAL_LOG_PATTERNS: vLLM
+0.26 lets its engine core's I/O threads die and every later call hang); the report gives the
+root cause and the log's tail. Everything a worker returns over ``collective_rpc`` is plain JSON
+(``e2e_model.plain``): vLLM's msgspec encoder refuses anything else, str subclasses included.
 
-Time on the H200 (estimate: engine start 184 s cold with 67 s of compilation, ~54 s warm, per
-the notes): checkpoint ~0.5-1 min (16.4 GB), both engines starting together ~3-4 min, then
-~1 min of measurements per configuration: ~6-7 min in all; --sequential ~8-9 min; --layers 4
-about half.
+--smoke (SMOKE): a cheap first contact, CUDA graphs and torch.compile still on: 4 layers, the
+greedy and teacher-forced logprob checks only (no TPOT, no throughput), max_num_seqs 16 (capture
+sizes up to 32 tokens), max_model_len 256, a 4 GiB KV cache; ~3 min on the H200, limits 210 s
+per engine start and 270 s in all. The report says it is a smoke run and what it skipped.
+
+Time on the H200 (first run, vLLM 0.26.0: stock engine start 197 s cold with 90 s of
+torch.compile): checkpoint ~1 min (16.4 GB), both engines starting together ~3.5 min, then
+~1 min of measurements per configuration: ~7-8 min in all (budget 525 s); --sequential does not
+fit one 10-minute device call.
 """
 
 from __future__ import annotations
@@ -64,6 +74,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -81,6 +92,21 @@ PHASES = ("greedy", "logprobs", "tpot", "throughput")
 
 # Test hook: "module:callable" building a stand-in for vllm.LLM (tests/e2e_fake.py).
 FAKE_LLM_ENV = "EPILORA_E2E_LLM_FACTORY"
+# Seconds the worker waits for the probe RPC (a healthy engine answers in well under one). An
+# RPC whose reply cannot be sent never returns: the engine's output thread is dead.
+RPC_TIMEOUT_ENV = "EPILORA_E2E_RPC_TIMEOUT"
+RPC_TIMEOUT_S = 120.0
+# Exit status of a worker whose engine is unusable (it wrote "fatal" into its result).
+EXIT_ENGINE_UNUSABLE = 4
+
+# --smoke: a cheap first contact with a GPU. The plugin still runs under CUDA graphs and
+# torch.compile; fewer layers, fewer capture sizes (vLLM captures up to 2 x max_num_seqs tokens),
+# correctness only.
+SMOKE = {"layers": 4, "phases": ("greedy", "logprobs"), "reps": 1, "time_budget": 270.0, "start_timeout": 210.0,
+         "engine": {"max_model_len": 256, "max_num_seqs": 16, "max_num_batched_tokens": 2048,
+                    "kv_cache_memory_bytes": 4 << 30}}
+FULL_TIME_BUDGET_S = 525.0  # tools/gpu_session.sh kills the call at 570 s: stopping + report fit in
+FULL_START_TIMEOUT_S = 420.0
 
 
 def log(msg: str) -> None:
@@ -247,6 +273,31 @@ def load_result(path: Path, config: str = "stock") -> dict:
     return data["runs"][config] if "runs" in data else data
 
 
+def rpc(llm, method: str, timeout: float):
+    """``llm.collective_rpc(method)``, raising TimeoutError when it does not return in time.
+
+    vLLM's own ``timeout`` bounds the call inside the engine, not the wait for its reply: when
+    the reply cannot be sent (the engine's output thread died encoding it) the caller would
+    wait forever. The call runs on a daemon thread; after a timeout the engine is unusable."""
+    box: dict = {}
+
+    def call():
+        try:
+            box["value"] = llm.collective_rpc(method)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    t = threading.Thread(target=call, name=f"rpc-{method}", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise TimeoutError(f"collective_rpc({method!r}) did not return within {timeout:.0f} s: the engine "
+                           "does not answer (its output thread died? see the log)")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def worker_main(config: str, spec_path: Path) -> int:
     spec = json.loads(spec_path.read_text())
     ctl = Path(spec["control_dir"])
@@ -254,11 +305,25 @@ def worker_main(config: str, spec_path: Path) -> int:
     res = {"config": config, "phases": {}, "errors": {}, "seconds": {}, "done": False}
     parent = os.getppid()
     t0 = time.perf_counter()
-    llm, res["vllm"] = _make_llm(spec["engine"])
+    try:
+        llm, res["vllm"] = _make_llm(spec["engine"])
+    except BaseException:
+        res["errors"]["engine"] = traceback.format_exc()[-3000:]
+        _write_json(res_path, res)
+        raise
     res["engine_start_s"] = time.perf_counter() - t0
     log(f"{config}: engine up in {res['engine_start_s']:.0f} s")
     try:
-        res["probe"] = llm.collective_rpc("e2e_lora_layers")[0]
+        probe = rpc(llm, "e2e_lora_layers", float(os.environ.get(RPC_TIMEOUT_ENV) or RPC_TIMEOUT_S))[0]
+        bad = e2e_model.not_plain(probe, "probe")
+        if bad:  # vLLM would not have delivered it; a stand-in engine might
+            raise TypeError(f"the probe returned types vLLM cannot send: {bad}")
+        res["probe"] = probe
+    except TimeoutError as e:
+        res["errors"]["probe"] = res["fatal"] = str(e)
+        _write_json(res_path, res)
+        log(f"{config}: {e}")
+        return EXIT_ENGINE_UNUSABLE
     except Exception as e:
         res["errors"]["probe"] = f"{type(e).__name__}: {e}"
     _write_json(res_path, res)
@@ -335,10 +400,12 @@ def engine_kwargs(model: Path, seed: int, overrides: dict | None = None) -> dict
     """``vllm.LLM`` keywords, the same for both configurations. max_num_seqs 64 (the largest
     batch measured) keeps CUDA-graph capture to sizes <= 128; the KV cache is fixed at 16 GiB
     (the throughput batch needs ~6) and the memory check at 0.4 of the GPU, so two engines fit."""
-    return dict(model=str(model), quantization="fp8", enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=RANK,
-                skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=64, seed=seed,
-                gpu_memory_utilization=0.4, kv_cache_memory_bytes=16 << 30,
-                worker_extension_cls="tools.e2e_model.WorkerProbe", **(overrides or {}))
+    kw = dict(model=str(model), quantization="fp8", enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=RANK,
+              skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=64, seed=seed,
+              gpu_memory_utilization=0.4, kv_cache_memory_bytes=16 << 30,
+              worker_extension_cls="tools.e2e_model.WorkerProbe")
+    kw.update(overrides or {})  # --engine-arg / --smoke replace the defaults
+    return kw
 
 
 def logging_config() -> dict:
@@ -353,12 +420,41 @@ def logging_config() -> dict:
                         "vllm.epilora": {"level": "DEBUG"}}}
 
 
+# Log lines after which an engine is dead or hangs for good (vLLM 0.26: an exception in the
+# engine core's I/O threads kills them silently and every later call waits forever). The worker
+# gets FATAL_GRACE_S to exit on its own (so its traceback lands in the log), then it is stopped.
+FATAL_LOG_PATTERNS = (
+    re.compile(r"Exception in thread .*\(process_\w+\)"),
+    re.compile(r"EngineCore encountered a fatal error"),
+    re.compile(r"EngineCore failed to start"),
+    re.compile(r"\bEngineDeadError\b"),
+    re.compile(r"is not serializable"),
+)
+FATAL_GRACE_S = 10.0
+_EXC_LINE = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?"  # vLLM's process prefix
+                       r"((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt)): (.+)$")
+
+
+def error_summary(log_text: str) -> str | None:
+    """The root cause in an engine log: its first ``SomethingError: message`` line (the engine
+    core's own, prefixed ``(EngineCore pid=N)``, comes before the worker's re-raise)."""
+    for line in log_text.splitlines():
+        m = _EXC_LINE.match(line.strip())
+        if m:
+            return f"{m.group(1)}: {m.group(2)}"[:400]
+    return None
+
+
 class Worker:
     def __init__(self, config: str, spec_path: Path, env: dict, out: Path, control: Path):
         self.config, self.spec_path, self.env, self.out, self.control = config, spec_path, env, out, control
         self.proc: subprocess.Popen | None = None
         self.note = ""
         self.t_start = 0.0
+        self.fatal_line: str | None = None
+        self.fatal_t = 0.0
+        self._log_pos = 0
+        self._log_rest = ""
 
     def start(self) -> None:
         log(f"starting {self.config} (log: {self.out / (self.config + '.log')})")
@@ -376,9 +472,41 @@ class Worker:
     def ready(self) -> bool:
         return (self.control / f"ready_{self.config}").exists()
 
+    def poll_fatal(self) -> str | None:
+        """The first line of this worker's log matching FATAL_LOG_PATTERNS (read incrementally)."""
+        if self.fatal_line is None:
+            p = self.out / f"{self.config}.log"
+            try:
+                with open(p, "rb") as f:
+                    f.seek(self._log_pos)
+                    chunk = f.read()
+            except OSError:
+                chunk = b""
+            self._log_pos += len(chunk)
+            lines = (self._log_rest + chunk.decode(errors="replace")).replace("\r", "\n").split("\n")
+            self._log_rest = lines.pop()
+            for line in lines:
+                if any(pat.search(line) for pat in FATAL_LOG_PATTERNS):
+                    self.fatal_line, self.fatal_t = line.strip()[:400], time.time()
+                    break
+        return self.fatal_line
+
+    def dead(self) -> bool:
+        """Its engine logged a fatal error FATAL_GRACE_S ago and the worker has not exited."""
+        return self.poll_fatal() is not None and time.time() - self.fatal_t > FATAL_GRACE_S
+
     def settled(self) -> bool:
-        """Started and either ready to measure or gone."""
-        return self.proc is not None and (self.ready() or not self.alive())
+        """Started and either ready to measure, gone, or dead."""
+        return self.proc is not None and (self.ready() or not self.alive() or self.dead())
+
+    def failure(self) -> str:
+        """What went wrong, in one line: the worker's own verdict, else the log's root cause."""
+        res = self.result() or {}
+        if res.get("fatal"):
+            return res["fatal"]
+        p = self.out / f"{self.config}.log"
+        text = p.read_text(errors="replace") if p.exists() else ""
+        return error_summary(text) or self.fatal_line or "no error in the log"
 
     def go(self, reference: Path | None) -> None:
         _write_json(self.control / f"go_{self.config}", {"reference": str(reference) if reference else None})
@@ -450,12 +578,22 @@ def run_workers(workers: list[Worker], concurrent: bool, deadline: float, refere
                     x.note = (f"its engine was not up after {start_timeout:.0f} s: stopped" if time.time() < deadline
                               else "the time budget ran out while the engines started")
                     x.stop()
+        for x in started:  # a dead engine is stopped at once, not after the start limit
+            if not x.note and x.alive() and x.dead():
+                x.note = f"its engine failed before measuring: {x.failure()} (stopped; see {x.config}.log)"
+                x.stop()
         if w.ready() and w.alive():
             w.go(reference)
-            if not _wait(lambda: not w.alive() or (w.result() or {}).get("done"), deadline, f"{w.config} to measure"):
+            if not _wait(lambda: not w.alive() or (w.result() or {}).get("done") or w.dead(), deadline,
+                         f"{w.config} to measure"):
                 w.note = "the time budget ran out while measuring"
+            elif not (w.result() or {}).get("done"):
+                w.note = (f"its engine failed while measuring: {w.failure()} (stopped; see {w.config}.log)"
+                          if w.alive() else f"the worker exited with {w.proc.returncode} while measuring: "
+                          f"{w.failure()} (see {w.config}.log)")
         elif not w.note:
-            w.note = f"the worker exited with {w.proc.returncode} before its engine was up (see {w.config}.log)"
+            w.note = (f"the worker exited with {w.proc.returncode} before its engine was up: {w.failure()} "
+                      f"(see {w.config}.log)")
         w.stop()
         res = w.result() or {}
         log(f"{w.config}: engine start {res.get('engine_start_s', float('nan')):.0f} s; "
@@ -486,6 +624,29 @@ def build_report(args, spec: dict, runs: dict, notes: dict, ours_env: dict, t0: 
     return rep
 
 
+def apply_defaults(args) -> None:
+    """Fill the options left unset: --smoke's values, else the full run's."""
+    full = {"layers": None, "phases": ",".join(PHASES), "reps": 3, "time_budget": FULL_TIME_BUDGET_S,
+            "start_timeout": FULL_START_TIMEOUT_S}
+    for key, value in full.items():
+        if getattr(args, key) is None:
+            if args.smoke:
+                value = SMOKE[key]
+                value = ",".join(value) if key == "phases" else value
+            setattr(args, key, value)
+
+
+def smoke_banner(smoke: dict, phases: list[str], args) -> str:
+    eng = smoke["engine"]
+    return (f"SMOKE RUN: {smoke['layers']} of {smoke['of_layers']} layers, {' + '.join(phases)} only (skipped: "
+            f"{', '.join(smoke['skipped']) or 'nothing'}); engine max_model_len {eng.get('max_model_len')}, "
+            f"max_num_seqs {eng.get('max_num_seqs')} (CUDA-graph capture sizes up to "
+            f"{2 * eng['max_num_seqs'] if 'max_num_seqs' in eng else '?'} tokens), CUDA graphs and torch.compile on. "
+            f"Expected on an H200: ~3 min (checkpoint ~20 s; both engines starting together ~1.5-2.5 min, the "
+            f"36-layer stock engine took 197 s; ~20 s of checks each; stopping ~10 s); limits: engine start "
+            f"{args.start_timeout:.0f} s, whole run {args.time_budget:.0f} s")
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -497,18 +658,25 @@ def main(argv=None) -> int:
     ap.add_argument("--ours-env", action="append", default=[], metavar="KEY=VAL",
                     help="environment of the 'ours' engine (repeatable), e.g. EPILORA_FORCE_TRITON=1")
     ap.add_argument("--size", choices=sorted(e2e_model.SIZES), default="qwen3-8b")
-    ap.add_argument("--layers", type=int, help="decoder layers (default: the size's, 36)")
-    ap.add_argument("--phases", default=",".join(PHASES))
+    ap.add_argument("--layers", type=int, help="decoder layers (default: the size's, 36; --smoke: 4)")
+    ap.add_argument("--phases", help=f"comma-separated, of {','.join(PHASES)} (default: all; --smoke: "
+                    f"{','.join(SMOKE['phases'])})")
     ap.add_argument("--skip-throughput", action="store_true")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, help="repetitions of the timed runs (default 3)")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"a cheap first GPU contact: {SMOKE['layers']} layers, correctness only (greedy, teacher-"
+                    f"forced logprobs; no TPOT / throughput), engine {SMOKE['engine']}; CUDA graphs and "
+                    f"torch.compile stay on; ~3 min on an H200")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sequential", action="store_true", help="start 'ours' only after 'stock' has finished")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
                     help="extra/overriding vllm.LLM keyword, value as JSON (e.g. enforce_eager=true)")
-    ap.add_argument("--time-budget", type=float, default=570.0, help="seconds for the whole run; workers are "
-                    "stopped after it and the report is written with what was measured")
-    ap.add_argument("--start-timeout", type=float, default=420.0,
-                    help="seconds an engine may take to start before it is stopped (a hang must not block the other)")
+    ap.add_argument("--time-budget", type=float, help="seconds for the whole run; workers are stopped after it "
+                    f"and the report is written with what was measured (default {FULL_TIME_BUDGET_S:.0f}; --smoke: "
+                    f"{SMOKE['time_budget']:.0f})")
+    ap.add_argument("--start-timeout", type=float,
+                    help="seconds an engine may take to start before it is stopped (a hang must not block the "
+                    f"other; default {FULL_START_TIMEOUT_S:.0f}; --smoke: {SMOKE['start_timeout']:.0f})")
     ap.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     ap.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -516,16 +684,23 @@ def main(argv=None) -> int:
         return worker_main(args.worker, args.spec)
     args.argv = argv
     t0 = time.time()
+    apply_defaults(args)
     deadline = t0 + args.time_budget
     phases = [p for p in args.phases.split(",") if p and not (args.skip_throughput and p == "throughput")]
     if set(phases) - set(PHASES):
         ap.error(f"--phases: unknown {sorted(set(phases) - set(PHASES))}")
     ours_env = parse_env_pairs(args.ours_env)
-    engine_over = {k: json.loads(v) for k, v in parse_env_pairs(args.engine_arg).items()}
+    engine_over = dict(SMOKE["engine"]) if args.smoke else {}
+    engine_over.update({k: json.loads(v) for k, v in parse_env_pairs(args.engine_arg).items()})
     out, work = args.out.resolve(), args.work_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
     cfg = e2e_model.model_config(args.size, args.layers)
     layers = cfg["num_hidden_layers"]
+    smoke = None
+    if args.smoke:
+        smoke = {"layers": layers, "of_layers": e2e_model.SIZES[args.size]["num_hidden_layers"],
+                 "skipped": [p for p in PHASES if p not in phases], "engine": engine_over}
+        log(smoke_banner(smoke, phases, args))
 
     log(f"writing/reusing the checkpoint and {NUM_ADAPTERS} adapters under {work}")
     tag = f"{args.size}-L{layers}-s{args.seed}"
@@ -542,7 +717,7 @@ def main(argv=None) -> int:
     spec = {"size": args.size, "layers": layers, "vocab_size": cfg["vocab_size"], "seed": args.seed, "reps": args.reps,
             "phases": phases, "adapters": adapters, "engine": engine, "out": str(out), "control_dir": str(control),
             "greedy": {"n": 16, "prompt_len": 64, "gen_len": 32}, "tpot": {"prompt_len": 512, "gen_len": 128},
-            "throughput": {"requests": 64, "prompt_len": 512, "gen_len": 128}}
+            "throughput": {"requests": 64, "prompt_len": 512, "gen_len": 128}, "smoke": smoke}
     spec_path = control / "spec.json"
     _write_json(spec_path, spec)
 

@@ -4,10 +4,11 @@
 #   call B (carry .devvllm/2 .epilora_cache):     bash tools/gpu_session.sh record <commit>   (~8 min)
 #   call C (carry .epilora_cache, machine warm):  bash tools/gpu_session.sh tests <commit>    (~8 min)
 #   call D (carry .epilora_cache, machine warm):  bash tools/gpu_session.sh e2e <commit>      (~9 min)
+#   e2e smoke (a first contact, any machine):     bash tools/gpu_session.sh e2e-smoke <commit> (~3-4 min)
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests or e2e}
+mode=${1:?record, tests, e2e or e2e-smoke}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 export EPILORA_CACHE_DIR=$PWD/.epilora_cache PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
 case $mode in
@@ -34,7 +35,12 @@ case $mode in
       tests/test_triton_path.py tests/test_k1_shrink.py tests/test_expand_add.py --file-timeout 160 --time-limit 560 2>&1 | tail -60
     ;;
   e2e)
+    # The tool stops its engines at its time budget (525 s by default) and still writes the report.
     timeout -s KILL 570 python3 tools/e2e_vllm.py --out "$OUT" 2>&1 | tail -60
+    ;;
+  e2e-smoke)
+    # 4 layers, correctness only, CUDA graphs and torch.compile on (tools/e2e_vllm.py SMOKE): budget 270 s.
+    timeout -s KILL 330 python3 tools/e2e_vllm.py --smoke --out "$OUT" 2>&1 | tail -80
     ;;
   *) echo "unknown mode $mode"; exit 2 ;;
 esac
