@@ -14,7 +14,9 @@ as one op on vLLM's own buffers (``lora_a_stacked`` / ``lora_b_stacked``, the ba
 ``weight`` / ``weight_scale``), no copies. Buffer creation, ``set_lora`` / ``reset_lora`` and
 the tensor-parallel ``slice_lora_a`` / ``slice_lora_b`` are inherited, so adapters are laid out
 and sharded exactly as vLLM does it; ``forward`` is inherited too (all-reduce / all-gather,
-bias handling).
+bias handling). ``create_lora_weights`` also builds the kernels' per-layer device tables once
+vLLM has made the buffers (``fused.prepare_layer``): vLLM captures CUDA graphs later, and a
+capture must not build them.
 """
 
 from __future__ import annotations
