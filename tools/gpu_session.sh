@@ -4,7 +4,8 @@
 #   call B (carry .devvllm/2 .epilora_cache):     bash tools/gpu_session.sh record <commit>   (~8 min)
 #   call C (carry .epilora_cache, machine warm):  bash tools/gpu_session.sh tests <commit>    (~8 min)
 #   call D (carry .epilora_cache, machine warm):  bash tools/gpu_session.sh e2e <commit>      (~9 min)
-#   e2e smoke (a first contact, any machine):     bash tools/gpu_session.sh e2e-smoke <commit> (~3-4 min)
+#   e2e smoke (carry .devvllm/2 after call A, or none on a machine where vLLM is unpacked):
+#                                                 bash tools/gpu_session.sh e2e-smoke <commit> (~4-5 min)
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
@@ -39,6 +40,11 @@ case $mode in
     timeout -s KILL 570 python3 tools/e2e_vllm.py --out "$OUT" 2>&1 | tail -60
     ;;
   e2e-smoke)
+    # vLLM unpacked first when this machine has not got it yet (parts carried in calls A and this one).
+    if ! python3 -c 'import importlib.util as u, sys; sys.exit(u.find_spec("vllm") is None)' 2> /dev/null \
+        && [[ -f .devvllm/2/unpack.sh ]]; then
+      timeout -s KILL 150 bash .devvllm/2/unpack.sh 2>&1 | tail -1 || echo "vLLM unpack failed"
+    fi
     # 4 layers, correctness only, CUDA graphs and torch.compile on (tools/e2e_vllm.py SMOKE): budget 270 s.
     timeout -s KILL 330 python3 tools/e2e_vllm.py --smoke --out "$OUT" 2>&1 | tail -80
     ;;
