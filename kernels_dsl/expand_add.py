@@ -325,24 +325,43 @@ if cute is not None:
                     sC[rc[0], rc[1]] = acc[i]
                 cute.arch.barrier()
 
+                # Three passes over this thread's NIT chunks so that the memory round trips overlap
+                # instead of queueing chunk after chunk: (1) every chunk's sorted slot and token
+                # index, (2) every chunk's 16-byte y load, (3) add, round once, store. Same
+                # arithmetic per element as one pass; rows of slot -1 neither read nor written.
                 CPR = BN // 8
-                for it in cutlass.range_constexpr(BM * CPR // NT):
+                NIT = BM * CPR // NT
+                j0 = (col_base + c0) // 8
+                toks = []
+                for it in cutlass.range_constexpr(NIT):
                     v = it * NT + tidx
                     r = v // CPR
                     cc = v - r * CPR
+                    t = cutlass.Int32(-1)
                     if r >= row_lo and r < row_hi and cc * 8 < ncols:
-                        if mSorted[r0 + r] >= 0:
-                            t = mTok[r0 + r]
-                            g_y = cute.zipped_divide(mY[t, None], (8,))
-                            s_c = cute.zipped_divide(sC[r, None], (8,))
-                            j = (col_base + c0) // 8 + cc
-                            r_y = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
-                            r_c = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-                            cute.autovec_copy(g_y[None, j], r_y)
-                            cute.autovec_copy(s_c[None, cc], r_c)
-                            r_o = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
-                            r_o.store((r_y.load().to(cutlass.Float32) + r_c.load()).to(cutlass.BFloat16))
-                            cute.autovec_copy(r_o, g_y[None, j])
+                        srt = mSorted[r0 + r]
+                        tk = mTok[r0 + r]
+                        if srt >= 0:
+                            t = tk
+                    toks.append(t)
+                ys = []
+                for it in cutlass.range_constexpr(NIT):
+                    v = it * NT + tidx
+                    cc = v - (v // CPR) * CPR
+                    r_y = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
+                    if toks[it] >= 0:
+                        cute.autovec_copy(cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc], r_y)
+                    ys.append(r_y)
+                for it in cutlass.range_constexpr(NIT):
+                    v = it * NT + tidx
+                    r = v // CPR
+                    cc = v - r * CPR
+                    if toks[it] >= 0:
+                        r_c = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+                        cute.autovec_copy(cute.zipped_divide(sC[r, None], (8,))[None, cc], r_c)
+                        r_o = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
+                        r_o.store((ys[it].load().to(cutlass.Float32) + r_c.load()).to(cutlass.BFloat16))
+                        cute.autovec_copy(r_o, cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc])
 
         @cute.jit
         def _k_eff(self, lid, mRanks, has_ranks):
@@ -390,18 +409,27 @@ if cute is not None:
             rank padding). 16-byte fp32 loads; the row order is the sorted one."""
             R, RP, BM, NT = self.R, self.RP, self.BM, self.threads
             VPR = RP // 4  # 4-float vectors per row
-            for it in cutlass.range_constexpr((BM * VPR + NT - 1) // NT):
+            NIT = (BM * VPR + NT - 1) // NT
+            # Two passes (every chunk's token index and h load in flight together, then the
+            # stores), so that the round trips overlap instead of queueing chunk after chunk.
+            hs = []
+            for it in cutlass.range_constexpr(NIT):
+                v = it * NT + tidx
+                r = v // VPR
+                c4 = v - r * VPR
+                r_h = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
+                r_h.fill(0.0)
+                if v < BM * VPR and r < rows and c4 * 4 < R:
+                    t = mTok[r0 + r]
+                    cute.autovec_copy(cute.zipped_divide(mH[sl, t, None], (4,))[None, c4], r_h)
+                hs.append(r_h)
+            for it in cutlass.range_constexpr(NIT):
                 v = it * NT + tidx
                 if v < BM * VPR:
                     r = v // VPR
                     c4 = v - r * VPR
-                    r_h = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
-                    r_h.fill(0.0)
-                    if r < rows and c4 * 4 < R:
-                        t = mTok[r0 + r]
-                        cute.autovec_copy(cute.zipped_divide(mH[sl, t, None], (4,))[None, c4], r_h)
                     for j in cutlass.range_constexpr(4):
-                        sA[r, c4 * 4 + j] = r_h[j].to(cutlass.BFloat16)
+                        sA[r, c4 * 4 + j] = hs[it][j].to(cutlass.BFloat16)
 
 
 def _fake_args(cfg: Config):

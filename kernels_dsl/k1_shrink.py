@@ -381,6 +381,16 @@ if cute is not None:
                 j = it - gi * nkb
                 kb = k0 + j * BK  # first global column of the k-block
                 if i < nkb:  # first pass: bring x's k-block j
+                    # The rows' token indices are loaded first, all together (one round trip, not
+                    # one per row before each copy).
+                    toks = []
+                    for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+                        for c in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
+                            r = tXcX[0, m, c][0]
+                            t = cutlass.Int32(0)
+                            if r < rows:
+                                t = mTok[r0 + r]
+                            toks.append(t)
                     for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
                         for c in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
                             crd = tXcX[0, m, c]
@@ -388,7 +398,7 @@ if cute is not None:
                             if r < rows:
                                 dst = tXsX[None, m, c, j]
                                 if kb + col < K:
-                                    t = mTok[r0 + r]
+                                    t = toks[m * cute.size(tXsX, mode=[2]) + c]
                                     src = cute.zipped_divide(mX[t, None], (8,))[None, (kb + col) // 8]
                                     cute.copy(tiled_copy, src, dst)
                                 else:
