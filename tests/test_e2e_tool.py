@@ -516,6 +516,8 @@ out["probe_torch"] = reply["torch"]
 ctx = e2e_vllm.Ctx(None, {"adapters": [adapter_dir] * 8, "seed": 0, "vocab_size": 512}, None, {})
 sp = ctx.sampling(4, skip_reading_prefix_cache=True)
 out["sampling"] = [type(sp).__name__, sp.max_tokens, sp.temperature, sp.skip_reading_prefix_cache, sp.ignore_eos]
+sp = ctx.sampling(1, prompt_logprobs=1)  # the teacher-forced scoring (prefix cache reads skipped by vLLM)
+out["scoring"] = [sp.prompt_logprobs, sp.skip_reading_prefix_cache, sp.detokenize]
 out["lora_request"] = [type(ctx.lora(2)).__name__, ctx.lora(2).lora_int_id, ctx.lora(2).lora_path]
 cfg = VllmConfig(model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16"))
 out.update(architecture=cfg.model_config.architectures, vllm=__import__("vllm").__version__)
@@ -562,6 +564,7 @@ def test_files_load_with_vllm_qwen3_and_lora_loaders(tmp_path):
     # vLLM refuses torch.__version__ (the first H200 run's stock failure); the probe's reply encodes
     assert out["torch_version_encodes"] is False and out["probe_torch"]
     assert out["sampling"] == ["SamplingParams", 4, 0.0, True, True]
+    assert out["scoring"] == [1, True, False]
     assert out["lora_request"] == ["LoRARequest", 3, str(adapter)]
     assert out["params_not_loaded"] == [] and out["loaded_not_params"] == []
     assert set(m.TARGET_MODULES) <= set(out["expected_lora_modules"])
