@@ -136,26 +136,55 @@ def lora_linear_fp8_unsupported(n: int, k: int, rank: int, num_slices: int) -> s
 
 
 class _Persistent:
-    """Small device tensors that must keep their address (CUDA graphs) or their state."""
+    """Small device tensors that must keep their address (CUDA graphs) or their state.
+
+    A tensor made while the current stream captures a CUDA graph holds nothing until that graph
+    replays (its fill is recorded, not run), so it is never cached: a missing key under capture
+    gets its `shared` stand-in made outside capture when there is one, else a tensor private to
+    the graph being captured (refilled at each of its replays), with a warning. Creators must
+    therefore be capturable (device fills only, no host-to-device copies)."""
 
     def __init__(self):
         self._d: dict[tuple, torch.Tensor] = {}
+        self._warned: set[tuple] = set()
 
-    def get(self, key: tuple, make) -> torch.Tensor:
+    def get(self, key: tuple, make, shared: tuple | None = None) -> torch.Tensor:
         t = self._d.get(key)
-        if t is None:
+        if t is not None:
+            return t
+        if not _capturing():
             t = self._d[key] = make()
-        return t
+            if shared is not None:
+                self._d.setdefault(shared, t)
+            return t
+        if shared is not None and shared in self._d:
+            return self._d[shared]
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("epilora: %s first needed inside a CUDA-graph capture: the graph gets its own copy "
+                        "(run the op once outside capture to share one)", key[0])
+        return make()
 
 
 _persistent = _Persistent()
 
 
+def _capturing() -> bool:
+    # torch's CPU-only builds have no capture query at all (it raises): nothing captures there.
+    try:
+        return bool(torch.cuda.is_current_stream_capturing())
+    except RuntimeError:
+        return False
+
+
 def _sync_buffer(device: torch.device) -> torch.Tensor:
     # The shrink's quantization CTAs count up and K2's producer waits for them, then re-arms it;
-    # one per (device, stream), zeroed once: launches on one stream never overlap on it.
+    # one per (device, stream), zeroed once: launches on one stream never overlap on it. A graph
+    # captured on a stream that never ran the op eagerly shares the device's first buffer (graphs
+    # and eager calls of one engine do not run at the same time: vLLM captures on a side stream).
     stream = torch.cuda.current_stream(device).cuda_stream
-    return _persistent.get(("sync", device.index, stream), lambda: torch.zeros(2, dtype=torch.int32, device=device))
+    return _persistent.get(("sync", device.index, stream), lambda: torch.zeros(2, dtype=torch.int32, device=device),
+                           shared=("sync", device.index))
 
 
 def _slice_start(widths: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -163,7 +192,10 @@ def _slice_start(widths: tuple[int, ...], device: torch.device) -> torch.Tensor:
         starts = [0]
         for w in widths:
             starts.append(starts[-1] + w)
-        return torch.tensor(starts, dtype=torch.int32, device=device)
+        t = torch.empty(len(starts), dtype=torch.int32, device=device)
+        for i, v in enumerate(starts):  # device fills: capturable, unlike a host-to-device copy
+            t[i:i + 1].fill_(v)
+        return t
     return _persistent.get(("slice_start", device.index, widths), make)
 
 

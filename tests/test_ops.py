@@ -104,3 +104,37 @@ def test_prefill_path_needs_an_sm90a_gpu():
     x, wq, ws, a, b, meta, _ = _linear_case()
     with pytest.raises(ValueError, match="path='prefill' does not apply"):
         ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="prefill")
+
+
+def test_persistent_tensors_are_never_cached_from_inside_a_capture(monkeypatch):
+    """A tensor made during CUDA-graph capture holds its value only once that graph replays: it
+    must not be cached for other graphs / eager calls; a shared stand-in made outside is used."""
+    from epilora_cute import ops
+
+    p = ops._Persistent()
+    made = []
+
+    def make():
+        made.append(torch.zeros(2, dtype=torch.int32))
+        return made[-1]
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    a = p.get(("sync", 0, 111), make, shared=("sync", 0))
+    b = p.get(("sync", 0, 111), make, shared=("sync", 0))
+    assert a is not b and len(made) == 2  # graph-private, made again for each capture
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    eager = p.get(("sync", 0, 222), make, shared=("sync", 0))
+    assert p.get(("sync", 0, 222), make, shared=("sync", 0)) is eager
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert p.get(("sync", 0, 111), make, shared=("sync", 0)) is eager  # the stand-in made outside
+
+
+def test_slice_start_is_built_with_device_fills_only(monkeypatch):
+    from epilora_cute import ops
+
+    def no_host_copy(*a, **k):
+        raise AssertionError("torch.tensor(...) is a host-to-device copy: not capturable")
+
+    monkeypatch.setattr(ops.torch, "tensor", no_host_copy)
+    t = ops._slice_start((4096, 1024, 1024), torch.device("cpu"))
+    assert t.tolist() == [0, 4096, 5120, 6144] and t.dtype == torch.int32
