@@ -209,11 +209,12 @@ def test_gpu_session_script_parses_and_keeps_calls_under_the_device_limit():
     script = ROOT / "tools" / "gpu_session.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     text = script.read_text()
-    for mode in ("record)", "tests)", "e2e)", "e2e-smoke)"):
+    modes = ("record)", "tests)", "e2e)", "e2e-smoke)", "verify)")
+    for mode in modes:
         assert mode in text
     # Each mode's time limits must add up to less than one device call (600 s).
     blocks = re.split(r"\n  [\w-]+\)\n", text)[1:]
-    assert len(blocks) == 4  # one per mode
+    assert len(blocks) == len(modes)  # one per mode
     for block in blocks:
         limits = [int(t) for t in re.findall(r"timeout -s KILL (\d+)", block)]
         diag_loops = 4 if "for c in" in block else 1

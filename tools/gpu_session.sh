@@ -4,6 +4,7 @@
 #   call B (carry .devvllm/2 .epilora_cache):     bash tools/gpu_session.sh record <commit>   (~8 min)
 #   call C (carry .epilora_cache, machine warm):  bash tools/gpu_session.sh tests <commit>    (~8 min)
 #   call D (carry .epilora_cache, machine warm):  bash tools/gpu_session.sh e2e <commit>      (~9 min)
+#   or, after call A, one call (carry .devvllm/2 .epilora_cache): bash tools/gpu_session.sh verify <commit>
 #   e2e smoke (carry .devvllm/2 after call A, or none on a machine where vLLM is unpacked):
 #                                                 bash tools/gpu_session.sh e2e-smoke <commit> (~4-5 min)
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
@@ -47,6 +48,19 @@ case $mode in
     fi
     # 4 layers, correctness only, CUDA graphs and torch.compile on (tools/e2e_vllm.py SMOKE): budget 270 s.
     timeout -s KILL 330 python3 tools/e2e_vllm.py --smoke --out "$OUT" 2>&1 | tail -80
+    ;;
+  verify)
+    # One call after changes, when the device budget allows only one (call A carried .devvllm/1,
+    # this one .devvllm/2 and the cache): the decode path's diagnostics and racecheck, the layer
+    # and stage benches, the K2 / quantization / op test files, then the 4-layer e2e smoke run.
+    timeout -s KILL 60 bash .devvllm/2/unpack.sh > /dev/null 2>&1 || echo "vLLM unpack failed"
+    timeout -s KILL 20 python3 tools/kernel_diag.py decode 1 2>&1 | tail -2 | tee "$OUT/diag.log"
+    timeout -s KILL 35 compute-sanitizer --tool racecheck --report-api-errors no \
+      python3 tools/kernel_diag.py decode 1 2>&1 | tail -4 | tee -a "$OUT/diag.log"
+    timeout -s KILL 200 python3 tools/gpu_record.py --out "$OUT" --quick --bench-sections layer,stages \
+      --tests tests/test_k2_gpu.py tests/test_quant_gpu.py tests/test_lora_linear_gpu.py \
+      --file-timeout 110 --time-limit 185 2>&1 | tail -40
+    timeout -s KILL 280 python3 tools/e2e_vllm.py --smoke --time-budget 265 --out "$OUT/e2e" 2>&1 | tail -40
     ;;
   *) echo "unknown mode $mode"; exit 2 ;;
 esac
