@@ -60,7 +60,9 @@ case $mode in
     timeout -s KILL 200 python3 tools/gpu_record.py --out "$OUT" --quick --bench-sections layer,stages \
       --tests tests/test_k2_gpu.py tests/test_quant_gpu.py tests/test_lora_linear_gpu.py \
       --file-timeout 110 --time-limit 185 2>&1 | tail -40
-    timeout -s KILL 280 python3 tools/e2e_vllm.py --smoke --time-budget 265 --out "$OUT/e2e" 2>&1 | tail -40
+    # The device returns at most 8 files: the logs travel as one archive.
+    (cd "$OUT" && tar czf record_logs.tgz diag.log bench.log gpu_tests.log 2> /dev/null && rm -f diag.log bench.log gpu_tests.log)
+    timeout -s KILL 280 python3 tools/e2e_vllm.py --smoke --time-budget 265 --out "$OUT" 2>&1 | tail -40
     ;;
   *) echo "unknown mode $mode"; exit 2 ;;
 esac
