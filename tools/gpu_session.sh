@@ -12,7 +12,9 @@
 set -uo pipefail
 mode=${1:?record, tests, e2e or e2e-smoke}
 export EPILORA_GIT_COMMIT=${2:-unknown}
-export EPILORA_CACHE_DIR=$PWD/.epilora_cache PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
+# The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
+cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
+export EPILORA_CACHE_DIR=$cache PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
 case $mode in
   record)
     if [[ -f .devvllm/2/unpack.sh ]]; then bash .devvllm/2/unpack.sh > /dev/null 2>&1 || echo "vLLM unpack failed"; fi
