@@ -220,3 +220,14 @@ def test_gpu_session_script_parses_and_keeps_calls_under_the_device_limit():
         diag_loops = 4 if "for c in" in block else 1
         total = sum(limits) + (limits[0] * (diag_loops - 1) if diag_loops > 1 else 0)
         assert total < 600, (block[:60], total)
+
+
+def test_bench_plot_draws_the_layer_section(tmp_path):
+    pytest.importorskip("matplotlib")
+    import json
+
+    from tools.bench import plot
+
+    rows = json.loads((ROOT / "docs" / "gpu_record" / "run5" / "bench_ce10c4b.json").read_text())["rows"]
+    plot(rows, tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").stat().st_size > 10_000

@@ -124,25 +124,46 @@ def environment() -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    """bench.png: the layer section (µs per layer against tokens, one panel per rank: the floor,
+    vLLM's paths and ours) and the quantization ratios, whichever the run has."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return
+    panels = []
+    layer = [r for r in rows if r["section"] == "layer"]
+    for rank in sorted({r["rank"] for r in layer}):
+        panels.append(("layer", rank, [r for r in layer if r["rank"] == rank]))
     q = [r for r in rows if r["section"] == "quant" and "vllm_us" in r]
-    if not q:
+    if q:
+        panels.append(("quant", None, q))
+    if not panels:
         return
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for k in sorted({r["K"] for r in q}):
-        rs = [r for r in q if r["K"] == k]
-        ax.plot([r["M"] for r in rs], [r["ratio"] for r in rs], marker="o", label=f"K={k}")
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xscale("log")
-    ax.set_xlabel("tokens (M)")
-    ax.set_ylabel("ours / vLLM scaled_fp8_quant (lower is better)")
-    ax.set_title("Per-token FP8 quantization, H200, CUDA graphs, L2 flushed")
-    ax.legend()
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
+    for ax, (kind, rank, rs) in zip(axes[0], panels):
+        if kind == "layer":
+            cols = [k for k in rs[0] if k.endswith("_us")]
+            for r in rs[1:]:
+                cols += [k for k in r if k.endswith("_us") and k not in cols]
+            for col in cols:
+                pts = [(r["M"], r[col]) for r in rs if isinstance(r.get(col), float)]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=col[:-3], ls="--" if col == "floor_us" else "-")
+            ax.set_ylabel("µs per layer (lower is better)")
+            ax.set_title(f"{rs[0].get('model', '')} layer, one rank-{rank} adapter")
+        else:
+            for k in sorted({r["K"] for r in rs}):
+                kr = [r for r in rs if r["K"] == k]
+                ax.plot([r["M"] for r in kr], [r["ratio"] for r in kr], marker="o", label=f"K={k}")
+            ax.axhline(1.0, color="gray", lw=0.8)
+            ax.set_ylabel("ours / vLLM scaled_fp8_quant (lower is better)")
+            ax.set_title("Per-token FP8 quantization")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens (M)")
+        ax.legend(fontsize=8)
+    fig.suptitle("H200, CUDA-graph replays, L2 flushed, median")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
