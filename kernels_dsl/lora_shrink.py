@@ -456,10 +456,17 @@ def quant_planes(m: int, per_plane: int) -> int:
     return max(1, -(-m // per_plane))
 
 
-def select(num_slices: int, m: int, rank: int) -> Config:
+# Pipeline depth of the decode path's builds: 8 stages (72-105 KiB). With 4, each CTA's A stream
+# waited a full memory round trip per 4 k-blocks; beside K2's full-bandwidth stream those round
+# trips are long, and on down (24 k-blocks per CTA) the shrink outlasted K2's main loop: 8.4 us of
+# the decode path exposed (docs/gpu_record/run5, stages: decode - k2_epilogue).
+STAGES = 8
+
+
+def select(num_slices: int, m: int, rank: int, stages: int = STAGES) -> Config:
     from .k2_gemm import token_tile
 
-    return Config(bn=token_tile(m), rank=rank, num_slices=num_slices)
+    return Config(bn=token_tile(m), rank=rank, num_slices=num_slices, stages=stages)
 
 
 def choose_split(k: int, num_slices: int, rank: int, groups: int, bk: int = 64, sms: int = 132,
@@ -478,6 +485,9 @@ def choose_split(k: int, num_slices: int, rank: int, groups: int, bk: int = 64, 
 def prebuild_configs() -> list[Config]:
     from .k2_gemm import RANKS, TOKEN_TILES
 
-    cfgs = [Config(bn=bn, rank=r, num_slices=ns) for ns in (1, 2, 3) for bn in TOKEN_TILES for r in RANKS]
-    # The down-projection alone, for tools/bench_stages.py (rank 64, the bench's rank).
-    return cfgs + [Config(bn=bn, rank=64, num_slices=ns, quant=False) for ns in (1, 2, 3) for bn in TOKEN_TILES]
+    cfgs = [Config(bn=bn, rank=r, num_slices=ns, stages=STAGES) for ns in (1, 2, 3) for bn in TOKEN_TILES
+            for r in RANKS]
+    # For tools/bench_stages.py (rank 64, the bench's rank): the down-projection alone, and the
+    # former 4-stage build.
+    return cfgs + [Config(bn=bn, rank=64, num_slices=ns, stages=st, quant=q) for ns in (1, 2, 3)
+                   for bn in TOKEN_TILES for st, q in ((STAGES, False), (4, True))]

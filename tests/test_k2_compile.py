@@ -40,6 +40,7 @@ FAST_K2 = [
     k2_gemm.Config(bn=32, lora=True, num_slices=3, rank=64, stages=8),
 ]
 FAST_SHRINK = [
+    lora_shrink.select(3, 16, 64),  # the decode path's build (8 stages)
     lora_shrink.Config(bn=16, rank=64, num_slices=3),
     lora_shrink.Config(bn=8, rank=8, num_slices=1),
     lora_shrink.Config(bn=32, rank=256, num_slices=2),

@@ -7,6 +7,7 @@ CUDA-graph replays with the L2 flushed (median), all in one run:
   k2_epilogue_us    K2 with the adapter epilogue, x_q and h given (no shrink, no PDL)
   shrink_us         the shrink kernel with its quantization planes, alone
   shrink_noquant_us the shrink kernel's down-projection alone
+  shrink_st4_us     the shrink with the former 4-stage pipeline (the default has 8)
   decode_us         shrink then K2 as the decode path runs them (PDL)
   decode_nopdl_us   the same without PDL
   k2_{c1,c1st8}_us, k2_epilogue_{c1,c1st8}_us   the K2 rows with the former default (one CTA per SM,
@@ -17,6 +18,7 @@ and the quantization cost on top of streaming the weights.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -55,13 +57,14 @@ class DecodeStages:
                       slot_ranks=ranks)
         split_s = lora_shrink.choose_split(k, len(widths), c.rank, min(m, L + 1))
         s_cfg = lora_shrink.select(len(widths), m, c.rank)
-        self.s_cfg, self.s_cfg_nq = s_cfg, lora_shrink.Config(bn=s_cfg.bn, rank=s_cfg.rank,
-                                                              num_slices=s_cfg.num_slices, quant=False)
+        self.s_cfg, self.s_cfg_nq = s_cfg, dataclasses.replace(s_cfg, quant=False)
+        self.s_cfg_st4 = dataclasses.replace(s_cfg, stages=4)
         shrink_args = dict(x=c.x, lora_a=c.lora_a, h=self.h, x_q=self.x_q, x_scale=self.x_scale, split=split_s,
                            **common)
         self.s_spec = lora_shrink.launch(s_cfg, sync=self.sync, **shrink_args)
         self.s_spec_alone = lora_shrink.launch(s_cfg, sync=self.sync_alone, **shrink_args)
         self.s_spec_nq = lora_shrink.launch(self.s_cfg_nq, sync=self.sync_alone, **shrink_args)
+        self.s_spec_st4 = lora_shrink.launch(self.s_cfg_st4, sync=self.sync_alone, **shrink_args)
         l_cfg, n_cfg = k2_gemm.select(widths, m, c.rank)
         self.l_cfg, self.n_cfg = l_cfg, n_cfg
         split = k2_gemm.split_for(l_cfg, n, k)
@@ -104,6 +107,7 @@ class DecodeStages:
             "k2_epilogue": self._run(self.k2, self.l_cfg, self.k2_epi_spec),
             "shrink": self._run(self.shrink, self.s_cfg, self.s_spec_alone),
             "shrink_noquant": self._run(self.shrink, self.s_cfg_nq, self.s_spec_nq),
+            "shrink_st4": self._run(self.shrink, self.s_cfg_st4, self.s_spec_st4),
             "decode": lambda: (shrink(), pair_pdl()),
             "decode_nopdl": lambda: (shrink(), pair()),
         } | {name: self._run(self.k2, cfg, spec) for name, (cfg, spec) in self.variants.items()}
