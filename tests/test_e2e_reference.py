@@ -183,12 +183,27 @@ def test_cli_request(model_dir, adapters, tmp_path):
                      "adapters": {"seqs": SEQS[:2], "adapter": [0, 1]}}}
     (tmp_path / "req.json").write_text(json.dumps(req))
     args = ["--model", str(model_dir), "--request", str(tmp_path / "req.json"), "--out", str(tmp_path / "r.json"),
-            "--device", "cpu", "--also-unquantized"] + [x for a in adapters for x in ("--adapter", str(a))]
+            "--device", "cpu", "--also-unquantized", "--also-bf16-inputs"] + [x for a in adapters for x in ("--adapter", str(a))]
     assert er.main(args) == 0
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["quantize"] is True and r["device"] == "cpu" and r["unquantized"]["quantize"] is False
+    assert r["with_bf16_inputs"]["bf16_inputs"] is True and r["with_bf16_inputs"]["quantize"] is True
+    assert r["bf16_inputs"] is False and r["unquantized"]["bf16_inputs"] is False
     assert r["cases"]["none"]["seqs_sha"] == er.seqs_sha(SEQS[:2])
     direct = er.Reference(model_dir, adapters, quantize=True).score(SEQS[:2], [0, 1])
     for got, want in zip(r["cases"]["adapters"]["lp"], direct["lp"]):
         assert got == pytest.approx(want, abs=1e-6)
     assert r["cases"]["adapters"]["lp"] != r["cases"]["none"]["lp"]
+
+
+def test_bf16_inputs_variant(model_dir, adapters):
+    """bf16_inputs: each linear layer quantizes (and runs LoRA on) its input rounded to bf16."""
+    exact = er.Reference(model_dir, adapters, quantize=True)
+    b16 = er.Reference(model_dir, adapters, quantize=True, bf16_inputs=True)
+    x = torch.randn(4, exact.layers[0]["qkv"].w_codes.shape[1])
+    ids = torch.tensor([0, -1, 1, 0])
+    want = exact.layers[0]["qkv"](x.to(torch.bfloat16).float(), ids)
+    assert torch.equal(b16.layers[0]["qkv"](x, ids), want)
+    assert not torch.equal(exact.layers[0]["qkv"](x, ids), want)
+    a, b = exact.logits(SEQS[:1], [1])[0], b16.logits(SEQS[:1], [1])[0]
+    assert 0 < (a - b).abs().max() < 0.2

@@ -466,7 +466,7 @@ def test_smoke_mode(tmp_path):
     ref = rep["fp32_reference"]
     assert ref["mode"] == "auto" and not ref.get("skipped") and ref["device"] == "cpu" and ref["notes"] == []
     assert ref["keys"]["stock"] == ref["keys"]["ours"] and set(ref["keys"]["ours"]) == {"none", "adapters"}
-    assert ref["unquantized"]["quantize"] is False and len(ref["cases"]) == 2
+    assert ref["unquantized"]["quantize"] is False and ref["with_bf16_inputs"]["bf16_inputs"] is True and len(ref["cases"]) == 2
     c = rep["comparison"]["fp32_reference"]
     for config in rpt.CONFIGS:
         for variant in ("none", "none_single", "adapters", "adapters_single"):
@@ -475,7 +475,10 @@ def test_smoke_mode(tmp_path):
     v = c["verdict"]
     assert v["none"]["ours_mean_abs"] > 1 and v["worst_ratio"] == pytest.approx(1.0, abs=1e-3) and v["as_close_as_stock"]
     assert "## Distance to the exact computation" in md and "ours is within 1.00× of stock's distance" in md
-    assert "(scale) the reference without FP8" in md and (tmp_path / "out" / "reference.json").exists()
+    assert "(scale) the reference without FP8" in md and not (tmp_path / "out" / "reference.json").exists()
+    assert c["bf16_inputs"]["ours"]["adapters"]["positions"] == 16 * 95
+    assert len(list((tmp_path / "out").iterdir())) <= 6  # the device returns at most 8 files
+    assert "| (diagnostic) ours, 8 adapters, vs the reference with each linear layer's input rounded" in md
 
 
 def test_rescore_adds_the_reference_to_an_earlier_run(tmp_path):
@@ -532,11 +535,14 @@ def test_compare_fp32_reference_and_verdict():
                                              "adapters_without_lora": shifted(1.0)}}}}
     ref = {"cases": {"n": ref_lp, "a": ref_lp}, "keys": {"stock": {"none": "n", "adapters": "a"},
                                                          "ours": {"none": "n", "adapters": "a"}},
-           "unquantized": {"cases": {"n": shifted(0.5), "a": shifted(0.25)}}}
+           "unquantized": {"cases": {"n": shifted(0.5), "a": shifted(0.25)}},
+           "with_bf16_inputs": {"cases": {"n": shifted(0.03), "a": shifted(0.02)}}}
     c = rpt.compare(runs, spec, ref)["fp32_reference"]
     assert c["stock"]["none"]["mean_abs"] == pytest.approx(0.01) and c["stock"]["none_single"]["mean_abs"] == pytest.approx(0.02)
     assert c["ours"]["none"]["top1_agreement"] == pytest.approx(2 / 3) and set(c["ours"]) == set(c["stock"])
     assert c["fp8_effect"]["none"]["mean_abs"] == pytest.approx(0.5) and c["fp8_effect"]["adapters"]["mean_abs"] == pytest.approx(0.25)
+    assert c["bf16_inputs"]["ours"]["none"]["mean_abs"] == pytest.approx(0.0, abs=1e-12)
+    assert c["bf16_inputs"]["stock"]["none"]["mean_abs"] == pytest.approx(0.02)
     v = c["verdict"]
     assert v["none"]["ratio"] == pytest.approx(3.0) and v["adapters"]["ratio"] == pytest.approx(1.0)
     assert v["worst_ratio"] == pytest.approx(3.0) and not v["as_close_as_stock"]

@@ -23,6 +23,13 @@ activation in fp32 and no rounding to bf16 anywhere:
   the project's one reference. The embedding and lm_head are not LinearBase: they stay bf16.
   ``quantize=False``: the bf16 checkpoint weights in fp32, no FP8 at all (the model HF
   transformers runs; tests/test_e2e_reference.py checks it against Qwen3ForCausalLM).
+  ``bf16_inputs=True``: each linear layer's input rounded to bf16 first, as the tensor vLLM
+  hands to a linear op holds it (the plugin's op quantizes that bf16 tensor, as vLLM's CUDA
+  quantization kernel does). Under torch.compile, Inductor fuses vLLM's native RMSNorm /
+  SiLU-and-mul with the native per-token quantization (``QuantFP8.forward_native``: x *
+  reciprocal(scale)) and, without ``emulate_precision_casts``, need not round the intermediate
+  to bf16: stock's FP8 codes may then come from the unrounded values, closer to the default
+  (fp32 inputs) reference. The two variants tell the cases apart.
 * LoRA (PEFT adapters, vLLM's semantics): per projection and per token of that adapter,
   y += (x A^T) (s B)^T with x the unquantized input and s = lora_alpha / r (alpha / sqrt(r) with
   rslora; vLLM folds s into B at load time), through ``epilora_cute.reference.lora_shrink`` /
@@ -102,10 +109,10 @@ def lora_scaling(peft: dict) -> float:
 class Linear:
     """One of vLLM's (merged) linear layers: base weight + the adapters' stacked A / B per slice."""
 
-    def __init__(self, parts: list[torch.Tensor], quantize: bool, device):
+    def __init__(self, parts: list[torch.Tensor], quantize: bool, device, bf16_inputs: bool = False):
         w = torch.cat(parts, 0).to(device)  # bf16 [N, K], the merged parameter vLLM quantizes
         self.widths = [p.shape[0] for p in parts]
-        self.quantize = quantize
+        self.quantize, self.bf16_inputs = quantize, bf16_inputs
         if quantize:
             self.w_codes, self.w_scale = R.quantize_fp8_per_tensor(w)
             self.w = None
@@ -115,6 +122,8 @@ class Linear:
         self.lora_b: list[torch.Tensor] | None = None  # per slice [n_adapters, n_s, r] fp32, scaling folded in
 
     def __call__(self, x: torch.Tensor, token_lora: torch.Tensor | None) -> torch.Tensor:
+        if self.bf16_inputs:  # the input as a bf16 tensor holds it (what a linear op is handed in vLLM)
+            x = x.to(torch.bfloat16).to(torch.float32)
         if self.quantize:
             xq, sx = R.quantize_fp8_per_token(x)
             y = R.fp8_scaled_mm(xq, sx, self.w_codes, self.w_scale)
@@ -128,7 +137,7 @@ class Linear:
 class Reference:
     """The e2e checkpoint in ``model_dir`` (and PEFT adapters), loaded for the fp32 reference."""
 
-    def __init__(self, model_dir, adapters=(), quantize: bool = True, device="cpu"):
+    def __init__(self, model_dir, adapters=(), quantize: bool = True, device="cpu", bf16_inputs: bool = False):
         model_dir = Path(model_dir)
         self.cfg = cfg = json.loads((model_dir / "config.json").read_text())
         if cfg.get("model_type") != "qwen3":
@@ -136,7 +145,7 @@ class Reference:
         if cfg.get("rope_scaling"):
             raise NotImplementedError(f"rope_scaling {cfg['rope_scaling']} (e2e_model writes none)")
         self.device = torch.device(device)
-        self.quantize = quantize
+        self.quantize, self.bf16_inputs = quantize, bf16_inputs
         self.eps = float(cfg["rms_norm_eps"])
         self.theta = float(cfg.get("rope_theta", 10000.0))
         self.heads, self.kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -163,7 +172,8 @@ class Reference:
             names += [p + n + ".weight" for n in ("input_layernorm", "post_attention_layernorm",
                                                   "self_attn.q_norm", "self_attn.k_norm")]
             t = load(names)
-            layer = {k: Linear([t[p + n + ".weight"] for n in g], quantize, dev) for k, g in PROJ_GROUPS.items()}
+            layer = {k: Linear([t[p + n + ".weight"] for n in g], quantize, dev, bf16_inputs)
+                     for k, g in PROJ_GROUPS.items()}
             for n in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
                 layer[n.split(".")[-1]] = t[p + n + ".weight"].to(dev, torch.float32)
             self.layers.append(layer)
@@ -271,24 +281,30 @@ class Reference:
         return {"lp": lp, "top1": top1}
 
 
+# fp32 means fp32: no TF32 in the reference's matmuls (torch's default, made explicit)
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+
+
 def pick_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
 
 
-def run_request(model, adapters, request: dict, device: str = "auto", quantize: bool = True) -> dict:
+def run_request(model, adapters, request: dict, device: str = "auto", quantize: bool = True,
+                bf16_inputs: bool = False) -> dict:
     """Score every case of ``request`` (the format in the module doc) with one loaded reference."""
     t0 = time.time()
     device = pick_device(device)
-    ref = Reference(model, adapters, quantize=quantize, device=device)
+    ref = Reference(model, adapters, quantize=quantize, device=device, bf16_inputs=bf16_inputs)
     t_load = time.time() - t0
     cases = {}
     for name, case in request["cases"].items():
         r = ref.score(case["seqs"], case.get("adapter"))
         r["seqs_sha"] = seqs_sha(case["seqs"])
         cases[name] = r
-    return {"cases": cases, "quantize": quantize, "device": device,
+    return {"cases": cases, "quantize": quantize, "bf16_inputs": bf16_inputs, "device": device,
             "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
             "load_s": t_load, "seconds": time.time() - t0, "torch": str(torch.__version__)}
 
@@ -301,15 +317,23 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--no-quantize", action="store_true", help="bf16 weights in fp32, no FP8 (the model as HF runs it)")
+    ap.add_argument("--bf16-inputs", action="store_true",
+                    help="round each linear layer's input to bf16 first (FP8 codes and LoRA from the bf16 tensor)")
     ap.add_argument("--also-unquantized", action="store_true",
                     help="score the cases a second time without FP8 (result key 'unquantized')")
+    ap.add_argument("--also-bf16-inputs", action="store_true",
+                    help="score the cases again with --bf16-inputs (result key 'with_bf16_inputs')")
     args = ap.parse_args(argv)
     request = json.loads(args.request.read_text())
-    res = run_request(args.model, args.adapter, request, args.device, quantize=not args.no_quantize)
-    if args.also_unquantized and not args.no_quantize:
-        if res["device"].startswith("cuda"):
-            torch.cuda.empty_cache()
-        res["unquantized"] = run_request(args.model, args.adapter, request, args.device, quantize=False)
+    res = run_request(args.model, args.adapter, request, args.device, quantize=not args.no_quantize,
+                      bf16_inputs=args.bf16_inputs)
+    for flag, key, kw in ((args.also_unquantized and not args.no_quantize, "unquantized", dict(quantize=False)),
+                          (args.also_bf16_inputs and not args.bf16_inputs, "with_bf16_inputs",
+                           dict(quantize=not args.no_quantize, bf16_inputs=True))):
+        if flag:
+            if res["device"].startswith("cuda"):
+                torch.cuda.empty_cache()
+            res[key] = run_request(args.model, args.adapter, request, args.device, **kw)
     tmp = args.out.with_name(args.out.name + ".tmp")
     tmp.write_text(json.dumps(res))
     tmp.replace(args.out)

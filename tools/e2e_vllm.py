@@ -2,6 +2,8 @@
 
     python tools/e2e_vllm.py [--out DIR] [--only stock|ours] [--layers N] [--skip-throughput]
                              [--ours-env KEY=VAL ...] [--stock-from FILE] [--sequential] [--smoke]
+                             [--reference auto|on|off]
+    python tools/e2e_vllm.py --rescore E2E_JSON [--out DIR]     (the fp32 reference only)
 
 On the GPU machine (vLLM importable, the repository as working directory, not pip-installed):
 writes a random Qwen3-8B-shaped bf16 checkpoint and 8 rank-64 PEFT adapters under --work-dir
@@ -49,6 +51,18 @@ stops a worker FATAL_GRACE_S after its log shows a fatal engine error (FATAL_LOG
 0.26 lets its engine core's I/O threads die and every later call hang); the report gives the
 root cause and the log's tail. Everything a worker returns over ``collective_rpc`` is plain JSON
 (``e2e_model.plain``): vLLM's msgspec encoder refuses anything else, str subclasses included.
+
+After the engines (``--reference auto``, the default, when the logprobs phase ran): the fp32
+reference (tools/e2e_reference.py) scores the same teacher-forced sequences in its own process, on
+the GPU the engines left (on the CPU only for tiny models), within what is left of the time
+budget: the checkpoint's merged projections FP8 per tensor and the activations FP8 per token as
+vLLM quantizes them, LoRA as vLLM computes it, everything else exact; again with bf16 weights
+and no FP8 (the scale of FP8's own effect) and with each linear layer's input rounded to bf16
+before FP8 (a diagnostic: the plugin quantizes the bf16 tensor it is handed). The report gives
+each engine's distance to it (``comparison.fp32_reference``) and the verdict "ours is within X×
+of stock's distance to the exact computation". ``--rescore E2E_JSON`` does only this, for an
+earlier run's results (rebuilding its checkpoint under --work-dir; no vLLM needed): on the H200,
+~1 min for a 4-layer smoke run's.
 
 --smoke (SMOKE): a cheap first contact, CUDA graphs and torch.compile still on: 4 layers, the
 greedy and teacher-forced logprob checks only (no TPOT, no throughput), max_num_seqs 16 (capture
@@ -645,11 +659,13 @@ def _phase(runs: dict, config: str, phase: str):
     return ((runs.get(config) or {}).get("phases") or {}).get(phase)
 
 
-def run_fp32_reference(mode: str, runs: dict, spec: dict, model: Path, adapters: list[str], out: Path,
+def run_fp32_reference(mode: str, runs: dict, spec: dict, model: Path, adapters: list[str], files: Path,
                        deadline: float) -> dict:
     """tools/e2e_reference.py on the sequences the engines scored, in its own process (after the
     engines stopped: the GPU is free), limited to what is left of the time budget. Returns what
-    the report shows under ``fp32_reference`` (its raw results included), or a note why not."""
+    the report shows under ``fp32_reference`` (its raw results included; on failure its log's
+    tail), or a note why not. Its request, result and log go to ``files`` (not --out: the device
+    returns at most 8 files, and e2e.json holds everything)."""
     res: dict = {"mode": mode}
     request, keys, notes = fp32_reference_request(runs, spec)
     res.update(keys=keys, notes=notes)
@@ -671,15 +687,17 @@ def run_fp32_reference(mode: str, runs: dict, spec: dict, model: Path, adapters:
             res["skipped"] = (f"no GPU, and the model (hidden {hidden}) is too large for the CPU reference "
                               "(--reference on forces it)")
             return res
-    _write_json(out / "reference_request.json", request)
+    files.mkdir(parents=True, exist_ok=True)
+    _write_json(files / "reference_request.json", request)
     cmd = [sys.executable, str(ROOT / "tools" / "e2e_reference.py"), "--model", str(model), "--request",
-           str(out / "reference_request.json"), "--out", str(out / "reference.json"), "--also-unquantized"]
+           str(files / "reference_request.json"), "--out", str(files / "reference.json"), "--also-unquantized",
+           "--also-bf16-inputs"]
     for a in adapters:
         cmd += ["--adapter", str(a)]
     log(f"fp32 reference: {len(request['cases'])} cases, at most {left:.0f} s")
-    (out / "reference.json").unlink(missing_ok=True)
+    (files / "reference.json").unlink(missing_ok=True)
     t = time.time()
-    with open(out / "reference.log", "w") as logf:
+    with open(files / "reference.log", "w") as logf:
         try:
             r = subprocess.run(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT, timeout=left,
                                env=dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -690,12 +708,12 @@ def run_fp32_reference(mode: str, runs: dict, spec: dict, model: Path, adapters:
     res["wall_s"] = time.time() - t
     if rc is None:
         res["skipped"] = f"the time budget ran out while it ran ({res['wall_s']:.0f} s; see reference.log)"
-    elif rc != 0 or not (out / "reference.json").exists():
-        text = (out / "reference.log").read_text(errors="replace")
-        res["skipped"] = f"it failed (exit {rc}): {error_summary(text) or 'see reference.log'}"
+    elif rc != 0 or not (files / "reference.json").exists():
+        text = (files / "reference.log").read_text(errors="replace")
+        res["skipped"] = f"it failed (exit {rc}): {error_summary(text) or 'see its log tail in e2e.json'}"
         res["log_tail"] = "\n".join(text.splitlines()[-40:])
     else:
-        res.update(json.loads((out / "reference.json").read_text()))
+        res.update(json.loads((files / "reference.json").read_text()))
     log(f"fp32 reference: {res.get('skipped') or 'done'} ({res['wall_s']:.0f} s)")
     return res
 
@@ -860,8 +878,8 @@ def main(argv=None) -> int:
     fp32 = None
     if "logprobs" in phases:
         try:
-            fp32 = run_fp32_reference("off" if interrupted else args.reference, runs, spec, model, adapters, out,
-                                      deadline)
+            fp32 = run_fp32_reference("off" if interrupted else args.reference, runs, spec, model, adapters,
+                                      control, deadline)
         except (KeyboardInterrupt, SystemExit):
             fp32 = {"mode": args.reference, "skipped": "interrupted"}
     rep = build_report(args, spec, runs, {w.config: w.note for w in workers if w.note}, ours_env, t0, out, entry,
@@ -884,7 +902,7 @@ def rescore(args, t0: float) -> int:
     adapters = [str(e2e_model.write_adapter(work / f"adapter-{tag}-r{RANK}-{i}", spec["size"], spec["layers"], RANK,
                                             seed=1000 * (spec["seed"] + 1) + i)) for i in range(len(spec["adapters"]))]
     fp32 = run_fp32_reference("on" if args.reference == "auto" else args.reference, runs, spec, model, adapters,
-                              out, t0 + args.time_budget)
+                              work / f"rescore-{os.getpid()}", t0 + args.time_budget)
     git = os.environ.get("EPILORA_GIT_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
     keep = {k: prev[k] for k in ("date", "git", "command", "seconds", "concurrent", "plugin_log") if k in prev}
