@@ -478,6 +478,9 @@ def test_smoke_mode(tmp_path):
     assert "(scale) the reference without FP8" in md and not (tmp_path / "out" / "reference.json").exists()
     assert c["bf16_inputs"]["ours"]["adapters"]["positions"] == 16 * 95
     assert len(list((tmp_path / "out").iterdir())) <= 6  # the device returns at most 8 files
+    assert "**The engines and the reference do not compute the same model**" in md  # the stand-in is no model
+    ck = spec["checkpoint"]
+    assert ck["model"] == m.fingerprint(Path(spec["engine"]["model"]) / "model.safetensors") and ck["torch"]
     assert "| (diagnostic) ours, 8 adapters, vs the reference with each linear layer's input rounded" in md
 
 
@@ -493,6 +496,13 @@ def test_rescore_adds_the_reference_to_an_earlier_run(tmp_path):
     assert c["stock"]["none"]["positions"] == 16 * 95 and "ours" not in c and c["verdict"] == {}
     md = (tmp_path / "second" / "e2e.md").read_text()
     assert "fp32 reference added later" in md and "| stock, 8 adapters |" in md and "ours is within" not in md
+    assert rep2["fp32_reference"]["checkpoint"]["model"] == rep["spec"]["checkpoint"]["model"]
+    # a rebuilt checkpoint that is not the run's (another torch's RNG) is refused
+    rep["spec"]["checkpoint"]["model"] = "0" * 16
+    (tmp_path / "other.json").write_text(json.dumps(rep))
+    r, rep3 = _run_tool(tmp_path, "--rescore", str(tmp_path / "other.json"), out="third")
+    assert r.returncode == 1 and "the rebuilt checkpoint is not the run's" in rep3["fp32_reference"]["skipped"]
+    assert "fp32_reference" not in rep3["comparison"]
 
 
 def test_fp32_reference_request_rebuilds_the_scored_sequences():

@@ -98,6 +98,7 @@ def compare_logprobs(a: dict, b: dict, prompt_len: int, gen_len: int = 32) -> di
 # multiple of stock's is "as close to the exact computation as stock" (both carry bf16 rounding and
 # accumulation-order noise of the same kind); beyond it, ours adds an error stock does not have.
 REF_RATIO_OK = 1.25
+REF_MIN_TOP1 = 0.3  # below this top-1 agreement with the reference, the engines ran another model
 
 
 def compare_fp32_reference(runs: dict, spec: dict, ref: dict) -> dict:
@@ -239,11 +240,18 @@ def fp32_reference_markdown(rep: dict) -> list[str]:
           f"projections' weights FP8 per tensor and the activations FP8 per token as vLLM quantizes them, "
           f"LoRA as vLLM computes it, everything else (bf16 roundings, accumulation) exact; "
           f"{ref.get('device', '?')}{' (' + ref['gpu'] + ')' if ref.get('gpu') else ''}, "
-          f"{_f(ref.get('wall_s'), '{:.0f}')} s.", ""]
+          f"{_f(ref.get('wall_s'), '{:.0f}')} s; checkpoint fingerprint "
+          f"{(ref.get('checkpoint') or rep['spec'].get('checkpoint') or {}).get('model', '—')}.", ""]
     c = _get(rep, "comparison", "fp32_reference") or {}
     line = verdict_line(c.get("verdict") or {})
     if line:
         L += [line, ""]
+    agree = [r["top1_agreement"] for config in CONFIGS for r in (c.get(config) or {}).values() if r.get("positions")]
+    if agree and max(agree) < REF_MIN_TOP1:
+        L += [f"**The engines and the reference do not compute the same model** (top-1 agreement at most "
+              f"{100 * max(agree):.1f} %; an FP8 model agrees with its reference on most positions): another "
+              "checkpoint (see the fingerprints) or a reference that is wrong for this model; the distances "
+              "below are not rounding errors.", ""]
     L += ["| vs the fp32 reference | max / mean abs Δ (nats) | generated positions: max / mean | top-1 agreement |",
           "|---|---|---|---|"]
     for config in CONFIGS:

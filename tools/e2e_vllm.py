@@ -655,6 +655,16 @@ def fp32_reference_request(runs: dict, spec: dict) -> tuple[dict, dict, list[str
     return {"cases": cases}, keys, notes
 
 
+def checkpoint_id(model: Path, adapters: list[str]) -> dict:
+    """Fingerprints of the generated files and the torch that wrote them (e2e_model.fingerprint):
+    --rescore rebuilds a checkpoint and must get the same one."""
+    import torch
+
+    return {"model": e2e_model.fingerprint(Path(model) / "model.safetensors"),
+            "adapter0": e2e_model.fingerprint(Path(adapters[0]) / "adapter_model.safetensors") if adapters else None,
+            "torch": str(torch.__version__)}
+
+
 def _phase(runs: dict, config: str, phase: str):
     return ((runs.get(config) or {}).get("phases") or {}).get(phase)
 
@@ -844,7 +854,8 @@ def main(argv=None) -> int:
     spec = {"size": args.size, "layers": layers, "vocab_size": cfg["vocab_size"], "seed": args.seed, "reps": args.reps,
             "phases": phases, "adapters": adapters, "engine": engine, "out": str(out), "control_dir": str(control),
             "greedy": {"n": 16, "prompt_len": 64, "gen_len": 32}, "tpot": {"prompt_len": 512, "gen_len": 128},
-            "throughput": {"requests": 64, "prompt_len": 512, "gen_len": 128}, "smoke": smoke}
+            "throughput": {"requests": 64, "prompt_len": 512, "gen_len": 128}, "smoke": smoke,
+            "checkpoint": checkpoint_id(model, adapters)}
     spec_path = control / "spec.json"
     _write_json(spec_path, spec)
 
@@ -901,8 +912,21 @@ def rescore(args, t0: float) -> int:
     model = e2e_model.write_model(work / f"model-{tag}", spec["size"], spec["layers"], spec["seed"])
     adapters = [str(e2e_model.write_adapter(work / f"adapter-{tag}-r{RANK}-{i}", spec["size"], spec["layers"], RANK,
                                             seed=1000 * (spec["seed"] + 1) + i)) for i in range(len(spec["adapters"]))]
-    fp32 = run_fp32_reference("on" if args.reference == "auto" else args.reference, runs, spec, model, adapters,
-                              work / f"rescore-{os.getpid()}", t0 + args.time_budget)
+    now, then = checkpoint_id(model, adapters), spec.get("checkpoint")
+    if then and (now["model"], now["adapter0"]) != (then["model"], then["adapter0"]):
+        fp32 = {"mode": args.reference, "checkpoint": now,
+                "skipped": f"the rebuilt checkpoint is not the run's (fingerprints {now['model']}/{now['adapter0']} "
+                f"with torch {now['torch']}, the run's {then['model']}/{then['adapter0']} with torch {then['torch']}): "
+                "rescore where the run's torch wrote it"}
+    else:
+        fp32 = run_fp32_reference("on" if args.reference == "auto" else args.reference, runs, spec, model, adapters,
+                                  work / f"rescore-{os.getpid()}", t0 + args.time_budget)
+        fp32["checkpoint"] = now
+        if not then:
+            fp32.setdefault("notes", []).append(
+                f"the run recorded no checkpoint fingerprint: rebuilt with torch {now['torch']} (fingerprint "
+                f"{now['model']}); torch's CPU RNG changed across versions, so a top-1 agreement near 0 % means "
+                "another checkpoint, not another computation")
     git = os.environ.get("EPILORA_GIT_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
     keep = {k: prev[k] for k in ("date", "git", "command", "seconds", "concurrent", "plugin_log") if k in prev}
