@@ -325,19 +325,24 @@ def main(argv=None) -> int:
                     help="score the cases again with --bf16-inputs (result key 'with_bf16_inputs')")
     args = ap.parse_args(argv)
     request = json.loads(args.request.read_text())
+    def save(res):  # after each variant: a caller that stops this process keeps what it finished
+        tmp = args.out.with_name(args.out.name + ".tmp")
+        tmp.write_text(json.dumps(res))
+        tmp.replace(args.out)
+
     res = run_request(args.model, args.adapter, request, args.device, quantize=not args.no_quantize,
                       bf16_inputs=args.bf16_inputs)
-    for flag, key, kw in ((args.also_unquantized and not args.no_quantize, "unquantized", dict(quantize=False)),
-                          (args.also_bf16_inputs and not args.bf16_inputs, "with_bf16_inputs",
-                           dict(quantize=not args.no_quantize, bf16_inputs=True))):
+    save(res)
+    print(f"reference: {len(res['cases'])} cases on {res['device']} in {res['seconds']:.1f} s", flush=True)
+    for flag, key, kw in ((args.also_bf16_inputs and not args.bf16_inputs, "with_bf16_inputs",
+                           dict(quantize=not args.no_quantize, bf16_inputs=True)),
+                          (args.also_unquantized and not args.no_quantize, "unquantized", dict(quantize=False))):
         if flag:
             if res["device"].startswith("cuda"):
                 torch.cuda.empty_cache()
             res[key] = run_request(args.model, args.adapter, request, args.device, **kw)
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    tmp.write_text(json.dumps(res))
-    tmp.replace(args.out)
-    print(f"reference: {len(res['cases'])} cases on {res['device']} in {res['seconds']:.1f} s", flush=True)
+            save(res)
+            print(f"reference ({key}): {res[key]['seconds']:.1f} s", flush=True)
     return 0
 
 
