@@ -482,6 +482,7 @@ def test_smoke_mode(tmp_path):
     ck = spec["checkpoint"]
     assert ck["model"] == m.fingerprint(Path(spec["engine"]["model"]) / "model.safetensors") and ck["torch"]
     assert "| (diagnostic) ours, 8 adapters, vs the reference with each linear layer's input rounded" in md
+    assert "| (scale) the reference with each linear layer's input rounded to bf16 before FP8, no adapter |" in md
 
 
 def test_rescore_adds_the_reference_to_an_earlier_run(tmp_path):
@@ -552,6 +553,7 @@ def test_compare_fp32_reference_and_verdict():
     assert c["ours"]["none"]["top1_agreement"] == pytest.approx(2 / 3) and set(c["ours"]) == set(c["stock"])
     assert c["fp8_effect"]["none"]["mean_abs"] == pytest.approx(0.5) and c["fp8_effect"]["adapters"]["mean_abs"] == pytest.approx(0.25)
     assert c["bf16_inputs"]["ours"]["none"]["mean_abs"] == pytest.approx(0.0, abs=1e-12)
+    assert c["bf16_inputs_effect"]["none"]["mean_abs"] == pytest.approx(0.03)
     assert c["bf16_inputs"]["stock"]["none"]["mean_abs"] == pytest.approx(0.02)
     v = c["verdict"]
     assert v["none"]["ratio"] == pytest.approx(3.0) and v["adapters"]["ratio"] == pytest.approx(1.0)

@@ -126,6 +126,13 @@ def compare_fp32_reference(runs: dict, spec: dict, ref: dict) -> dict:
     if fp8:
         out["fp8_effect"] = fp8
     b16 = (ref.get("with_bf16_inputs") or {}).get("cases") or {}
+    eff = {}
+    for keys in (ref.get("keys") or {}).values():  # the exact computation's own sensitivity to that rounding
+        for case, key in keys.items():
+            if key in cases and key in b16 and case not in eff:
+                eff[case] = compare_logprobs(cases[key], b16[key], pl, gl)
+    if eff:
+        out["bf16_inputs_effect"] = eff
     for config, keys in (ref.get("keys") or {}).items():  # diagnostic: linear inputs rounded to bf16 first
         lp = ((runs.get(config) or {}).get("phases") or {}).get("logprobs") or {}
         for case, key in keys.items():
@@ -266,6 +273,11 @@ def fp32_reference_markdown(rep: dict) -> list[str]:
         lab = "no adapter" if case == "none" else f"{NUM_ADAPTERS} adapters"
         L.append(f"| (scale) the reference without FP8 (bf16 weights in fp32), {lab} | {r['max_abs']:.4f} / "
                  f"{r['mean_abs']:.4f} | {r['gen_max_abs']:.4f} / {r['gen_mean_abs']:.4f} | "
+                 f"{100 * r['top1_agreement']:.2f} % |")
+    for case, r in (c.get("bf16_inputs_effect") or {}).items():
+        lab = "no adapter" if case == "none" else f"{NUM_ADAPTERS} adapters"
+        L.append(f"| (scale) the reference with each linear layer's input rounded to bf16 before FP8, {lab} | "
+                 f"{r['max_abs']:.4f} / {r['mean_abs']:.4f} | {r['gen_max_abs']:.4f} / {r['gen_mean_abs']:.4f} | "
                  f"{100 * r['top1_agreement']:.2f} % |")
     for config in CONFIGS:  # the diagnostic variant: where each engine sits between the two roundings
         for case, r in (_get(c, "bf16_inputs", config) or {}).items():
