@@ -504,6 +504,12 @@ def test_rescore_adds_the_reference_to_an_earlier_run(tmp_path):
     r, rep3 = _run_tool(tmp_path, "--rescore", str(tmp_path / "other.json"), out="third")
     assert r.returncode == 1 and "the rebuilt checkpoint is not the run's" in rep3["fp32_reference"]["skipped"]
     assert "fp32_reference" not in rep3["comparison"]
+    # a run from before the fingerprints: --expect-checkpoint gives them
+    del rep["spec"]["checkpoint"]
+    (tmp_path / "old.json").write_text(json.dumps(rep))
+    r, rep4 = _run_tool(tmp_path, "--rescore", str(tmp_path / "old.json"), "--expect-checkpoint", "1" * 16,
+                        out="fourth")
+    assert r.returncode == 1 and "the rebuilt checkpoint is not the run's" in rep4["fp32_reference"]["skipped"]
 
 
 def test_fp32_reference_request_rebuilds_the_scored_sequences():

@@ -819,6 +819,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rescore", type=Path, metavar="E2E_JSON",
                     help="no engines: rebuild the checkpoint of an earlier run's e2e.json under --work-dir, add the "
                     "fp32 reference to its results and write its report again (to --out)")
+    ap.add_argument("--expect-checkpoint", metavar="MODEL_FP[/ADAPTER0_FP]",
+                    help="--rescore of a run that recorded no fingerprints (before spec.checkpoint): the "
+                    "e2e_model.fingerprint its checkpoint (and adapter 0) had; a rebuilt one that differs is refused")
     ap.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     ap.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -920,7 +923,10 @@ def rescore(args, t0: float) -> int:
     adapters = [str(e2e_model.write_adapter(work / f"adapter-{tag}-r{RANK}-{i}", spec["size"], spec["layers"], RANK,
                                             seed=1000 * (spec["seed"] + 1) + i)) for i in range(len(spec["adapters"]))]
     now, then = checkpoint_id(model, adapters), spec.get("checkpoint")
-    if then and (now["model"], now["adapter0"]) != (then["model"], then["adapter0"]):
+    if not then and args.expect_checkpoint:
+        fp_model, _, fp_adapter = args.expect_checkpoint.partition("/")
+        then = {"model": fp_model, "adapter0": fp_adapter or None, "torch": "--expect-checkpoint"}
+    if then and (now["model"] != then["model"] or (then["adapter0"] and now["adapter0"] != then["adapter0"])):
         fp32 = {"mode": args.reference, "checkpoint": now,
                 "skipped": f"the rebuilt checkpoint is not the run's (fingerprints {now['model']}/{now['adapter0']} "
                 f"with torch {now['torch']}, the run's {then['model']}/{then['adapter0']} with torch {then['torch']}): "
