@@ -462,6 +462,115 @@ def test_smoke_mode(tmp_path):
     assert "Not measured: smoke run." in md and "TPOT batch 1" not in md
     assert "SMOKE RUN: 4 of 2 layers, greedy + logprobs only" in r.stdout and "Expected on an H200" in r.stdout
     assert "limits: engine start 210 s, whole run 270 s" in r.stdout
+    # the fp32 reference ran after the engines (on the CPU: a tiny model), on the sequences both scored
+    ref = rep["fp32_reference"]
+    assert ref["mode"] == "auto" and not ref.get("skipped") and ref["device"] == "cpu" and ref["notes"] == []
+    assert ref["keys"]["stock"] == ref["keys"]["ours"] and set(ref["keys"]["ours"]) == {"none", "adapters"}
+    assert ref["unquantized"]["quantize"] is False and ref["with_bf16_inputs"]["bf16_inputs"] is True and len(ref["cases"]) == 2
+    c = rep["comparison"]["fp32_reference"]
+    for config in rpt.CONFIGS:
+        for variant in ("none", "none_single", "adapters", "adapters_single"):
+            assert c[config][variant]["positions"] == 16 * 95
+    # the stand-in's logprobs are not a model's: far from the reference; ours' shift shows in the ratio
+    v = c["verdict"]
+    assert v["none"]["ours_mean_abs"] > 1 and v["worst_ratio"] == pytest.approx(1.0, abs=1e-3) and v["as_close_as_stock"]
+    assert "## Distance to the exact computation" in md and "ours is within 1.00× of stock's distance" in md
+    assert "(scale) the reference without FP8" in md and not (tmp_path / "out" / "reference.json").exists()
+    assert c["bf16_inputs"]["ours"]["adapters"]["positions"] == 16 * 95
+    assert len(list((tmp_path / "out").iterdir())) <= 6  # the device returns at most 8 files
+    assert "**The engines and the reference do not compute the same model**" in md  # the stand-in is no model
+    ck = spec["checkpoint"]
+    assert ck["model"] == m.fingerprint(Path(spec["engine"]["model"]) / "model.safetensors") and ck["torch"]
+    assert "| (diagnostic) ours, 8 adapters, vs the reference with each linear layer's input rounded" in md
+    assert "| (scale) the reference with each linear layer's input rounded to bf16 before FP8, no adapter |" in md
+
+
+def test_rescore_adds_the_reference_to_an_earlier_run(tmp_path):
+    r, rep = _run_tool(tmp_path, "--only", "stock", "--phases", "greedy,logprobs", "--reference", "off", out="first")
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert rep["fp32_reference"]["skipped"] == "--reference off" and "fp32_reference" not in rep["comparison"]
+    assert "Not computed: --reference off." in (tmp_path / "first" / "e2e.md").read_text()
+    r, rep2 = _run_tool(tmp_path, "--rescore", str(tmp_path / "first" / "e2e.json"), out="second")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert rep2["runs"] == rep["runs"] and rep2["date"] == rep["date"] and rep2["rescored_from"]["file"].endswith("e2e.json")
+    c = rep2["comparison"]["fp32_reference"]
+    assert c["stock"]["none"]["positions"] == 16 * 95 and "ours" not in c and c["verdict"] == {}
+    md = (tmp_path / "second" / "e2e.md").read_text()
+    assert "fp32 reference added later" in md and "| stock, 8 adapters |" in md and "ours is within" not in md
+    assert rep2["fp32_reference"]["checkpoint"]["model"] == rep["spec"]["checkpoint"]["model"]
+    # a rebuilt checkpoint that is not the run's (another torch's RNG) is refused
+    rep["spec"]["checkpoint"]["model"] = "0" * 16
+    (tmp_path / "other.json").write_text(json.dumps(rep))
+    r, rep3 = _run_tool(tmp_path, "--rescore", str(tmp_path / "other.json"), out="third")
+    assert r.returncode == 1 and "the rebuilt checkpoint is not the run's" in rep3["fp32_reference"]["skipped"]
+    assert "fp32_reference" not in rep3["comparison"]
+    # a run from before the fingerprints: --expect-checkpoint gives them
+    del rep["spec"]["checkpoint"]
+    (tmp_path / "old.json").write_text(json.dumps(rep))
+    r, rep4 = _run_tool(tmp_path, "--rescore", str(tmp_path / "old.json"), "--expect-checkpoint", "1" * 16,
+                        out="fourth")
+    assert r.returncode == 1 and "the rebuilt checkpoint is not the run's" in rep4["fp32_reference"]["skipped"]
+
+
+def test_fp32_reference_request_rebuilds_the_scored_sequences():
+    spec = {"seed": 0, "vocab_size": 1000, "greedy": {"n": 3, "prompt_len": 4, "gen_len": 2}}
+    P = e.prompts(0, "greedy", 3, 4, 1000)
+    g_stock = {"none": [[1, 2], [3, 4], [5, 6]], "adapters": [[7, 8], [9, 10], [11, 12]]}
+    g_ours = {"none": [[1, 2], [3, 4], [5, 7]], "adapters": [[7, 8], [9, 10], [11, 12]]}
+
+    def lp(greedy, cases=("none", "adapters")):
+        return {c: {"lp": [], "top1": [], "seqs_sha": e._sha([p + t for p, t in zip(P, greedy[c])])} for c in cases}
+
+    runs = {"stock": {"phases": {"greedy": g_stock, "logprobs": {"tokens_from": "self", **lp(g_stock)}}},
+            "ours": {"phases": {"greedy": g_ours, "logprobs": {"tokens_from": "stock", **lp(g_stock)}}}}
+    req, keys, notes = e.fp32_reference_request(runs, spec)
+    assert notes == [] and keys["stock"] == keys["ours"] and len(req["cases"]) == 2
+    a = req["cases"][keys["ours"]["adapters"]]
+    assert a["seqs"] == [p + t for p, t in zip(P, g_stock["adapters"])] and a["adapter"] == [0, 1, 2]
+    assert req["cases"][keys["stock"]["none"]]["adapter"] == [None] * 3
+    # ours forced with its own tokens: its own case; a sequence hash that does not match: left out, noted
+    runs["ours"]["phases"]["logprobs"] = {"tokens_from": "self", **lp(g_ours, ("none",))}
+    runs["stock"]["phases"]["logprobs"]["adapters"]["seqs_sha"] = "0" * 16
+    req, keys, notes = e.fp32_reference_request(runs, spec)
+    assert keys == {"stock": {"none": keys["stock"]["none"]}, "ours": {"none": keys["ours"]["none"]}}
+    assert keys["stock"]["none"] != keys["ours"]["none"] and len(req["cases"]) == 2
+    assert len(notes) == 1 and notes[0].startswith("stock adapters: rebuilt sequences do not match")
+
+
+def test_compare_fp32_reference_and_verdict():
+    spec = {"greedy": {"prompt_len": 2, "gen_len": 2}}
+    ref_lp = {"lp": [[-1.0, -2.0, -3.0]], "top1": [[1, 2, 3]]}
+
+    def shifted(d, top1=(1, 2, 3)):
+        return {"lp": [[x + d for x in ref_lp["lp"][0]]], "top1": [list(top1)], "seqs_sha": "s"}
+
+    runs = {"stock": {"phases": {"logprobs": {"none": shifted(0.01), "none_single": shifted(0.02),
+                                              "adapters": shifted(-0.02), "adapters_single": shifted(-0.02),
+                                              "adapters_without_lora": shifted(1.0)}}},
+            "ours": {"phases": {"logprobs": {"none": shifted(0.03, (1, 2, 4)), "none_single": shifted(0.03),
+                                             "adapters": shifted(0.02), "adapters_single": shifted(0.02),
+                                             "adapters_without_lora": shifted(1.0)}}}}
+    ref = {"cases": {"n": ref_lp, "a": ref_lp}, "keys": {"stock": {"none": "n", "adapters": "a"},
+                                                         "ours": {"none": "n", "adapters": "a"}},
+           "unquantized": {"cases": {"n": shifted(0.5), "a": shifted(0.25)}},
+           "with_bf16_inputs": {"cases": {"n": shifted(0.03), "a": shifted(0.02)}}}
+    c = rpt.compare(runs, spec, ref)["fp32_reference"]
+    assert c["stock"]["none"]["mean_abs"] == pytest.approx(0.01) and c["stock"]["none_single"]["mean_abs"] == pytest.approx(0.02)
+    assert c["ours"]["none"]["top1_agreement"] == pytest.approx(2 / 3) and set(c["ours"]) == set(c["stock"])
+    assert c["fp8_effect"]["none"]["mean_abs"] == pytest.approx(0.5) and c["fp8_effect"]["adapters"]["mean_abs"] == pytest.approx(0.25)
+    assert c["bf16_inputs"]["ours"]["none"]["mean_abs"] == pytest.approx(0.0, abs=1e-12)
+    assert c["bf16_inputs_effect"]["none"]["mean_abs"] == pytest.approx(0.03)
+    assert c["bf16_inputs"]["stock"]["none"]["mean_abs"] == pytest.approx(0.02)
+    v = c["verdict"]
+    assert v["none"]["ratio"] == pytest.approx(3.0) and v["adapters"]["ratio"] == pytest.approx(1.0)
+    assert v["worst_ratio"] == pytest.approx(3.0) and not v["as_close_as_stock"]
+    line = rpt.verdict_line(v)
+    assert line.startswith("**ours is within 3.00× of stock's distance to the exact computation**")
+    assert "no adapter: stock 0.0100, ours 0.0300 (×3.00)" in line and "ours adds an error stock does not have" in line
+    runs["ours"]["phases"]["logprobs"]["none"] = shifted(0.011)
+    assert rpt.compare(runs, spec, ref)["fp32_reference"]["verdict"]["as_close_as_stock"]
+    assert "fp32_reference" not in rpt.compare(runs, spec, {"skipped": "x", "keys": {}})
+    assert rpt.verdict_line({}) is None
 
 
 # ----------------------------------------------------------------------------- vLLM's own loaders (.venv-vllm)

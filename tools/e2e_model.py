@@ -201,6 +201,15 @@ def write_adapter(directory: Path, size: str = "qwen3-8b", layers: int | None = 
     return directory
 
 
+def fingerprint(path: Path, nbytes: int = 4 << 20) -> str:
+    """sha256 (16 hex digits) of a safetensors file's first ``nbytes`` (its header and first
+    tensor's values). The generated values come from torch's CPU RNG, whose bf16 ``normal_`` has
+    changed between torch versions (pytorch#179834 moved bf16 to the vectorized path): the same
+    seed need not give the same checkpoint on another machine; results record this to tell."""
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read(nbytes)).hexdigest()[:16]
+
+
 # ----------------------------------------------------------------------------- plugin visibility
 
 SHIM_DIST = "epilora_cute-0.0.0.dist-info"

@@ -94,9 +94,83 @@ def compare_logprobs(a: dict, b: dict, prompt_len: int, gen_len: int = 32) -> di
             "within_tolerance": max(d_all) <= TOL_MAX_NATS and sum(d_all) / len(d_all) <= TOL_MEAN_NATS}
 
 
-def compare(runs: dict, spec: dict) -> dict:
+# Verdict of the fp32 reference comparison: ours' mean |Δlogprob| to the reference at most this
+# multiple of stock's is "as close to the exact computation as stock" (both carry bf16 rounding and
+# accumulation-order noise of the same kind); beyond it, ours adds an error stock does not have.
+REF_RATIO_OK = 1.25
+REF_MIN_TOP1 = 0.3  # below this top-1 agreement with the reference, the engines ran another model
+
+
+def compare_fp32_reference(runs: dict, spec: dict, ref: dict) -> dict:
+    """Each engine's teacher-forced logprobs against the fp32 reference's for the same sequences
+    (tools/e2e_reference.py via tools/e2e_vllm.py's reference phase): per configuration and case
+    (``none``, ``adapters`` and their one-at-a-time runs), compare_logprobs(reference, engine);
+    ``fp8_effect``: the reference with FP8 against the reference without (bf16 weights in fp32);
+    ``verdict``: ours' mean distance over stock's, per case."""
+    pl, gl = spec["greedy"]["prompt_len"], spec["greedy"]["gen_len"]
+    cases, out = ref.get("cases") or {}, {}
+    for config, keys in (ref.get("keys") or {}).items():
+        lp = ((runs.get(config) or {}).get("phases") or {}).get("logprobs") or {}
+        for case, key in keys.items():
+            if key not in cases:
+                continue
+            for variant in (case, case + "_single"):
+                if variant in lp:
+                    out.setdefault(config, {})[variant] = compare_logprobs(cases[key], lp[variant], pl, gl)
+    unq = (ref.get("unquantized") or {}).get("cases") or {}
+    fp8 = {}
+    for keys in (ref.get("keys") or {}).values():
+        for case, key in keys.items():
+            if key in cases and key in unq and case not in fp8:
+                fp8[case] = compare_logprobs(unq[key], cases[key], pl, gl)
+    if fp8:
+        out["fp8_effect"] = fp8
+    b16 = (ref.get("with_bf16_inputs") or {}).get("cases") or {}
+    eff = {}
+    for keys in (ref.get("keys") or {}).values():  # the exact computation's own sensitivity to that rounding
+        for case, key in keys.items():
+            if key in cases and key in b16 and case not in eff:
+                eff[case] = compare_logprobs(cases[key], b16[key], pl, gl)
+    if eff:
+        out["bf16_inputs_effect"] = eff
+    for config, keys in (ref.get("keys") or {}).items():  # diagnostic: linear inputs rounded to bf16 first
+        lp = ((runs.get(config) or {}).get("phases") or {}).get("logprobs") or {}
+        for case, key in keys.items():
+            if key in b16 and case in lp:
+                out.setdefault("bf16_inputs", {}).setdefault(config, {})[case] = compare_logprobs(b16[key], lp[case],
+                                                                                                   pl, gl)
+    verdict = {}
+    for case in ("none", "adapters"):
+        s, o = _get(out, "stock", case), _get(out, "ours", case)
+        if s and o and s.get("positions") and o.get("positions"):
+            ratio = o["mean_abs"] / s["mean_abs"] if s["mean_abs"] > 0 else float("inf")
+            verdict[case] = {"stock_mean_abs": s["mean_abs"], "ours_mean_abs": o["mean_abs"], "ratio": ratio,
+                             "stock_top1": s["top1_agreement"], "ours_top1": o["top1_agreement"]}
+    if verdict:
+        worst = max(v["ratio"] for v in verdict.values())
+        verdict["worst_ratio"] = worst
+        verdict["as_close_as_stock"] = worst <= REF_RATIO_OK
+    out["verdict"] = verdict
+    return out
+
+
+def verdict_line(v: dict) -> str | None:
+    """The report's one-line verdict of the fp32 reference comparison."""
+    if not v or "worst_ratio" not in v:
+        return None
+    parts = [f"{'no adapter' if c == 'none' else f'{NUM_ADAPTERS} adapters'}: stock {v[c]['stock_mean_abs']:.4f}, "
+             f"ours {v[c]['ours_mean_abs']:.4f} (×{v[c]['ratio']:.2f})" for c in ("none", "adapters") if c in v]
+    return (f"**ours is within {v['worst_ratio']:.2f}× of stock's distance to the exact computation** (mean abs "
+            f"Δlogprob to the fp32 reference, nats; " + "; ".join(parts) + "): "
+            + ("as close to it as stock" if v["as_close_as_stock"] else
+               f"**more than {REF_RATIO_OK}× stock's: ours adds an error stock does not have**"))
+
+
+def compare(runs: dict, spec: dict, fp32_reference: dict | None = None) -> dict:
     """Every comparison the report shows, from the raw worker results (missing parts skipped)."""
     out: dict = {}
+    if fp32_reference and fp32_reference.get("cases"):
+        out["fp32_reference"] = compare_fp32_reference(runs, spec, fp32_reference)
     pl, gl = spec["greedy"]["prompt_len"], spec["greedy"]["gen_len"]
     for name, run in runs.items():
         g = run.get("phases", {}).get("greedy")
@@ -161,6 +235,65 @@ def perf_rows(runs: dict) -> list[dict]:
     return rows
 
 
+def fp32_reference_markdown(rep: dict) -> list[str]:
+    """The report's section on the fp32 reference (empty when the phase was not part of the run)."""
+    ref = rep.get("fp32_reference")
+    if not ref:
+        return []
+    L = ["", "## Distance to the exact computation (fp32 reference, `tools/e2e_reference.py`)", ""]
+    if ref.get("skipped"):
+        return L + [f"Not computed: {ref['skipped']}."] + [f"- {n}" for n in ref.get("notes", [])]
+    L += [f"The same teacher-forced sequences scored by an fp32 forward of the checkpoint: the merged "
+          f"projections' weights FP8 per tensor and the activations FP8 per token as vLLM quantizes them, "
+          f"LoRA as vLLM computes it, everything else (bf16 roundings, accumulation) exact; "
+          f"{ref.get('device', '?')}{' (' + ref['gpu'] + ')' if ref.get('gpu') else ''}, "
+          f"{_f(ref.get('wall_s'), '{:.0f}')} s; checkpoint fingerprint "
+          f"{(ref.get('checkpoint') or rep['spec'].get('checkpoint') or {}).get('model', '—')}.", ""]
+    c = _get(rep, "comparison", "fp32_reference") or {}
+    line = verdict_line(c.get("verdict") or {})
+    if line:
+        L += [line, ""]
+    agree = [r["top1_agreement"] for config in CONFIGS for r in (c.get(config) or {}).values() if r.get("positions")]
+    if agree and max(agree) < REF_MIN_TOP1:
+        L += [f"**The engines and the reference do not compute the same model** (top-1 agreement at most "
+              f"{100 * max(agree):.1f} %; an FP8 model agrees with its reference on most positions): another "
+              "checkpoint (see the fingerprints) or a reference that is wrong for this model; the distances "
+              "below are not rounding errors.", ""]
+    L += ["| vs the fp32 reference | max / mean abs Δ (nats) | generated positions: max / mean | top-1 agreement |",
+          "|---|---|---|---|"]
+    for config in CONFIGS:
+        for variant, lab in (("none", "no adapter"), ("none_single", "no adapter, one at a time"),
+                             ("adapters", f"{NUM_ADAPTERS} adapters"),
+                             ("adapters_single", f"{NUM_ADAPTERS} adapters, one at a time")):
+            r = _get(c, config, variant)
+            if r and r.get("positions"):
+                L.append(f"| {config}, {lab} | {r['max_abs']:.4f} / {r['mean_abs']:.4f} | {r['gen_max_abs']:.4f} / "
+                         f"{r['gen_mean_abs']:.4f} | {100 * r['top1_agreement']:.2f} % |")
+    for case, r in (c.get("fp8_effect") or {}).items():
+        lab = "no adapter" if case == "none" else f"{NUM_ADAPTERS} adapters"
+        L.append(f"| (scale) the reference without FP8 (bf16 weights in fp32), {lab} | {r['max_abs']:.4f} / "
+                 f"{r['mean_abs']:.4f} | {r['gen_max_abs']:.4f} / {r['gen_mean_abs']:.4f} | "
+                 f"{100 * r['top1_agreement']:.2f} % |")
+    for case, r in (c.get("bf16_inputs_effect") or {}).items():
+        lab = "no adapter" if case == "none" else f"{NUM_ADAPTERS} adapters"
+        L.append(f"| (scale) the reference with each linear layer's input rounded to bf16 before FP8, {lab} | "
+                 f"{r['max_abs']:.4f} / {r['mean_abs']:.4f} | {r['gen_max_abs']:.4f} / {r['gen_mean_abs']:.4f} | "
+                 f"{100 * r['top1_agreement']:.2f} % |")
+    for config in CONFIGS:  # the diagnostic variant: where each engine sits between the two roundings
+        for case, r in (_get(c, "bf16_inputs", config) or {}).items():
+            lab = "no adapter" if case == "none" else f"{NUM_ADAPTERS} adapters"
+            L.append(f"| (diagnostic) {config}, {lab}, vs the reference with each linear layer's input rounded "
+                     f"to bf16 before FP8 | {r['max_abs']:.4f} / {r['mean_abs']:.4f} | {r['gen_max_abs']:.4f} / "
+                     f"{r['gen_mean_abs']:.4f} | {100 * r['top1_agreement']:.2f} % |")
+    if c.get("bf16_inputs"):
+        L += ["", "The plugin quantizes the bf16 tensor vLLM hands to the layer (as vLLM's CUDA quantization "
+              "kernel does); under torch.compile stock's RMSNorm / SiLU-and-mul and per-token quantization are "
+              "fused by Inductor and may quantize unrounded values. An engine closer to the diagnostic row than "
+              "to the main one quantizes bf16-rounded inputs."]
+    L += [f"- {n}" for n in ref.get("notes", [])]
+    return L
+
+
 def write_markdown(rep: dict, path: Path) -> None:
     runs, cmp_, spec = rep["runs"], rep["comparison"], rep["spec"]
     L = [f"# vLLM end to end: stock vs EpiLoRA plugin — {rep['date']}", "",
@@ -171,6 +304,9 @@ def write_markdown(rep: dict, path: Path) -> None:
          f"- ours: env {rep['ours_env'] or '{}'}; engine start stock "
          f"{_f(_get(runs, 'stock', 'engine_start_s'), '{:.0f}')} s, ours {_f(_get(runs, 'ours', 'engine_start_s'), '{:.0f}')} s"
          + (" (started together)" if rep["concurrent"] else "")]
+    rs = rep.get("rescored_from")
+    if rs:
+        L.append(f"- fp32 reference added later: `{rs['command']}` ({rs['date']}, git {rs['git']}) from {rs['file']}")
     smoke = spec.get("smoke")
     if smoke:
         eng = smoke.get("engine", {})
@@ -238,6 +374,7 @@ def write_markdown(rep: dict, path: Path) -> None:
         r = cmp_.get(f"{c}_adapter_effect")
         cells.append(f"{r['mean_abs']:.3f} (max {r['max_abs']:.2f})" if r and r.get("positions") else "—")
     L.append(f"| adapter effect: mean abs Δlogprob with vs without the adapter, nats | {cells[0]} | {cells[1]} |")
+    L += fp32_reference_markdown(rep)
     if smoke and not {"tpot", "throughput"} & set(spec.get("phases", ())):
         L += ["", "## Performance", "", "Not measured: smoke run."]
     else:

@@ -2,6 +2,8 @@
 
     python tools/e2e_vllm.py [--out DIR] [--only stock|ours] [--layers N] [--skip-throughput]
                              [--ours-env KEY=VAL ...] [--stock-from FILE] [--sequential] [--smoke]
+                             [--reference auto|on|off]
+    python tools/e2e_vllm.py --rescore E2E_JSON [--out DIR]     (the fp32 reference only)
 
 On the GPU machine (vLLM importable, the repository as working directory, not pip-installed):
 writes a random Qwen3-8B-shaped bf16 checkpoint and 8 rank-64 PEFT adapters under --work-dir
@@ -49,6 +51,18 @@ stops a worker FATAL_GRACE_S after its log shows a fatal engine error (FATAL_LOG
 0.26 lets its engine core's I/O threads die and every later call hang); the report gives the
 root cause and the log's tail. Everything a worker returns over ``collective_rpc`` is plain JSON
 (``e2e_model.plain``): vLLM's msgspec encoder refuses anything else, str subclasses included.
+
+After the engines (``--reference auto``, the default, when the logprobs phase ran): the fp32
+reference (tools/e2e_reference.py) scores the same teacher-forced sequences in its own process, on
+the GPU the engines left (on the CPU only for tiny models), within what is left of the time
+budget: the checkpoint's merged projections FP8 per tensor and the activations FP8 per token as
+vLLM quantizes them, LoRA as vLLM computes it, everything else exact; again with bf16 weights
+and no FP8 (the scale of FP8's own effect) and with each linear layer's input rounded to bf16
+before FP8 (a diagnostic: the plugin quantizes the bf16 tensor it is handed). The report gives
+each engine's distance to it (``comparison.fp32_reference``) and the verdict "ours is within X×
+of stock's distance to the exact computation". ``--rescore E2E_JSON`` does only this, for an
+earlier run's results (rebuilding its checkpoint under --work-dir; no vLLM needed): on the H200,
+~1 min for a 4-layer smoke run's.
 
 --smoke (SMOKE): a cheap first contact, CUDA graphs and torch.compile still on: 4 layers, the
 greedy and teacher-forced logprob checks only (no TPOT, no throughput), max_num_seqs 16 (capture
@@ -603,8 +617,126 @@ def run_workers(workers: list[Worker], concurrent: bool, deadline: float, refere
             reference = w.out / "result_stock.json"
 
 
+# ============================================================================ fp32 reference (parent, after the engines)
+
+REF_MIN_S = 20.0  # the fp32 reference phase starts only with this much of the time budget left
+REF_CPU_MAX_HIDDEN = 1024  # without a GPU, --reference auto scores only models this small (tests' tiny size)
+
+
+def fp32_reference_request(runs: dict, spec: dict) -> tuple[dict, dict, list[str]]:
+    """The teacher-forced sequences the engines scored, for tools/e2e_reference.py: (request,
+    keys {config: {case: request case}}, notes). The sequences are rebuilt from the prompts and
+    the greedy tokens each run was forced with (stock's, or its own: ``tokens_from``) and checked
+    against the ``seqs_sha`` the run recorded; runs that scored the same sequences share a case."""
+    g = spec["greedy"]
+    P = prompts(spec["seed"], "greedy", g["n"], g["prompt_len"], spec["vocab_size"])
+    cases, keys, notes = {}, {}, []
+    for config in CONFIGS:
+        lp = _phase(runs, config, "logprobs")
+        if not lp:
+            continue
+        greedy = _phase(runs, "stock" if lp.get("tokens_from") == "stock" else config, "greedy")
+        for case in ("none", "adapters"):
+            if case not in lp:
+                continue
+            if not greedy or case not in greedy:
+                notes.append(f"{config} {case}: the greedy tokens it was scored on are not in the results")
+                continue
+            seqs = [p + t for p, t in zip(P, greedy[case])]
+            sha = _sha(seqs)
+            if sha != lp[case].get("seqs_sha"):
+                notes.append(f"{config} {case}: rebuilt sequences do not match the scored ones (sha {sha} != "
+                             f"{lp[case].get('seqs_sha')})")
+                continue
+            key = f"{case}-{sha}"
+            cases[key] = {"seqs": seqs, "adapter": [None if case == "none" else i % NUM_ADAPTERS
+                                                    for i in range(len(seqs))]}
+            keys.setdefault(config, {})[case] = key
+    return {"cases": cases}, keys, notes
+
+
+def checkpoint_id(model: Path, adapters: list[str]) -> dict:
+    """Fingerprints of the generated files and the torch that wrote them (e2e_model.fingerprint):
+    --rescore rebuilds a checkpoint and must get the same one."""
+    import torch
+
+    return {"model": e2e_model.fingerprint(Path(model) / "model.safetensors"),
+            "adapter0": e2e_model.fingerprint(Path(adapters[0]) / "adapter_model.safetensors") if adapters else None,
+            "torch": str(torch.__version__)}
+
+
+def _phase(runs: dict, config: str, phase: str):
+    return ((runs.get(config) or {}).get("phases") or {}).get(phase)
+
+
+def run_fp32_reference(mode: str, runs: dict, spec: dict, model: Path, adapters: list[str], files: Path,
+                       deadline: float) -> dict:
+    """tools/e2e_reference.py on the sequences the engines scored, in its own process (after the
+    engines stopped: the GPU is free), limited to what is left of the time budget. Returns what
+    the report shows under ``fp32_reference`` (its raw results included; on failure its log's
+    tail), or a note why not. Its request, result and log go to ``files`` (not --out: the device
+    returns at most 8 files, and e2e.json holds everything)."""
+    res: dict = {"mode": mode}
+    request, keys, notes = fp32_reference_request(runs, spec)
+    res.update(keys=keys, notes=notes)
+    if mode == "off":
+        res["skipped"] = "--reference off"
+        return res
+    if not request["cases"]:
+        res["skipped"] = "no teacher-forced logprobs to compare with"
+        return res
+    left = deadline - time.time()
+    if left < REF_MIN_S:
+        res["skipped"] = f"the time budget ran out ({left:.0f} s left, {REF_MIN_S:.0f} s needed)"
+        return res
+    if mode == "auto":
+        import torch
+
+        hidden = json.loads((Path(model) / "config.json").read_text())["hidden_size"]
+        if not torch.cuda.is_available() and hidden > REF_CPU_MAX_HIDDEN:
+            res["skipped"] = (f"no GPU, and the model (hidden {hidden}) is too large for the CPU reference "
+                              "(--reference on forces it)")
+            return res
+    files.mkdir(parents=True, exist_ok=True)
+    _write_json(files / "reference_request.json", request)
+    cmd = [sys.executable, str(ROOT / "tools" / "e2e_reference.py"), "--model", str(model), "--request",
+           str(files / "reference_request.json"), "--out", str(files / "reference.json"), "--also-unquantized",
+           "--also-bf16-inputs"]
+    for a in adapters:
+        cmd += ["--adapter", str(a)]
+    log(f"fp32 reference: {len(request['cases'])} cases, at most {left:.0f} s")
+    (files / "reference.json").unlink(missing_ok=True)
+    t = time.time()
+    with open(files / "reference.log", "w") as logf:
+        try:
+            r = subprocess.run(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT, timeout=left,
+                               env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                                   [str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])))
+            rc = r.returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    res["wall_s"] = time.time() - t
+    text = (files / "reference.log").read_text(errors="replace")
+    partial = json.loads((files / "reference.json").read_text()) if (files / "reference.json").exists() else {}
+    if rc is None:  # what it finished (it writes after each variant) is still reported
+        res["log_tail"] = "\n".join(text.splitlines()[-40:])
+        if partial.get("cases"):
+            res.update(partial)
+            res["notes"] = notes + [f"the time budget ran out after {res['wall_s']:.0f} s: only the variants "
+                                    "finished by then"]
+        else:
+            res["skipped"] = f"the time budget ran out while it ran ({res['wall_s']:.0f} s; log tail in e2e.json)"
+    elif rc != 0 or not partial.get("cases"):
+        res["skipped"] = f"it failed (exit {rc}): {error_summary(text) or 'log tail in e2e.json'}"
+        res["log_tail"] = "\n".join(text.splitlines()[-40:])
+    else:
+        res.update(partial)
+    log(f"fp32 reference: {res.get('skipped') or 'done'} ({res['wall_s']:.0f} s)")
+    return res
+
+
 def build_report(args, spec: dict, runs: dict, notes: dict, ours_env: dict, t0: float, out: Path,
-                 entry_point: str = "") -> dict:
+                 entry_point: str = "", fp32_reference: dict | None = None, extra: dict | None = None) -> dict:
     git = os.environ.get("EPILORA_GIT_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
     logs = {c: plugin_log_summary((out / f"{c}.log").read_text(errors="replace"))
@@ -618,7 +750,8 @@ def build_report(args, spec: dict, runs: dict, notes: dict, ours_env: dict, t0: 
                        "greedy_adapters_identical": e2e_report.TARGET_GREEDY_ADAPTERS},
            "tolerances": {"mean_abs_nats": e2e_report.TOL_MEAN_NATS, "max_abs_nats": e2e_report.TOL_MAX_NATS},
            "anchors": e2e_report.ANCHORS,
-           "plugin_log": logs, "comparison": compare(runs, spec), "performance": perf_rows(runs), "runs": runs}
+           "plugin_log": logs, "comparison": compare(runs, spec, fp32_reference), "performance": perf_rows(runs),
+           "fp32_reference": fp32_reference, **(extra or {}), "runs": runs}
     _write_json(out / "e2e.json", rep)
     write_markdown(rep, out / "e2e.md")
     return rep
@@ -677,6 +810,18 @@ def main(argv=None) -> int:
     ap.add_argument("--start-timeout", type=float,
                     help="seconds an engine may take to start before it is stopped (a hang must not block the "
                     f"other; default {FULL_START_TIMEOUT_S:.0f}; --smoke: {SMOKE['start_timeout']:.0f})")
+    ap.add_argument("--reference", choices=("auto", "on", "off"), default="auto",
+                    help="after the engines: score the same teacher-forced sequences with the fp32 reference "
+                    "(tools/e2e_reference.py: FP8 weights and per-token activations as vLLM quantizes them, "
+                    "everything else exact) and report each engine's distance to it; auto: when the logprobs "
+                    f"phase ran, on the GPU (on the CPU only for models up to hidden {REF_CPU_MAX_HIDDEN}), with at "
+                    f"least {REF_MIN_S:.0f} s of the time budget left")
+    ap.add_argument("--rescore", type=Path, metavar="E2E_JSON",
+                    help="no engines: rebuild the checkpoint of an earlier run's e2e.json under --work-dir, add the "
+                    "fp32 reference to its results and write its report again (to --out)")
+    ap.add_argument("--expect-checkpoint", metavar="MODEL_FP[/ADAPTER0_FP]",
+                    help="--rescore of a run that recorded no fingerprints (before spec.checkpoint): the "
+                    "e2e_model.fingerprint its checkpoint (and adapter 0) had; a rebuilt one that differs is refused")
     ap.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     ap.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -685,6 +830,8 @@ def main(argv=None) -> int:
     args.argv = argv
     t0 = time.time()
     apply_defaults(args)
+    if args.rescore:
+        return rescore(args, t0)
     deadline = t0 + args.time_budget
     phases = [p for p in args.phases.split(",") if p and not (args.skip_throughput and p == "throughput")]
     if set(phases) - set(PHASES):
@@ -717,7 +864,8 @@ def main(argv=None) -> int:
     spec = {"size": args.size, "layers": layers, "vocab_size": cfg["vocab_size"], "seed": args.seed, "reps": args.reps,
             "phases": phases, "adapters": adapters, "engine": engine, "out": str(out), "control_dir": str(control),
             "greedy": {"n": 16, "prompt_len": 64, "gen_len": 32}, "tpot": {"prompt_len": 512, "gen_len": 128},
-            "throughput": {"requests": 64, "prompt_len": 512, "gen_len": 128}, "smoke": smoke}
+            "throughput": {"requests": 64, "prompt_len": 512, "gen_len": 128}, "smoke": smoke,
+            "checkpoint": checkpoint_id(model, adapters)}
     spec_path = control / "spec.json"
     _write_json(spec_path, spec)
 
@@ -733,10 +881,12 @@ def main(argv=None) -> int:
         runs["stock"] = load_result(args.stock_from)
     reference = args.stock_from.resolve() if args.stock_from else None
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the engines and report on SIGTERM too
+    interrupted = False
     try:
         run_workers(workers, concurrent=not args.sequential and len(workers) > 1, deadline=deadline,
                     reference=reference, start_timeout=args.start_timeout)
     except (KeyboardInterrupt, SystemExit):
+        interrupted = True
         for w in workers:
             w.note = w.note or "interrupted"
     finally:
@@ -746,11 +896,60 @@ def main(argv=None) -> int:
         runs[w.config] = w.result() or {"config": w.config, "phases": {}, "errors": {"engine": w.note or "no result"}}
         if not runs[w.config].get("done"):
             runs[w.config]["log_tail"] = w.log_tail()
-    rep = build_report(args, spec, runs, {w.config: w.note for w in workers if w.note}, ours_env, t0, out, entry)
+    fp32 = None
+    if "logprobs" in phases:
+        try:
+            fp32 = run_fp32_reference("off" if interrupted else args.reference, runs, spec, model, adapters,
+                                      control, deadline)
+        except (KeyboardInterrupt, SystemExit):
+            fp32 = {"mode": args.reference, "skipped": "interrupted"}
+    rep = build_report(args, spec, runs, {w.config: w.note for w in workers if w.note}, ours_env, t0, out, entry,
+                       fp32)
     print((out / "e2e.md").read_text(), flush=True)
     ok = all(runs[w.config].get("done") for w in workers)
     log(f"done in {rep['seconds']:.0f} s; report: {out / 'e2e.md'}")
     return 0 if ok else 1
+
+
+def rescore(args, t0: float) -> int:
+    """--rescore: the fp32 reference for an earlier run's results (no engines), report rewritten."""
+    prev = json.loads(args.rescore.read_text())
+    spec, runs = prev["spec"], prev["runs"]
+    out, work = args.out.resolve(), args.work_dir.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    tag = f"{spec['size']}-L{spec['layers']}-s{spec['seed']}"
+    log(f"rescoring {args.rescore}: writing/reusing its checkpoint and {NUM_ADAPTERS} adapters under {work}")
+    model = e2e_model.write_model(work / f"model-{tag}", spec["size"], spec["layers"], spec["seed"])
+    adapters = [str(e2e_model.write_adapter(work / f"adapter-{tag}-r{RANK}-{i}", spec["size"], spec["layers"], RANK,
+                                            seed=1000 * (spec["seed"] + 1) + i)) for i in range(len(spec["adapters"]))]
+    now, then = checkpoint_id(model, adapters), spec.get("checkpoint")
+    if not then and args.expect_checkpoint:
+        fp_model, _, fp_adapter = args.expect_checkpoint.partition("/")
+        then = {"model": fp_model, "adapter0": fp_adapter or None, "torch": "--expect-checkpoint"}
+    if then and (now["model"] != then["model"] or (then["adapter0"] and now["adapter0"] != then["adapter0"])):
+        fp32 = {"mode": args.reference, "checkpoint": now,
+                "skipped": f"the rebuilt checkpoint is not the run's (fingerprints {now['model']}/{now['adapter0']} "
+                f"with torch {now['torch']}, the run's {then['model']}/{then['adapter0']} with torch {then['torch']}): "
+                "rescore where the run's torch wrote it"}
+    else:
+        fp32 = run_fp32_reference("on" if args.reference == "auto" else args.reference, runs, spec, model, adapters,
+                                  work / f"rescore-{os.getpid()}", t0 + args.time_budget)
+        fp32["checkpoint"] = now
+        if not then:
+            fp32.setdefault("notes", []).append(
+                f"the run recorded no checkpoint fingerprint: rebuilt with torch {now['torch']} (fingerprint "
+                f"{now['model']}); torch's CPU RNG changed across versions, so a top-1 agreement near 0 % means "
+                "another checkpoint, not another computation")
+    git = os.environ.get("EPILORA_GIT_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
+    keep = {k: prev[k] for k in ("date", "git", "command", "seconds", "concurrent", "plugin_log") if k in prev}
+    keep["rescored_from"] = {"file": str(args.rescore), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "git": git,
+                             "command": " ".join(["python", "tools/e2e_vllm.py"] + (args.argv or [])),
+                             "seconds": time.time() - t0}
+    build_report(args, spec, runs, prev.get("notes", {}), prev.get("ours_env", {}), t0, out,
+                 prev.get("entry_point", ""), fp32, extra=keep)
+    print((out / "e2e.md").read_text(), flush=True)
+    return 0 if not fp32.get("skipped") else 1
 
 
 if __name__ == "__main__":

@@ -7,10 +7,12 @@
 #   or, after call A, one call (carry .devvllm/2 .epilora_cache): bash tools/gpu_session.sh verify <commit>
 #   e2e smoke (carry .devvllm/2 after call A, or none on a machine where vLLM is unpacked):
 #                                                 bash tools/gpu_session.sh e2e-smoke <commit> (~4-5 min)
+#   fp32 reference for a recorded e2e run, no vLLM needed (carry nothing):
+#                                                 bash tools/gpu_session.sh e2e-rescore <commit> [E2E_JSON] (~1-2 min)
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, e2e or e2e-smoke}
+mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore or verify}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -50,6 +52,14 @@ case $mode in
     fi
     # 4 layers, correctness only, CUDA graphs and torch.compile on (tools/e2e_vllm.py SMOKE): budget 270 s.
     timeout -s KILL 330 python3 tools/e2e_vllm.py --smoke --out "$OUT" 2>&1 | tail -80
+    ;;
+  e2e-rescore)
+    # tools/e2e_reference.py on the teacher-forced sequences of a recorded run (default: run5's smoke
+    # run): rebuilds its 4-layer checkpoint (~20 s), scores on the GPU, writes e2e.{md,json} again.
+    # run5 recorded no fingerprints: its checkpoint's, as torch 2.11 writes it (docs/gpu_record/run5/e2e_reference_cpu_check.md).
+    if [[ -n ${3:-} ]]; then expect=(); else expect=(--expect-checkpoint 16321d179fe9f6d9/701b18d94f080559); fi
+    timeout -s KILL 300 python3 tools/e2e_vllm.py --rescore "${3:-docs/gpu_record/run5/e2e_smoke_ce10c4b.json}" \
+      "${expect[@]}" --time-budget 280 --out "$OUT" 2>&1 | tail -60
     ;;
   verify)
     # One call after changes, when the device budget allows only one (call A carried .devvllm/1,
