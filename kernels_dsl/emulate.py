@@ -49,6 +49,22 @@ def k2_items(token_lora, slot_ranks: list[int], rank: int, chunk: int):
     return items
 
 
+def z_group_slices(row_group, start, r0: int, rows: int, nz: int):
+    """K1's and expand-add's group split: the adapter groups of the row tile [r0, r0 + rows) dealt
+    to the nz CTAs along grid z (the kernels' own integer formula). Yields, per z, the group
+    indices and the tile rows [row_lo, row_hi) they cover, relative to r0 (empty when z has none)."""
+    g_tile = int(row_group[r0])
+    ng_tile = int(row_group[r0 + rows - 1]) - g_tile + 1
+    per_z = -(-ng_tile // nz)
+    for z in range(nz):
+        gz_lo = min(z * per_z, ng_tile)
+        n_groups = max(min(per_z, ng_tile - gz_lo), 0)
+        g_first = g_tile + gz_lo
+        row_lo = max(int(start[g_first]) - r0, 0)
+        row_hi = max(min(int(start[g_first + n_groups]) - r0, rows), row_lo)
+        yield range(g_first, g_first + n_groups), row_lo, row_hi
+
+
 def _squeeze(buf):
     return buf[:, 0] if buf.dim() == 4 else buf
 

@@ -617,6 +617,8 @@ def emulate(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks=No
     zeroed, k16 steps below the effective rank, bf16(h), fp32 accumulation, fp32 add to y and one
     rounding, rows with slot -1 untouched; with the group split (zsplit, default as the launch)
     each z-chunk of a tile's groups accumulates and writes only its groups' rows. Returns a new y."""
+    from .emulate import z_group_slices
+
     bs = [_as_3d(b, "b") for b in (lora_b_slices if isinstance(lora_b_slices, (list, tuple)) else [lora_b_slices])]
     M, _ = y.shape
     R = bs[0].shape[2]
@@ -639,16 +641,9 @@ def emulate(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks=No
             rows = min(M - r0, cfg.bm)
             a_tile = torch.zeros(cfg.bm, RP)
             a_tile[:rows] = hb[s, tok[r0:r0 + rows]]
-            g_tile, ng_tile = int(rg[r0]), int(rg[r0 + rows - 1]) - int(rg[r0]) + 1
-            per_z = -(-ng_tile // nz)
-            for z in range(nz):
-                gz_lo = min(z * per_z, ng_tile)
-                n_groups = max(min(per_z, ng_tile - gz_lo), 0)
-                g_first = g_tile + gz_lo
-                row_lo = max(int(start[g_first]) - r0, 0)
-                row_hi = max(min(int(start[g_first + n_groups]) - r0, rows), row_lo)
+            for groups, row_lo, row_hi in z_group_slices(rg, start, r0, rows, nz):
                 _emulate_tile(out, a_tile, bmat, act, start, sorted_ids, tok, slot_ranks, cfg, r0, rows, ncols,
-                              base + c0, c0, range(g_first, g_first + n_groups), row_lo, row_hi)
+                              base + c0, c0, groups, row_lo, row_hi)
     return out
 
 

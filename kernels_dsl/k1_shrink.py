@@ -733,6 +733,8 @@ def emulate(x: torch.Tensor, lora_a_slices, meta, slot_ranks=None, config: Confi
     stores stay NaN, so a gap shows). Returns (codes, scales, h)."""
     from epilora_cute.reference import FP8_MAX as FMAX, MIN_SCALE as MINS, _clamp_like_cuda, _nan_ignoring_abs_max
 
+    from .emulate import z_group_slices
+
     as_ = [_as_3d(a, "a") for a in (lora_a_slices if isinstance(lora_a_slices, (list, tuple)) else [lora_a_slices])]
     M, K = x.shape
     L, R, _ = as_[0].shape
@@ -761,16 +763,9 @@ def emulate(x: torch.Tensor, lora_a_slices, meta, slot_ranks=None, config: Confi
         sc = torch.maximum(amax / torch.tensor(FMAX), torch.tensor(MINS))
         scales[tok[r0:r0 + rows]] = sc
         codes[tok[r0:r0 + rows]] = _clamp_like_cuda(xt / sc).to(torch.float8_e4m3fn)
-        g_tile, ng_tile = int(rg[r0]), int(rg[r0 + rows - 1]) - int(rg[r0]) + 1
-        per_z = -(-ng_tile // nz)
-        for z in range(nz):
-            gz_lo = min(z * per_z, ng_tile)
-            n_groups = max(min(per_z, ng_tile - gz_lo), 0)
-            g_first = g_tile + gz_lo
-            row_lo = max(int(start[g_first]) - r0, 0)
-            row_hi = max(min(int(start[g_first + n_groups]) - r0, rows), row_lo)
+        for groups, row_lo, row_hi in z_group_slices(rg, start, r0, rows, nz):
             _emulate_h(h, xt, as_, act, start, slot_ranks, cfg, ranges, tok[r0:r0 + rows], r0, rows,
-                       range(g_first, g_first + n_groups), row_lo, row_hi)
+                       groups, row_lo, row_hi)
     return codes, scales, h
 
 
