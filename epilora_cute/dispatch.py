@@ -50,10 +50,11 @@ ADAPTER_BUCKETS = ((0, 0), (1, 1), (2, 4), (5, 8), (9, 32), (33, 1 << 30))
 MODES = ("graph", "eager")
 
 # Which applicable paths "auto" may time and choose without an opt-in: those with a passing GPU
-# record (docs/gpu_record/). A path joins by adding it here (one line).
-VERIFIED_PATHS = frozenset({"triton"})
-# Unverified paths join the candidates only when their variable is "1". "no_adapter" runs K2, so
-# it follows the decode path's opt-in.
+# record (docs/gpu_record/). A path joins by adding it here (one line). run6 (65540fc): the op-level
+# tests of decode / no_adapter / hybrid and their kernels' files all passed on the H200.
+VERIFIED_PATHS = frozenset({"triton", "decode", "no_adapter", "hybrid"})
+# A path's variable overrides VERIFIED_PATHS when set: "1" lets an unverified path join the
+# candidates, "0" keeps a verified one out. "no_adapter" runs K2, so it follows the decode path's.
 OPT_IN_ENV = {"decode": "EPILORA_DECODE_PATH", "no_adapter": "EPILORA_DECODE_PATH",
               "hybrid": "EPILORA_HYBRID_PATH"}
 # What a key gets when it cannot be timed (under capture, or every candidate failed): the first of
@@ -230,25 +231,30 @@ def applicable_paths(call: Call) -> tuple[str, ...]:
     return tuple(paths)
 
 
+def _env_allows(path: str, env_value: str | None) -> bool:
+    # The path's variable decides when set ("1" in, "0" out: a verified path can be turned off
+    # for debugging); unset, a path is in when it is verified.
+    if env_value in ("0", "1"):
+        return env_value == "1"
+    return path in VERIFIED_PATHS
+
+
 def path_allowed(path: str) -> bool:
-    """Whether "auto" may take ``path``: verified on a GPU, or opted in."""
+    """Whether "auto" may take ``path``: verified on a GPU or opted in, and not opted out."""
     env = OPT_IN_ENV.get(path)
-    return path in VERIFIED_PATHS or (env is not None and os.environ.get(env, "0") == "1")
+    return _env_allows(path, os.environ.get(env) if env is not None else None)
 
 
 def _allowed(paths: tuple[str, ...]) -> tuple[str, ...]:
     """``paths`` filtered by ``path_allowed``, reading each opt-in variable at most once."""
-    seen: dict[str, bool] = {}
+    seen: dict[str, str | None] = {}
     out = []
     for p in paths:
         env = OPT_IN_ENV.get(p)
-        if p in VERIFIED_PATHS:
+        if env is not None and env not in seen:
+            seen[env] = os.environ.get(env)
+        if _env_allows(p, seen.get(env) if env is not None else None):
             out.append(p)
-        elif env is not None:
-            if env not in seen:
-                seen[env] = os.environ.get(env, "0") == "1"
-            if seen[env]:
-                out.append(p)
     return tuple(out)
 
 

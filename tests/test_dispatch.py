@@ -76,12 +76,17 @@ def test_print_table(tmp_path, capsys):
 # The dispatcher behind lora_linear_fp8(path="auto"), with fake paths and timers (no GPU).
 
 OPT_INS = ("EPILORA_DECODE_PATH", "EPILORA_HYBRID_PATH", d.FORCE_ENV)
+SHIPPED_VERIFIED = d.VERIFIED_PATHS
 
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
     for v in OPT_INS:
         monkeypatch.delenv(v, raising=False)
+    # The dispatcher's tests model a world where only "triton" is verified and the other paths are
+    # opted in by their variables; test_candidates_follow_applicability_and_opt_in checks the
+    # shipped set.
+    monkeypatch.setattr(d, "VERIFIED_PATHS", frozenset({"triton"}))
     d.set_dispatcher(None)
     yield
     d.set_dispatcher(None)
@@ -119,11 +124,25 @@ def test_candidates_follow_applicability_and_opt_in(monkeypatch):
     assert d.applicable_paths(call(host_adapters=0)) == ("decode", "no_adapter", "hybrid", "triton")
     assert d.applicable_paths(call(tokens=64, decode_reason="64 tokens")) == ("hybrid", "triton")
     assert d.applicable_paths(call(arch=None, decode_reason="needs sm_90a")) == ("triton",)
-    assert [p for p in d.applicable_paths(call(host_adapters=0)) if d.path_allowed(p)] == ["triton"]
+    # Verified on the H200 (run6): every applicable path is a candidate without a variable.
+    assert SHIPPED_VERIFIED == {"triton", "decode", "no_adapter", "hybrid"}
+    monkeypatch.setattr(d, "VERIFIED_PATHS", SHIPPED_VERIFIED)
+    allowed = lambda c: [p for p in d.applicable_paths(c) if d.path_allowed(p)]  # noqa: E731
+    assert allowed(call(host_adapters=0)) == ["decode", "no_adapter", "hybrid", "triton"]
+    assert list(d._allowed(d.applicable_paths(call(host_adapters=0)))) == allowed(call(host_adapters=0))
+    # A variable set to "0" keeps its paths out ("no_adapter" follows the decode path's).
+    monkeypatch.setenv("EPILORA_DECODE_PATH", "0")
+    assert allowed(call(host_adapters=0)) == ["hybrid", "triton"]
+    monkeypatch.setenv("EPILORA_HYBRID_PATH", "0")
+    assert allowed(call()) == ["triton"]
+    assert list(d._allowed(d.applicable_paths(call()))) == ["triton"]
+    # "1" lets in a path that is not (or no longer) verified.
+    monkeypatch.setattr(d, "VERIFIED_PATHS", frozenset({"triton"}))
+    monkeypatch.delenv("EPILORA_HYBRID_PATH")
     monkeypatch.setenv("EPILORA_DECODE_PATH", "1")
-    assert [p for p in d.applicable_paths(call(host_adapters=0)) if d.path_allowed(p)] == ["decode", "no_adapter", "triton"]
+    assert allowed(call(host_adapters=0)) == ["decode", "no_adapter", "triton"]
     monkeypatch.setenv("EPILORA_HYBRID_PATH", "1")
-    assert [p for p in d.applicable_paths(call()) if d.path_allowed(p)] == ["decode", "hybrid", "triton"]
+    assert allowed(call()) == ["decode", "hybrid", "triton"]
     assert "reference" not in d.applicable_paths(call())
     assert d.OPT_IN_ENV["decode"] == ops.DECODE_PATH_ENV
 

@@ -562,11 +562,15 @@ def test_gpu_cuda_graph_replay():
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "graph-private-tables"])
-def test_gpu_capture_of_a_layer_never_run_eagerly(prepared):
+def test_gpu_capture_of_a_layer_never_run_eagerly(prepared, monkeypatch):
     """vLLM's flow: the tables are prepared when the adapter buffers are made, and a capture size
     may be the layer's first call. Without prepare_tables the capture makes its own tables (device
     fills re-run at each replay). Either way replays match eager runs. The kernels are compiled
     first on another layer of the same shapes (a JIT compile cannot happen inside a capture)."""
+    # Fresh table registries: tables are keyed by buffer address, and the allocator hands this
+    # case's buffers the addresses an earlier case prepared (run6: the unprepared case found them).
+    monkeypatch.setattr(tp, "_GRAPH_TABLES", {})
+    monkeypatch.setattr(tp, "_TABLE_CACHE", type(tp._TABLE_CACHE)())
     widths, K = QWEN3_8B["qkv"]
     M = 8
     other = make_problem(M, K, widths, 64, 4, seed=20, max_loras=4)

@@ -305,6 +305,8 @@ class WorkerProbe:
             out["triton_tables"] = {"kept_for_graphs": len(tp._GRAPH_TABLES), "eager_cache": len(tp._TABLE_CACHE),
                                     "made_inside_a_capture": len(tp._CAPTURE_ONLY)}
         if out["kernel_path"] == "cute":  # epilora_cute.ops.lora_linear_fp8, path="auto"
-            out["ops_auto_path"] = ("decode (CuTe, <= 32 tokens) else triton"
-                                    if os.environ.get("EPILORA_DECODE_PATH", "0") == "1" else "triton")
+            from epilora_cute import dispatch
+
+            paths = ("decode", "no_adapter", "hybrid", "triton")
+            out["ops_auto_path"] = "timed dispatch among " + ", ".join(p for p in paths if dispatch.path_allowed(p))
         return out
