@@ -3,7 +3,7 @@
 #   call A (carry .devvllm/1):                    nvidia-smi -L
 #   call B (carry .devvllm/2 .epilora_cache):     bash tools/gpu_session.sh record <commit>   (~8 min)
 #   call C (carry .epilora_cache, machine warm):  bash tools/gpu_session.sh tests <commit>    (~8 min)
-#   call D (carry .epilora_cache, machine warm):  bash tools/gpu_session.sh e2e <commit>      (~9 min)
+#   call D (carry .epilora_cache, machine warm):  bash tools/gpu_session.sh e2e <commit> [e2e_vllm.py args] (~9 min)
 #   or, after call A, one call (carry .devvllm/2 .epilora_cache): bash tools/gpu_session.sh verify <commit>
 #   e2e smoke (carry .devvllm/2 after call A, or none on a machine where vLLM is unpacked):
 #                                                 bash tools/gpu_session.sh e2e-smoke <commit> (~4-5 min)
@@ -44,7 +44,7 @@ case $mode in
     ;;
   e2e)
     # The tool stops its engines at its time budget (525 s by default) and still writes the report.
-    timeout -s KILL 570 python3 tools/e2e_vllm.py --out "$OUT" 2>&1 | tail -60
+    timeout -s KILL 570 python3 tools/e2e_vllm.py --out "$OUT" "${@:3}" 2>&1 | tail -60
     ;;
   e2e-smoke)
     # vLLM unpacked first when this machine has not got it yet (parts carried in calls A and this one).
@@ -53,7 +53,7 @@ case $mode in
       timeout -s KILL 150 bash .devvllm/2/unpack.sh 2>&1 | tail -1 || echo "vLLM unpack failed"
     fi
     # 4 layers, correctness only, CUDA graphs and torch.compile on (tools/e2e_vllm.py SMOKE): budget 270 s.
-    timeout -s KILL 330 python3 tools/e2e_vllm.py --smoke --out "$OUT" 2>&1 | tail -80
+    timeout -s KILL 330 python3 tools/e2e_vllm.py --smoke --out "$OUT" "${@:3}" 2>&1 | tail -80
     ;;
   e2e-rescore)
     # tools/e2e_reference.py on the teacher-forced sequences of a recorded run (default: run5's smoke
