@@ -5,13 +5,15 @@ Outputs: codes [M, K] e4m3 and scales [M] fp32 bit-identical to reference.quanti
 (= vLLM's dynamic per-token quantization), and h [S, M, R] fp32 from the bf16 x (zeros for tokens
 without an adapter and for ranks beyond a slot's effective rank).
 
-One launch, grid (splits, row tiles), cluster (splits, 1, 1): the splits CTAs of a cluster share
-one tile of BM adapter-sorted rows and own disjoint K ranges (k-blocks of 64). Each CTA keeps its
-whole x chunk [BM, <= KC] resident in shared memory, so x is read from DRAM exactly once and feeds
+One launch, grid (splits, row tiles * S, group chunks), cluster (splits, 1, 1): the splits CTAs
+of a cluster share one tile of BM adapter-sorted rows and one slice s (grid y = tile * S + s, so a
+tile's slices run side by side; v0.10: before, one CTA ran the slices one after another) and own
+disjoint K ranges (k-blocks of 64). Each CTA keeps its whole x chunk [BM, <= KC] resident in
+shared memory (read from DRAM once, the other slices' CTAs of the tile find it in L2) and it feeds
 both consumers:
 
-  * shrink: for every slice s (static) and every adapter group g meeting the tile (dynamic), the
-    A_s[lid] k-blocks stream through a cp.async ring and meet the resident x chunk in warp-level
+  * shrink: for its slice s and every adapter group g of its chunk (dynamic), the
+    A_s[lid] k-blocks stream through a cp.async ring (up to 8 stages: 7 blocks in flight) and meet the resident x chunk in warp-level
     mma.sync m16n8k16 (bf16 -> fp32). Warp (wm, wn) owns rows [16 wm, 16 wm + 16) and a 1/WN share
     of the rank columns; a warp whose rows miss g issues nothing, rows of other groups are zeroed
     in registers, rank columns at or beyond the slot's effective rank (slot_ranks) are neither
@@ -20,7 +22,7 @@ both consumers:
   * split-K reduction, deterministic: each CTA writes its fp32 partial [BM, R] to smem; after a
     cluster barrier every element is summed over the cluster in the fixed order split 0..S-1
     (DSMEM loads), by exactly one CTA, and stored once. No workspace, no atomics.
-  * quantization: with slice 0's reduction, each CTA publishes the per-row NaN-ignoring abs-max of
+  * quantization: in slice 0's CTAs of group chunk 0, each CTA publishes the per-row NaN-ignoring abs-max of
     its chunk; after the same cluster barrier every CTA folds the cluster's partial maxima (max is
     exact, so order does not matter), computes scale = fmax(amax / 448, 1 / (448 * 512)) with
     IEEE division, and quantizes its own chunk straight from smem: codes = cvt.rn.satfinite.e4m3x2
@@ -65,6 +67,7 @@ MIN_SCALE = float(np.float32(1.0) / np.float32(448.0 * 512.0))
 BK = 64  # K elements per k-block (one 128-byte swizzle row of bf16)
 P_PAD = 4  # fp32 words of padding per row of the partial tile
 MAX_SPLITS = 8  # portable cluster size
+MAX_STAGES = 8  # depth of the A-block ring
 RANKS = (8, 16, 32, 64, 128, 256)
 
 
@@ -88,8 +91,8 @@ class Config:
             raise ValueError("bm must be 16, 32 or 64")
         if self.kc % BK or not BK <= self.kc <= 4096:
             raise ValueError("kc must be a multiple of 64 in 64..4096")
-        if not 2 <= self.stages <= 4:
-            raise ValueError("stages must be 2..4")
+        if not 2 <= self.stages <= MAX_STAGES:
+            raise ValueError(f"stages must be 2..{MAX_STAGES}")
         if self.threads // (BK // 8) > min(self.bm, self.rank_pad):
             raise ValueError("the tile copies need threads / 8 <= min(bm, rank_pad) rows")
 
@@ -235,7 +238,11 @@ if cute is not None:
             BM, R, RP, ST, NT = self.BM, self.R, self.RP, self.ST, self.NT
             S = cfg.num_slices
             tidx, _, _ = cute.arch.thread_idx()
-            _, by, bz = cute.arch.block_idx()
+            _, by_, bz = cute.arch.block_idx()
+            # grid y = row tile * S + slice: each CTA computes one slice (a tile's S slice CTAs are
+            # neighbours in the launch order, so x's later reads hit L2)
+            by = by_ // S
+            sl = by_ - by * S
             _, _, nz = cute.arch.grid_dim()
             split = cute.arch.make_warp_uniform(cute.arch.block_in_cluster_idx()[0])
             nsplit = cute.arch.make_warp_uniform(cute.arch.block_in_cluster_dim()[0])
@@ -263,7 +270,7 @@ if cute is not None:
             g_first = g_tile + gz_lo
             row_lo = cutlass.max(mStart[g_first] - r0, 0)  # the rows of these groups in the tile
             row_hi = cutlass.max(cutlass.min(mStart[g_first + n_groups] - r0, rows), row_lo)
-            items_per_slice = n_groups * nkb
+            n_items = n_groups * nkb
 
             st_ = _smem_allocator().allocate(self.storage)
             sX = st_.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
@@ -301,27 +308,25 @@ if cute is not None:
 
             # ---- prologue: items 0 .. ST-2 ---------------------------------------------------------
             for p in cutlass.range_constexpr(ST - 1):
-                self._issue(p, items_per_slice, n_groups, nkb, g_first, k0, K, r0, rows, mX, mTok, mActive, mRanks,
+                self._issue(p, n_items, sl, nkb, g_first, k0, K, r0, rows, mX, mTok, mActive, mRanks,
                             has_ranks, mAs, tiled_copy, tXsX, tXcX, tWsW, tWcW)
                 cute.arch.cp_async_commit_group()
 
-            for s in cutlass.range_constexpr(S):
-                for it in cutlass.range(items_per_slice, unroll=1):
-                    i = s * items_per_slice + it
+            for gi in cutlass.range(n_groups, unroll=1):
+                # this group's slot, effective rank and rows in the tile: once per group
+                g = g_first + gi
+                lid = mActive[g]
+                keff = self._k_eff(lid, mRanks, has_ranks)
+                lo = cutlass.max(mStart[g] - r0, 0)
+                hi = cutlass.min(mStart[g + 1] - r0, rows)
+                for j in cutlass.range(nkb, unroll=1):
+                    i = gi * nkb + j
                     cute.arch.cp_async_wait_group(ST - 2)
                     cute.arch.barrier()
                     # The stage consumed in the previous iteration is free for everyone now.
-                    self._issue(i + ST - 1, items_per_slice, n_groups, nkb, g_first, k0, K, r0, rows, mX, mTok,
+                    self._issue(i + ST - 1, n_items, sl, nkb, g_first, k0, K, r0, rows, mX, mTok,
                                 mActive, mRanks, has_ranks, mAs, tiled_copy, tXsX, tXcX, tWsW, tWcW)
                     cute.arch.cp_async_commit_group()
-
-                    gi = it // nkb
-                    j = it - gi * nkb
-                    g = g_first + gi
-                    lid = mActive[g]
-                    keff = self._k_eff(lid, mRanks, has_ranks)
-                    lo = cutlass.max(mStart[g] - r0, 0)
-                    hi = cutlass.min(mStart[g + 1] - r0, rows)
                     st = i % ST
                     if keff > 0 and lo < w_lo + 16 and hi > w_lo:
                         for kk in cutlass.range_constexpr(NK16):
@@ -337,24 +342,22 @@ if cute is not None:
                                     cute.gemm(tiled_mma, acc_n, tCrX[None, None, kk], _unit_modes(tCrW[None, n, kk], 1),
                                               acc_n)
 
-                # ---- slice s done: partial -> smem, cluster exchange, fixed-order sum -> h -----------
-                cute.arch.barrier()
-                tCcP = thr_mma.partition_C(cute.make_identity_tensor((BM, RP)))
-                for e in cutlass.range_constexpr(cute.size(acc)):
-                    rc = tCcP[e]
-                    sP[rc[0], rc[1]] = acc[e]
-                acc.fill(0.0)
-                if cutlass.const_expr(s == 0):
-                    if bz == 0:
-                        self._row_amax(sX, sAmax, rows, nkb, k0, K, tidx)
-                cute.arch.cluster_arrive()
-                cute.arch.cluster_wait()
-                if cutlass.const_expr(s == 0):
-                    if bz == 0:
-                        self._quantize(sX, sAmax, mQ16, mScale, mTok, r0, rows, nkb, k0, K, split, nsplit, tidx)
-                self._reduce(sP, mH, mTok, s, r0, row_lo, row_hi, split, nsplit, tidx)
-                cute.arch.cluster_arrive()
-                cute.arch.cluster_wait()
+            # ---- slice done: partial -> smem, cluster exchange, fixed-order sum -> h ---------------
+            # (slice 0's CTAs of group chunk 0 also quantize the tile)
+            cute.arch.barrier()
+            tCcP = thr_mma.partition_C(cute.make_identity_tensor((BM, RP)))
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                rc = tCcP[e]
+                sP[rc[0], rc[1]] = acc[e]
+            if sl == 0 and bz == 0:
+                self._row_amax(sX, sAmax, rows, nkb, k0, K, tidx)
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            if sl == 0 and bz == 0:
+                self._quantize(sX, sAmax, mQ16, mScale, mTok, r0, rows, nkb, k0, K, split, nsplit, tidx)
+            self._reduce(sP, mH, mTok, sl, r0, row_lo, row_hi, split, nsplit, tidx)
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
             cute.arch.cp_async_wait_group(0)
 
         @cute.jit
@@ -368,17 +371,14 @@ if cute is not None:
             return k
 
         @cute.jit
-        def _issue(self, i, items_per_slice, n_groups, nkb, g_first, k0, K, r0, rows, mX, mTok, mActive, mRanks,
+        def _issue(self, i, total, s, nkb, g_first, k0, K, r0, rows, mX, mTok, mActive, mRanks,
                    has_ranks, mAs: tuple, tiled_copy, tXsX, tXcX, tWsW, tWcW):
-            """cp.async of item i (slice, group, k-block): the A k-block of that slice/slot into ring
-            stage i % ST and, during the first pass, x's k-block j into its resident place.
-            K-tail chunks are zero-filled (0 * stale smem could be NaN)."""
-            total = items_per_slice * self.cfg.num_slices
+            """cp.async of item i (group, k-block) of this CTA's slice s: the A k-block of that
+            slot into ring stage i % ST and, during the first group, x's k-block j into its resident
+            place. K-tail chunks are zero-filled (0 * stale smem could be NaN)."""
             if i < total:
-                s = i // items_per_slice
-                it = i - s * items_per_slice
-                gi = it // nkb
-                j = it - gi * nkb
+                gi = i // nkb
+                j = i - gi * nkb
                 kb = k0 + j * BK  # first global column of the k-block
                 if i < nkb:  # first pass: bring x's k-block j
                     # The rows' token indices are loaded first, all together (one round trip, not
@@ -551,23 +551,31 @@ def compile(config: Config, options: str = "--gpu-arch sm_90a"):
 SLICE_COUNTS = (1, 2, 3, 4)
 KC_OPTIONS = (512, 1024, 2048, 4096)
 SMEM_LIMIT = 227 * 1024
+SMEM_TWO_PER_SM = 113 * 1024  # two CTAs per SM (228 KiB per SM, 1 KiB reserved per CTA)
 TARGET_CTAS = 2 * 132  # about two CTAs per H100/H200 SM
 
 
 def select(num_slices: int, k: int, rank: int) -> Config:
-    """The smallest resident chunk that covers K with <= 8 splits, then the most rows per CTA
-    (each A block read from L2 serves BM rows) that fit: <= 200 KiB with 3 stages, else <= 227 KiB
-    with 2."""
+    """The smallest resident chunk that covers K with <= 8 splits; then a deep A ring (v0.10: the
+    shallow 3-stage ring kept two blocks in flight and made K1 a chain of DRAM round trips): the
+    most rows per CTA with >= 6 stages that keeps two CTAs per SM, else the most rows per CTA with
+    8..4 stages in 227 KiB, else (the old rule) 3 stages in 200 KiB or 2 in 227 KiB."""
     if rank not in RANKS:
         raise ValueError(f"adapter rank {rank} is not one of the compiled ranks {RANKS}")
     kc = next((c for c in KC_OPTIONS if MAX_SPLITS * c >= k), None)
     if kc is None:
         raise ValueError(f"K = {k} exceeds the largest resident capacity {MAX_SPLITS * KC_OPTIONS[-1]}")
-    for limit, stages in ((200 * 1024, 3), (SMEM_LIMIT, 2)):
+    rules = [(SMEM_TWO_PER_SM, range(MAX_STAGES, 5, -1)), (SMEM_LIMIT, range(MAX_STAGES, 3, -1)),
+             (200 * 1024, (3,)), (SMEM_LIMIT, (2,))]
+    for limit, stage_opts in rules:
         for bm in (64, 32, 16):
-            cfg = Config(rank=rank, num_slices=num_slices, bm=bm, kc=kc, stages=stages)
-            if cfg.smem_bytes <= limit:
-                return cfg
+            for stages in stage_opts:
+                try:
+                    cfg = Config(rank=rank, num_slices=num_slices, bm=bm, kc=kc, stages=stages)
+                except ValueError:
+                    continue
+                if cfg.smem_bytes <= limit:
+                    return cfg
     raise ValueError(f"no K1 configuration fits K = {k}, rank {rank}")  # pragma: no cover
 
 
@@ -599,7 +607,7 @@ def choose_splits(k: int, m: int, cfg: Config, target_ctas: int = TARGET_CTAS) -
     need = -(-nkb // cfg.nkb)
     if need > MAX_SPLITS:
         raise ValueError(f"K = {k} needs {need} splits of {cfg.kc}; the cluster holds {MAX_SPLITS}")
-    tiles = -(-m // cfg.bm)
+    tiles = -(-m // cfg.bm) * cfg.num_slices  # (row tile, slice) CTA columns
     want = -(-target_ctas // max(tiles, 1))
     s = max(need, min(MAX_SPLITS, want, nkb))
     return -(-nkb // -(-nkb // s))  # drop splits the ceil(nkb / s) share would leave empty
@@ -619,18 +627,19 @@ def choose_zsplit(m: int, cfg: Config, splits: int, max_loras: int | None, targe
     (the count itself is on the device: surplus z-CTAs find no group and only pass the barriers)."""
     if max_loras is None:
         return 1
-    ctas = splits * -(-m // cfg.bm)
+    ctas = splits * -(-m // cfg.bm) * cfg.num_slices
     want = max(1, target_ctas // max(ctas, 1))
     return max(1, min(want, max_groups_per_tile(m, cfg.bm, max_loras), 65535))
 
 
 def grid(k: int, m: int, cfg: Config, splits: int | None = None, max_loras: int | None = None,
          zsplit: int | None = None) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """(grid, cluster) of a launch. max_loras (the adapter buffers' slot count) lets the group
-    split (grid z) apply; zsplit forces it."""
+    """(grid, cluster) of a launch: (splits, row tiles * slices, z); grid y = tile * S + slice.
+    max_loras (the adapter buffers' slot count) lets the group split (grid z) apply; zsplit
+    forces it."""
     s = splits or choose_splits(k, m, cfg)
     z = zsplit or choose_zsplit(m, cfg, s, max_loras)
-    return (s, -(-m // cfg.bm), z), (s, 1, 1)
+    return (s, -(-m // cfg.bm) * cfg.num_slices, z), (s, 1, 1)
 
 
 def _as_3d(a: torch.Tensor, name: str) -> torch.Tensor:

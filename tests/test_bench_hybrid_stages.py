@@ -64,8 +64,9 @@ def test_geometry_group_split_and_variants():
     from tools.bench_hybrid_stages import geometry, launch_variants
 
     g = geometry(QWEN3_8B[0], 32, 64, 32)  # qkv, 32 tokens, 32 adapter slots
-    assert g["k1_grid"] == "8x1x32" and g["expand_grid"].startswith("48x1x")
-    assert geometry(QWEN3_8B[0], 2048, 64, 32)["k1_grid"] == "8x32x1"
+    # K1 v0.10: bm 32, grid y = row tiles x 3 slices, z up to ~2 CTAs per SM
+    assert g["k1_grid"] == "8x3x11" and g["expand_grid"].startswith("48x1x")
+    assert geometry(QWEN3_8B[0], 2048, 64, 32)["k1_grid"] == "8x192x1"
 
     class Case:  # what launch_variants reads of a LayerCase
         proj, m, rank, max_loras = QWEN3_8B[0], 32, 64, 32

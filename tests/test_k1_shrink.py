@@ -35,6 +35,7 @@ from tests.test_expand_add import check_config  # noqa: E402
 needs_dsl = pytest.mark.skipif(dsl_version() is None, reason="nvidia-cutlass-dsl is not installed")
 
 FAST = [
+    K1.Config(rank=64, num_slices=3, bm=32, kc=512, stages=8),  # qkv's v0.10 selection
     K1.Config(rank=64, num_slices=3, bm=64, kc=512),
     K1.Config(rank=256, num_slices=1, bm=16, kc=4096, stages=2),
     K1.Config(rank=8, num_slices=2, bm=32, kc=1024),
@@ -171,7 +172,7 @@ def test_select_splits_and_capacity():
                 assert cfg.smem_bytes <= K1.SMEM_LIMIT
                 for m in (33, 64, 100, 511, 2048, 8192):
                     (sx, ty, _), cl = K1.grid(k, m, cfg)
-                    assert cl == (sx, 1, 1) and 1 <= sx <= K1.MAX_SPLITS and ty == -(-m // cfg.bm)
+                    assert cl == (sx, 1, 1) and 1 <= sx <= K1.MAX_SPLITS and ty == -(-m // cfg.bm) * s
                     nkb = -(-k // K1.BK)
                     per = -(-nkb // sx)
                     assert per <= cfg.nkb  # the resident chunk holds every CTA's share
@@ -180,14 +181,28 @@ def test_select_splits_and_capacity():
         K1.select(1, 40000, 64)
 
 
+def test_select_deep_ring():
+    """v0.10: the Qwen3-8B projections at rank 64 get an 8-stage A ring; K = 4096 keeps two CTAs
+    per SM."""
+    for s in (1, 2, 3):
+        c = K1.select(s, 4096, 64)
+        assert (c.bm, c.kc, c.stages) == (32, 512, 8) and c.smem_bytes <= K1.SMEM_TWO_PER_SM
+    c = K1.select(1, 12288, 64)
+    assert (c.bm, c.kc, c.stages) == (32, 2048, 8) and c.smem_bytes <= K1.SMEM_LIMIT
+    for c in K1.prebuild_configs():
+        assert 2 <= c.stages <= K1.MAX_STAGES
+
+
 def test_choose_zsplit():
-    cfg = K1.select(3, 4096, 64)
-    assert K1.grid(4096, 32, cfg) == ((8, 1, 1), (8, 1, 1))  # no max_loras: no group split
-    assert K1.grid(4096, 32, cfg, max_loras=32) == ((8, 1, 32), (8, 1, 1))  # one token per group
-    assert K1.grid(4096, 32, cfg, max_loras=8) == ((8, 1, 9), (8, 1, 1))
-    assert K1.grid(4096, 256, cfg, max_loras=32) == ((8, 4, K1.TARGET_CTAS // 32), (8, 1, 1))
-    assert K1.grid(4096, 2048, cfg, max_loras=32)[0][2] == 1  # 256 CTAs already
-    assert K1.grid(4096, 32, cfg, max_loras=32, zsplit=3)[0] == (8, 1, 3)
+    cfg = K1.select(3, 4096, 64)  # bm 32: grid y = 1 tile x 3 slices at 32 tokens
+    assert K1.grid(4096, 32, cfg) == ((8, 3, 1), (8, 1, 1))  # no max_loras: no group split
+    assert K1.grid(4096, 32, cfg, max_loras=32) == ((8, 3, K1.TARGET_CTAS // 24), (8, 1, 1))
+    assert K1.grid(4096, 32, cfg, max_loras=8) == ((8, 3, 9), (8, 1, 1))
+    assert K1.grid(4096, 256, cfg, max_loras=32) == ((8, 24, 1), (8, 1, 1))  # 192 CTAs
+    assert K1.grid(4096, 2048, cfg, max_loras=32)[0][2] == 1
+    assert K1.grid(4096, 32, cfg, max_loras=32, zsplit=3)[0] == (8, 3, 3)
+    c1 = K1.select(1, 4096, 64)
+    assert K1.grid(4096, 32, c1, max_loras=32) == ((8, 1, 32), (8, 1, 1))  # one token per group
     for m in (1, 33, 256, 8192):
         for L in (1, 8, 32, 128):
             for k in (4096, 12288):
@@ -400,6 +415,33 @@ def test_gpu_group_split_bitwise_invariant(M, K):
         assert all(torch.equal(a, b) for a, b in zip(o, outs[1])), z
     _check(case, outs[None][0].view(torch.float8_e4m3fn), outs[None][1].view(torch.float32),
            outs[None][2].view(torch.float32), K)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,S", [(4096, 3), (4096, 1), (4096, 2), (12288, 1)])
+@pytest.mark.parametrize("M,L", [(32, 1), (32, 32), (256, 32), (2048, 1), (300, 8)])
+def test_gpu_bench_shapes(M, L, K, S):
+    """v0.10 geometry (slices on grid y, deep ring, bm 32) at the hybrid_stages shapes: one and 32
+    adapters (round-robin, one token per group at 32 tokens), and mixed effective ranks with
+    tokens without an adapter (L = 8); outputs poisoned first, default and z = 1 bit-identical."""
+    _hopper()
+    R = 64
+    ranks = torch.tensor([(64, 16, 0, 32)[i % 4] for i in range(L)], dtype=torch.int32) if L == 8 else None
+    case = make_case(M, L, R, K, S, seed=M + L + K + S, slot_ranks=ranks, device="cuda", spread=True,
+                     specials=L == 8, neg_frac=0.2 if L == 8 else 0.0)
+    if L == 32:  # round-robin as the bench
+        ids = (torch.arange(M) % L).to(torch.int32).cuda()
+        case["ids"], case["meta"] = ids, build_meta(ids, L)
+    outs = []
+    for z in (None, 1):
+        codes, scales, h = _poisoned(M, K, S, R)
+        K1.k1_quant_shrink(case["x"], case["As"], case["meta"], codes, scales, h, case["slot_ranks"], zsplit=z)
+        outs.append((codes, scales, h))
+    torch.cuda.synchronize()
+    _check(case, *outs[0], K)
+    assert torch.equal(outs[0][0].view(torch.uint8), outs[1][0].view(torch.uint8))
+    assert torch.equal(outs[0][1].view(torch.int32), outs[1][1].view(torch.int32))
+    assert torch.equal(outs[0][2].view(torch.int32), outs[1][2].view(torch.int32))
 
 
 @pytest.mark.gpu
