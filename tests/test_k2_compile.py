@@ -99,6 +99,8 @@ def shrink_ptx_problems(cfg: lora_shrink.Config, ptx: str) -> list[str]:
     bad = []
     if not _lines_index(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.bn}k16\.f32\.bf16\.bf16"):
         bad.append("no bf16 WGMMA with the token tile as N")
+    if not _lines_index(ptx, r"wgmma\.wait_group\.sync\.aligned\s+1\b"):
+        bad.append("no WGMMA group kept in flight across k-blocks (wait_group 1)")
     need = ["griddepcontrol.launch_dependents", "cp.async.bulk.tensor.2d", "barrier.cluster.arrive",
             "ld.shared::cluster.f32"]
     quant = ["div.rn.f32", "cvt.rn.satfinite.e4m3x2.f32", "red.release.gpu.global.add.s32", "fence.acq_rel.gpu",
