@@ -11,6 +11,11 @@ Semantics (epilora_cute/reference.py, ``quantize_fp8_per_token``):
 
 Compile-time configuration: threads per CTA and vectors (of 8 elements) per thread; the row
 length K is a run-time value (multiple of 8) checked against the capacity by the caller.
+
+PDL: every thread executes griddepcontrol.wait first (the kernel may be launched with PDL behind
+the previous projection's K2, ops.lora_linear_fp8(chain_pdl=True)), then
+griddepcontrol.launch_dependents (for K2 without adapter, launched with PDL behind it). Nothing
+is read before the wait, so chaining this kernel assumes nothing about its predecessor.
 """
 
 from __future__ import annotations
@@ -130,8 +135,12 @@ if cute is not None:  # the kernel itself exists only where the DSL is importabl
 
         @cute.kernel
         def kernel(self, m_x: cute.Tensor, m_q: cute.Tensor, m_scale: cute.Tensor):
-            # A PDL dependent (K2 without adapter) may be scheduled at once: it streams its first
-            # weight stages and executes griddepcontrol.wait before it reads x_q / s_x.
+            # Launched with PDL when chained behind the previous projection's K2: x may be its
+            # output, and the codes/scales buffers may still be read by it. Wait for it, then let
+            # our PDL dependent (K2 without adapter) be scheduled: it streams its first weight
+            # stages and executes griddepcontrol.wait before it reads x_q / s_x. Triggering only
+            # after the wait keeps the overlap one kernel deep. (No-op wait without PDL.)
+            cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
             tidx, _, _ = cute.arch.thread_idx()
             row, _, _ = cute.arch.block_idx()

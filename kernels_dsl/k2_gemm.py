@@ -21,6 +21,12 @@ CTA to pass the spin resets the counter for the next call (see docs/k2_design.md
 n_quant = 0 (x_q from the standalone quantization kernel, the no-adapter path) the producer
 instead executes griddepcontrol.wait after requesting the first weight stages.
 
+Every CTA executes griddepcontrol.launch_dependents right after its prologue: the next
+projection's first kernel, when launched with PDL ("chained"), is scheduled under this K2 and
+waits (griddepcontrol.wait) for its completion before it reads x or writes anything. The re-arm
+stays safe: that kernel increments sync only after the wait, and the next K2 is launched only
+after it passed the wait, so this K2's re-arm is complete and visible by then.
+
 Adapter epilogue (Config.lora): the adapter groups come from the tile's own tokens (token_lora,
 one lane per token, first token of each slot; slot_ranks gives its effective rank), built into
 smem by producer warp 1 at the start, so the epilogue reads no metadata from global memory.
@@ -319,6 +325,12 @@ if cute is not None:
                     cute.arch.mbarrier_init(st.meta_ready.data_ptr(), 1)
                 cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
+            # Let the next projection's first kernel (shrink or quantization, launched with PDL
+            # when chained) be scheduled now: it prepares under our main loop and executes
+            # griddepcontrol.wait, i.e. waits for our completion, before it reads x (maybe our y)
+            # or writes anything (sync included), and triggers its own dependent only after that.
+            # A kernel launched without PDL behind us is not affected.
+            cute.arch.griddepcontrol_launch_dependents()
 
             # TMA views: (tile, k-block) of W, (0, k-block) of x_q.
             gW = cute.local_tile(mW, (BM, BK), (tile, None))

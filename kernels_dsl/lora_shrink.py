@@ -16,8 +16,23 @@ Swap-AB again: A's rank rows are WGMMA's M side (64 per chunk), the tokens its N
 tokens of the batch (the group's tokens are picked when h is written; the WGMMA work on other
 tokens is free at decode sizes and spares a gather).
 
-Every CTA executes griddepcontrol.launch_dependents first, so K2 (launched with PDL) is scheduled
-as soon as all of these CTAs are resident; this kernel itself is launched without PDL.
+PDL, both sides. K2 (launched with PDL) is this kernel's dependent; this kernel may itself be
+launched with PDL behind the previous projection's K2 ("chained", ops.lora_linear_fp8(chain_pdl=
+True)), so its launch, barrier init, descriptor prefetch and first A stages overlap that kernel's
+tail. Rules (a no-op wait when launched without PDL):
+  * griddepcontrol.wait comes before any read of x or of anything a predecessor may write, and
+    before any global write (x_q, s_x, the sync increment, h): the quantization CTAs wait first
+    thing; a down-projection CTA requests the A (weight) loads of its first stages, then waits,
+    then loads x.
+  * griddepcontrol.launch_dependents comes right after the wait, never before: K2 is launched
+    only once the previous kernel has completed. That keeps the x_q flag safe (the previous K2's
+    re-arm of `sync` is done before our increments and before our K2's spin) and keeps the
+    overlap one kernel deep (no cascade of launches). CTAs that exit early trigger by exiting.
+  * Assumption: the metadata (num_active, active_lora_ids, slot_ranks) and the A buffers are read
+    before the wait, so they must not be written by the kernel still running when this one
+    starts (the one just before it on the stream; behind one of our K2s, also the shrink or
+    quantization kernel before that K2). Adapter buffers and batch metadata are written long
+    before the layers run; ops only chains when that holds for its own persistent tensors.
 """
 
 from __future__ import annotations
@@ -170,10 +185,6 @@ if cute is not None:
             RB = cfg.rows_box
             NCH = cfg.n_chunks
 
-            # Let K2 (our PDL dependent) be scheduled right away: it only needs x_q (flag) before its
-            # main loop and h (griddepcontrol.wait) before its epilogue.
-            cute.arch.griddepcontrol_launch_dependents()
-
             tidx, _, _ = cute.arch.thread_idx()
             bx, by, bz = cute.arch.block_idx()
             split = cute.arch.make_warp_uniform(cute.arch.block_in_cluster_idx()[0])
@@ -192,6 +203,12 @@ if cute is not None:
             if bz < zq:
                 # ============================ FP8 per-token quantization ============================
                 if cutlass.const_expr(cfg.quant):
+                    # Chained: x may be the previous kernel's output, and sync its re-arm; read
+                    # or write nothing global before it completes. Then let K2 (our PDL
+                    # dependent) be scheduled: it needs x_q (flag) only before its main loop and
+                    # h (its own griddepcontrol.wait) only before its epilogue.
+                    cute.arch.griddepcontrol_wait()
+                    cute.arch.griddepcontrol_launch_dependents()
                     m = (bz * gd[1] + by) * gd[0] + bx
                     if m < M:
                         red = st.red_max.get_tensor(cute.make_layout(4))
@@ -288,9 +305,18 @@ if cute is not None:
 
                     # Warp 0 issues the loads, all 32 lanes: a TMA copy elects its issuing lane
                     # with elect.sync over the full warp (one lane alone would wait forever).
+                    # The first stages' A (weights: nothing a predecessor writes) go out before
+                    # griddepcontrol.wait, x after it; each stage's expect_tx covers both.
+                    npre = cutlass.min(nloc, STAGES)
                     if tidx < 32:
-                        for i in cutlass.range(cutlass.min(nloc, STAGES), unroll=1):
-                            self._load(i, kb_lo + i, full, stage_bytes, tma_as, mAs, sA, sAt_layout, sl, a_blk, tma_x, tXg, tXs)
+                        cute.nvgpu.cpasync.prefetch_descriptor(tma_x)
+                        for i in cutlass.range(npre, unroll=1):
+                            self._load_a(i, kb_lo + i, full, stage_bytes, tma_as, mAs, sA, sAt_layout, sl, a_blk)
+                    cute.arch.griddepcontrol_wait()
+                    cute.arch.griddepcontrol_launch_dependents()
+                    if tidx < 32:
+                        for i in cutlass.range(npre, unroll=1):
+                            self._load_x(i, kb_lo + i, full, tma_x, tXg, tXs)
                     # One WGMMA group stays in flight: block i's MMAs run while the CTA agrees that
                     # block i-1's stage is free and refills it (run6: with the wait for the group
                     # just issued, every k-block paid MMA latency + barrier + refill in series, and
@@ -356,6 +382,13 @@ if cute is not None:
         @cute.jit
         def _load(self, s, kb, full, stage_bytes, tma_as: tuple, mAs: tuple, sA, sAt_layout, sl, a_blk, tma_x, tXg,
                   tXs):
+            """Stage s: A's and x's k-block kb (the steady state, after griddepcontrol.wait)."""
+            self._load_a(s, kb, full, stage_bytes, tma_as, mAs, sA, sAt_layout, sl, a_blk)
+            self._load_x(s, kb, full, tma_x, tXg, tXs)
+
+        @cute.jit
+        def _load_a(self, s, kb, full, stage_bytes, tma_as: tuple, mAs: tuple, sA, sAt_layout, sl, a_blk):
+            """Stage s: arm its barrier for A and x (stage_bytes), request A's k-block kb."""
             cfg = self.cfg
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(full + s, stage_bytes)
@@ -369,6 +402,10 @@ if cute is not None:
                     tAs, tAg = cute.nvgpu.cpasync.tma_partition(
                         tma_as[i], 0, cute.make_layout(1), cute.group_modes(sAt, 0, 2), cute.group_modes(gA, 0, 2))
                     cute.copy(tma_as[i], tAg[(None, a_blk, kb)], tAs, tma_bar_ptr=full + s)
+
+        @cute.jit
+        def _load_x(self, s, kb, full, tma_x, tXg, tXs):
+            """Stage s: request x's k-block kb (the barrier was armed by _load_a)."""
             cute.copy(tma_x, tXg[(None, kb)], tXs[(None, s)], tma_bar_ptr=full + s)
 
 
@@ -427,7 +464,9 @@ def params(config: Config) -> list:
 
 def launch(config: Config, *, x, lora_a, h, x_q, x_scale, sync, token_lora, active_lora_ids, num_active,
            slot_ranks, split: int) -> dict:
-    """Arguments (params() order) and geometry. Launch WITHOUT PDL; n_quant (for K2) is returned.
+    """Arguments (params() order) and geometry; n_quant (for K2) is returned. The spec says
+    pdl=False: launch with PDL only when chained behind the previous projection (see the module
+    docstring for what that assumes).
 
     Grid: (split, slices * rank chunks, zq + min(M, max_loras + 1)), cluster (split, 1, 1), with
     zq = quant_planes(M, split * slices * chunks) planes of quantization CTAs first.

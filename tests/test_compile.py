@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,13 @@ def test_fp8_quant_compiles_with_required_instructions(cfg, isolated_cache):
     assert ".ftz" not in ptx                            # denormals kept, as vLLM keeps them
     assert "max.NaN" not in ptx and "min.NaN" not in ptx  # NaN-ignoring fmaxf/fminf semantics
     assert art.cubin[:4] == b"\x7fELF"
+    # Chainable with PDL (ops.lora_linear_fp8(chain_pdl=True)): griddepcontrol.wait first, then
+    # the trigger for K2, both before x is read or anything is written.
+    lines = ptx.splitlines()
+    at = lambda pat: [i for i, ln in enumerate(lines) if re.search(pat, ln)]  # noqa: E731
+    wait, trig = at(r"griddepcontrol\.wait"), at(r"griddepcontrol\.launch_dependents")
+    assert len(wait) == 1 and len(trig) == 1 and wait[0] < trig[0]
+    assert trig[0] < min(at(r"\bld\.global")) and trig[0] < min(at(r"\bst\.global"))
 
 
 def test_config_for_covers_every_supported_row_length():

@@ -2,7 +2,8 @@
 
 Checks per configuration: the PTX holds what it must (FP8 WGMMA, the PDL wait after the main
 loop only in the adapter variant, setmaxnreg, TMA, the x_q flag protocol, cluster reduction,
-the bit-exact quantization instructions), the .entry parameters match the declared parameter
+the bit-exact quantization instructions, the PDL order that lets the shrink be chained behind
+the previous projection and K2's trigger for it), the .entry parameters match the declared parameter
 list (size and alignment), and the declared dynamic smem equals the DSL's own struct size.
 The DSL's host code is also run with stub CUDA functions (kernels_dsl.host_capture) to check the
 declared TMA specs and parameter packing against the bytes the DSL itself would launch with.
@@ -90,9 +91,37 @@ def k2_ptx_problems(cfg: k2_gemm.Config, ptx: str) -> list[str]:
             bad.append(f"{len(wait)} griddepcontrol.wait in the no-adapter variant (expected the producer's)")
         if bf:
             bad.append("epilogue WGMMA in the no-adapter variant")
-    if "griddepcontrol.launch_dependents" in ptx:
-        bad.append("K2 triggers dependents (it should not: the next layer waits for it)")
+    # One trigger, right after the prologue (barrier init), before any TMA or WGMMA: the next
+    # projection's first kernel (chained) is scheduled under this K2 and waits for it.
+    trig = _lines_index(ptx, r"griddepcontrol\.launch_dependents")
+    init = _lines_index(ptx, r"mbarrier\.init")
+    tma = _lines_index(ptx, r"cp\.async\.bulk\.tensor")
+    if len(trig) != 1:
+        bad.append(f"{len(trig)} griddepcontrol.launch_dependents (expected one, after the prologue)")
+    elif not (init and trig[0] > max(init)) or (tma and trig[0] > min(tma)) or (fp8 and trig[0] > min(fp8)):
+        bad.append("launch_dependents is not between the prologue's barrier init and the first TMA / WGMMA")
     return bad
+
+
+def tma_lines_by_param(ptx: str) -> dict[int, list[int]]:
+    """Line numbers of the TMA loads, per descriptor: its parameter index in the .entry list
+    (followed through `mov.b64 %rd, <entry>_param_N` and `cvta.param.u64 %rd, %rd`)."""
+    lines = ptx.splitlines()
+    reg_param = {}
+    for ln in lines:
+        m = re.search(r"mov\.[bu]64\s+(%rd\d+),\s+\S+_param_(\d+);", ln)
+        if m:
+            reg_param[m.group(1)] = int(m.group(2))
+    for ln in lines:
+        m = re.search(r"cvta\.param\.u64\s+(%rd\d+),\s+(%rd\d+);", ln)
+        if m and m.group(2) in reg_param:
+            reg_param[m.group(1)] = reg_param[m.group(2)]
+    out: dict[int, list[int]] = {}
+    for i, ln in enumerate(lines):
+        m = re.search(r"cp\.async\.bulk\.tensor\.\S+\s+\[[^\]]*\],\s+\[(%rd\d+),", ln)
+        if m and m.group(1) in reg_param:
+            out.setdefault(reg_param[m.group(1)], []).append(i)
+    return out
 
 
 def shrink_ptx_problems(cfg: lora_shrink.Config, ptx: str) -> list[str]:
@@ -112,14 +141,53 @@ def shrink_ptx_problems(cfg: lora_shrink.Config, ptx: str) -> list[str]:
         for ins in ("cvt.rn.satfinite.e4m3x2.f32", "red.release.gpu.global.add.s32"):
             if ins in ptx:
                 bad.append(f"unexpected {ins} without quantization")
-    for ins in ("griddepcontrol.wait", "div.approx", "div.full", ".ftz", "max.NaN", "min.NaN"):
+    for ins in ("div.approx", "div.full", ".ftz", "max.NaN", "min.NaN"):
         if ins in ptx:
             bad.append(f"unexpected {ins}")
-    # The launch_dependents trigger comes first: K2 may be scheduled as soon as we are resident.
+    return bad + shrink_pdl_problems(cfg, ptx)
+
+
+def shrink_pdl_problems(cfg: lora_shrink.Config, ptx: str) -> list[str]:
+    """The PDL order that makes chaining the shrink safe (kernels_dsl/lora_shrink.py): each part
+    (the quantization CTAs, then the down-projection CTAs, in the PTX's order) executes
+    griddepcontrol.wait, then launch_dependents, before its global stores and before it reads x;
+    the down-projection requests its first A stages (and prefetches x's descriptor) between its
+    barrier init and the wait, and x's stages after it."""
+    bad = []
+    wait = _lines_index(ptx, r"griddepcontrol\.wait")
     trig = _lines_index(ptx, r"griddepcontrol\.launch_dependents")
-    first_ld = _lines_index(ptx, r"\bld\.global|cp\.async\.bulk")
-    if trig and first_ld and trig[0] > first_ld[0]:
-        bad.append("launch_dependents is not issued before the first global load")
+    parts = 2 if cfg.quant else 1  # without quantization, the quantization CTAs touch nothing
+    if len(wait) != parts or len(trig) != parts:
+        return [f"{len(wait)} griddepcontrol.wait / {len(trig)} launch_dependents (expected {parts} each)"]
+    seq = sorted([(i, "w") for i in wait] + [(i, "t") for i in trig])
+    if [k for _, k in seq] != ["w", "t"] * parts:
+        bad.append("griddepcontrol.launch_dependents does not follow each griddepcontrol.wait")
+    init = _lines_index(ptx, r"mbarrier\.init")
+    if not init:
+        return bad + ["no mbarrier.init (down-projection)"]
+    down_wait = wait[-1]
+    if down_wait < min(init):
+        bad.append("the down-projection's griddepcontrol.wait is before its barrier init")
+    for i in _lines_index(ptx, r"^\s*(?:@!?%p\d+\s+)?(?:st\.global|red\.|atom\.)"):
+        if i < wait[0] or min(init) < i < down_wait:
+            bad.append(f"global store/reduction at PTX line {i} before its part's griddepcontrol.wait")
+            break
+    if cfg.quant:
+        x_ld = _lines_index(ptx, r"ld\.global\.v4")
+        if not x_ld or min(x_ld) < wait[0]:
+            bad.append("the quantization's x loads are not after its griddepcontrol.wait")
+    names = [p.name for p in lora_shrink.params(cfg)]
+    by_param = tma_lines_by_param(ptx)
+    x_tma = by_param.get(names.index("tma_x"), [])
+    a_tma = [i for s in range(cfg.num_slices) for i in by_param.get(names.index(f"tma_a{s}"), [])]
+    if not x_tma or not a_tma:
+        return bad + ["could not find the x / A TMA loads by their descriptors"]
+    if min(x_tma) < down_wait:
+        bad.append("an x TMA load is before the down-projection's griddepcontrol.wait")
+    if not any(min(init) < i < down_wait for i in a_tma):
+        bad.append("no A TMA load between the barrier init and griddepcontrol.wait (the first stages)")
+    if not any(min(init) < i < down_wait for i in _lines_index(ptx, r"prefetch\.tensormap")):
+        bad.append("x's descriptor is not prefetched before griddepcontrol.wait")
     return bad
 
 
