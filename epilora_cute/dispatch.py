@@ -453,7 +453,8 @@ def describe(x, w_q, widths, rank, lora_a, lora_b, meta) -> Call | None:
                 host_adapters=getattr(meta, "host_num_adapters", None), decode_reason=decode_reason)
 
 
-def auto_path(x, w_q, w_scale, lora_a, lora_b, meta, *, widths, rank, out, slot_ranks=None, pdl=True) -> str:
+def auto_path(x, w_q, w_scale, lora_a, lora_b, meta, *, widths, rank, out, slot_ranks=None, pdl=True,
+              chain_pdl=False) -> str:
     """The path ``lora_linear_fp8(path="auto")`` takes for this call: "reference" off CUDA, else
     the process dispatcher's decision (timing the candidates first if the key is new; the timed
     runs write into a scratch output, never into ``out``)."""
@@ -468,7 +469,7 @@ def auto_path(x, w_q, w_scale, lora_a, lora_b, meta, *, widths, rank, out, slot_
         if not scratch:
             scratch.append(out.new_empty(out.shape))
         ops.lora_linear_fp8(x, w_q, w_scale, lora_a, lora_b, meta, out=scratch[0], slot_ranks=slot_ranks,
-                            path=path, pdl=pdl)
+                            path=path, pdl=pdl, chain_pdl=chain_pdl)
 
     is_capturing = capturing()
     return dispatcher().path_for(call, run, mode=current_mode(is_capturing), capturing=is_capturing)

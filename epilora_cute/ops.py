@@ -52,12 +52,15 @@ def _quant_kernel_reason(x: torch.Tensor) -> str | None:
     return None
 
 
-def quantize_fp8_per_token(x: torch.Tensor, codes: torch.Tensor | None = None,
-                           scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_per_token(x: torch.Tensor, codes: torch.Tensor | None = None, scales: torch.Tensor | None = None,
+                           *, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's dynamic per-token FP8 quantization: (codes [M, K] e4m3, scales [M, 1] fp32).
 
     Bit-identical to ``reference.quantize_fp8_per_token`` (and to vLLM's ``scaled_fp8_quant``
     with ``use_per_token_if_dynamic=True``). ``codes``/``scales`` may be given to write in place.
+    ``pdl``: launch the kernel with PDL (programmatic stream serialization). Always safe: it
+    executes griddepcontrol.wait before it reads or writes anything; only its launch and setup
+    overlap the previous kernel.
     """
     _check_2d("x", x, torch.bfloat16)
     m, k = x.shape
@@ -86,7 +89,7 @@ def quantize_fp8_per_token(x: torch.Tensor, codes: torch.Tensor | None = None,
         kernel = get_kernel(fp8_quant, cfg, arch_of(x))
     except KernelUnavailable as e:  # no cached build and no DSL to make one: same result, slower
         return _reference_quant_into(x, codes, scales, str(e))
-    kernel(x, codes, scales, grid=(m, 1, 1), smem=cfg.smem_bytes)
+    kernel(x, codes, scales, grid=(m, 1, 1), smem=cfg.smem_bytes, pdl=pdl)
     return codes, scales
 
 
@@ -147,12 +150,17 @@ class _Persistent:
     def __init__(self):
         self._d: dict[tuple, torch.Tensor] = {}
         self._warned: set[tuple] = set()
+        # Tensors made so far (not counting shared stand-ins): a call that made one has just
+        # launched its fill, so it must not chain a kernel that reads the tensor before
+        # griddepcontrol.wait (_decode_path).
+        self.made = 0
 
     def get(self, key: tuple, make, shared: tuple | None = None) -> torch.Tensor:
         t = self._d.get(key)
         if t is not None:
             return t
         if not _capturing():
+            self.made += 1
             t = self._d[key] = make()
             if shared is not None:
                 self._d.setdefault(shared, t)
@@ -163,6 +171,7 @@ class _Persistent:
             self._warned.add(key)
             log.warning("epilora: %s first needed inside a CUDA-graph capture: the graph gets its own copy "
                         "(run the op once outside capture to share one)", key[0])
+        self.made += 1
         return make()
 
 
@@ -280,7 +289,7 @@ def _buffer_layout_reason(x, w_q, a, b) -> str | None:
 
 def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, lora_a, lora_b, meta, *,
                     out: torch.Tensor | None = None, slot_ranks: torch.Tensor | None = None,
-                    path: str = "auto", pdl: bool = True) -> torch.Tensor:
+                    path: str = "auto", pdl: bool = True, chain_pdl: bool = False) -> torch.Tensor:
     """The multi-adapter LoRA linear on an FP8 base, as ``reference.lora_linear`` defines it.
 
     x [M, K] bf16; w_q [N, K] e4m3 with per-tensor w_scale [1] fp32; lora_a / lora_b one buffer
@@ -301,6 +310,15 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     (shape, token bucket, adapter bucket, graph/eager), measured once and remembered across starts.
     Its candidates are the GPU-verified paths (Triton) plus the opted-in ones: EPILORA_DECODE_PATH=1
     adds "decode" and "no_adapter", EPILORA_HYBRID_PATH=1 "hybrid"; EPILORA_FORCE_PATH forces one.
+
+    ``chain_pdl`` (decode and no-adapter paths; ignored with ``pdl=False``): launch the call's first kernel (the
+    shrink, or the quantization kernel) with PDL too, so that its launch and prologue (and the
+    shrink's first A stages) overlap the tail of the kernel before it on the stream, typically
+    the previous projection's K2; it executes griddepcontrol.wait before it reads x or writes
+    anything. For consecutive projections (a decoder layer). Assumption: the weights (W, A, B)
+    and the batch metadata (``meta``, ``slot_ranks``) are not written by the kernel that
+    immediately precedes the call on the stream (the shrink reads A and the metadata before its
+    wait). A call that had to make one of its cached device tensors first runs unchained.
     """
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
@@ -314,7 +332,7 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     if path == "auto":  # the timed dispatch decides (epilora_cute/dispatch.py); the reference off CUDA
         from .dispatch import auto_path
         path = auto_path(x, w_q, w_scale, a, b, meta, widths=widths, rank=rank, out=out,
-                         slot_ranks=slot_ranks, pdl=pdl)
+                         slot_ranks=slot_ranks, pdl=pdl, chain_pdl=chain_pdl)
     if path == "reference":
         y = reference.lora_linear(x, w_q, w_scale, a, b, meta.token_lora_mapping[:m])
         return out.copy_(y)
@@ -333,9 +351,10 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     reason = _decode_reason(x, w_q, widths, rank, a, b)
     if reason is not None:
         raise ValueError(f"path={path!r} does not apply: {reason}")
+    chain = pdl and chain_pdl  # pdl=False serializes every launch
     if path == "no_adapter":
-        return _k2_no_adapter(x, w_q, w_scale, widths, out, pdl)
-    return _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl)
+        return _k2_no_adapter(x, w_q, w_scale, widths, out, pdl, chain)
+    return _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl, chain)
 
 
 def _cutlass_into(out, x_q, w_q):
@@ -427,24 +446,28 @@ def _launch_spec(kernel, spec, pdl: bool) -> None:
     kernel(*spec["args"], grid=spec["grid"], smem=spec["smem"], pdl=pdl, cluster=spec["cluster"])
 
 
-def _k2_no_adapter(x, w_q, w_scale, widths, out, pdl: bool = True):
+def _k2_no_adapter(x, w_q, w_scale, widths, out, pdl: bool = True, chain: bool = False):
     from kernels_dsl import k2_gemm
 
     m, k = x.shape
     n = w_q.shape[0]
-    codes, scales = quantize_fp8_per_token(x)
+    sync = _sync_buffer(x.device)  # (first call: its fill goes before the quantization kernel)
+    # Chained: the quantization kernel waits for its predecessor before it touches anything, so
+    # this needs no assumption about that kernel.
+    codes, scales = quantize_fp8_per_token(x, pdl=chain)
     _, cfg = k2_gemm.select(widths, m)
     spec = k2_gemm.launch(cfg, w_q=w_q, w_scale=w_scale, x_q=codes, x_scale=scales, y=out,
-                          sync=_sync_buffer(x.device), n_quant=0, split=k2_gemm.split_for(cfg, n, k))
+                          sync=sync, n_quant=0, split=k2_gemm.split_for(cfg, n, k))
     # K2 as the quantization kernel's PDL dependent: its weight stream starts under the
     # quantization (it waits with griddepcontrol.wait before reading x_q).
     _launch_spec(get_kernel(k2_gemm, cfg, "sm_90a"), spec, pdl=pdl)
     return out
 
 
-def _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl):
+def _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl, chain=False):
     from kernels_dsl import k2_gemm, lora_shrink
 
+    made = _persistent.made
     m, k = x.shape
     n = w_q.shape[0]
     dev = x.device
@@ -468,6 +491,9 @@ def _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl
                             n_quant=s_spec["n_quant"], split=k2_gemm.split_for(k_cfg, n, k), h=h,
                             token_lora=token_lora, active_lora_ids=meta.active_lora_ids, num_active=meta.num_active,
                             slot_ranks=slot_ranks, slice_start=_slice_start(widths, dev), lora_b=b)
-    _launch_spec(get_kernel(lora_shrink, s_cfg, "sm_90a"), s_spec, pdl=False)
+    # Chained, the shrink reads slot_ranks before its griddepcontrol.wait: not right after the
+    # fill that made it (nor any other of our tensors, to keep it simple).
+    chain = chain and _persistent.made == made
+    _launch_spec(get_kernel(lora_shrink, s_cfg, "sm_90a"), s_spec, pdl=chain)
     _launch_spec(get_kernel(k2_gemm, k_cfg, "sm_90a"), k_spec, pdl=pdl)
     return out

@@ -138,3 +138,58 @@ def test_slice_start_is_built_with_device_fills_only(monkeypatch):
     monkeypatch.setattr(ops.torch, "tensor", no_host_copy)
     t = ops._slice_start((4096, 1024, 1024), torch.device("cpu"))
     assert t.tolist() == [0, 4096, 5120, 6144] and t.dtype == torch.int32
+
+
+def test_persistent_counts_only_the_tensors_it_makes(monkeypatch):
+    """`made` (what decides whether a decode call may chain its shrink) counts fills launched,
+    not cache hits nor the shared stand-in a capture gets."""
+    p = ops._Persistent()
+    make = lambda: torch.zeros(2, dtype=torch.int32)  # noqa: E731
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    p.get(("sync", 0, 1), make, shared=("sync", 0))
+    p.get(("sync", 0, 1), make, shared=("sync", 0))
+    assert p.made == 1
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    p.get(("sync", 0, 2), make, shared=("sync", 0))  # the stand-in: nothing launched
+    assert p.made == 1
+    p.get(("ranks", 0), make)  # graph-private: its fill is recorded right here
+    assert p.made == 2
+
+
+@pytest.mark.parametrize("path", ["decode", "no_adapter"])
+def test_chain_pdl_launches_the_first_kernel_with_pdl(path, monkeypatch):
+    """chain_pdl puts PDL on the shrink / quantization launch (with pdl only), never on a call
+    that has just filled one of its cached tensors; K2 keeps pdl. Kernels faked, CPU tensors."""
+    from kernels_dsl import k2_gemm, lora_shrink
+
+    launches = []
+
+    class FakeKernel:
+        def __init__(self, mod):
+            self.family = mod.FAMILY
+
+        def __call__(self, *args, grid, smem, pdl, cluster):
+            launches.append((self.family, pdl))
+
+    def fake_quant(x, codes=None, scales=None, *, pdl=False):
+        launches.append(("fp8_quant", pdl))
+        return reference.quantize_fp8_per_token(x)
+
+    monkeypatch.setattr(ops, "_persistent", ops._Persistent())
+    monkeypatch.setattr(ops, "get_kernel", lambda mod, cfg, arch: FakeKernel(mod))
+    monkeypatch.setattr(ops, "_decode_reason", lambda *a: None)
+    monkeypatch.setattr(ops, "_sync_buffer", lambda dev: torch.zeros(2, dtype=torch.int32))
+    monkeypatch.setattr(ops, "quantize_fp8_per_token", fake_quant)
+    x, wq, ws, a, b, meta, _ = _linear_case(m=4, k=128, widths=(128,), rank=16)
+    first = lora_shrink.FAMILY if path == "decode" else "fp8_quant"
+
+    def run(**kw):
+        launches.clear()
+        ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path, **kw)
+        return list(launches)
+
+    if path == "decode":  # the first call fills slot_ranks / slice_start: never chained
+        assert run(chain_pdl=True) == [(first, False), (k2_gemm.FAMILY, True)]
+    assert run(chain_pdl=True) == [(first, True), (k2_gemm.FAMILY, True)]
+    assert run() == [(first, False), (k2_gemm.FAMILY, True)]
+    assert run(chain_pdl=True, pdl=False) == [(first, False), (k2_gemm.FAMILY, False)]
