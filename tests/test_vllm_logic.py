@@ -381,3 +381,41 @@ def test_call_contract_with_epilora_cute_ops():
     assert meta.num_tokens == x.shape[0] and meta.max_loras == 3
     y = op(x, w_q, w_s.reshape(()).reshape(1), list(a), list(b), meta)
     assert torch.equal(y, lora_linear(x, w_q, w_s, list(a), list(b), ids).to(torch.bfloat16))
+
+
+def test_bridge_says_when_it_prepared():
+    pw = FakePunica()
+    leader, follower = torch.nn.Module(), torch.nn.Module()
+    st = meta_bridge.attach(pw, leader, max_loras=3)
+    meta_bridge.attach(pw, follower, max_loras=3)
+    pw.update([2, -1, 0])
+    assert meta_bridge.meta_and_prepared(pw, st, leader, rows=3)[1] is True
+    assert meta_bridge.meta_and_prepared(pw, st, follower, rows=3)[1] is False
+    assert meta_bridge.meta_and_prepared(pw, st, follower, rows=2)[1] is True  # eager, other rows
+
+
+def test_chain_pdl_reaches_the_cute_op_unless_turned_off(monkeypatch):
+    """custom op -> fused -> epilora_cute.ops: chain_pdl passes through on the CuTe path (off by
+    default, and off everywhere with EPILORA_CHAIN_PDL=0, read once)."""
+    x, w_q, w_s, a, b, ids = _problem()
+    meta = build_meta(ids, max_loras=3, max_num_tokens=16)
+    seen = []
+
+    def fake_op(x, w_q, w_scale, lora_a, lora_b, meta, *, chain_pdl):
+        seen.append(chain_pdl)
+        return x.new_zeros(x.shape[0], w_q.shape[0])
+
+    monkeypatch.setattr(fused, "kernel_path", lambda d: "cute")
+    monkeypatch.setattr(fused, "fused_op", lambda: fake_op)
+    monkeypatch.delenv(fused.ENV_CHAIN_PDL, raising=False)
+    fused.chain_pdl_enabled.cache_clear()
+    try:
+        custom_op.lora_linear_fp8(x, w_q, w_s, a, b, meta)
+        custom_op.lora_linear_fp8(x, w_q, w_s, a, b, meta, chain_pdl=True)
+        monkeypatch.setenv(fused.ENV_CHAIN_PDL, "0")
+        custom_op.lora_linear_fp8(x, w_q, w_s, a, b, meta, chain_pdl=True)  # read once: still on
+        fused.chain_pdl_enabled.cache_clear()
+        custom_op.lora_linear_fp8(x, w_q, w_s, a, b, meta, chain_pdl=True)
+    finally:
+        fused.chain_pdl_enabled.cache_clear()
+    assert seen == [False, True, True, False]

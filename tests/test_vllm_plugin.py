@@ -661,3 +661,30 @@ def test_layer_apply_compiles_without_graph_break(vcfg, plugin_on):
     want = lora_linear(x, layer.weight.t(), layer.weight_scale.reshape(1), lora_layer.lora_a_stacked,
                        lora_layer.lora_b_stacked, torch.tensor([1, 1, 0, -1])).to(BF16)
     assert torch.equal(compiled(x), want)
+
+
+def test_layers_chain_except_right_after_preparing_the_metadata(vcfg, plugin_on, monkeypatch):
+    """chain_pdl reaches the fused op: False for the leader (its op follows the metadata
+    preparation's kernels), True for a follower on the same rows, False again for a follower
+    that has to prepare for other rows (eager)."""
+    from vllm_adapter import fused
+
+    leader_layer, follower_layer = _fp8_layer(vcfg, "qkv"), _fp8_layer(vcfg, "qkv")
+    leader, follower = _from_layer(vcfg, leader_layer, "qkv"), _from_layer(vcfg, follower_layer, "qkv")
+    for lyr in (leader, follower):
+        _load_adapters(lyr, "qkv")
+    pw = _punica(leader, [1, 2, 0, 2])
+    follower.set_mapping(pw)
+    seen = []
+    real = fused.lora_linear_fp8
+
+    def spy(*a, chain_pdl=False, **kw):
+        seen.append(chain_pdl)
+        return real(*a, chain_pdl=chain_pdl, **kw)
+
+    monkeypatch.setattr(fused, "lora_linear_fp8", spy)
+    x = torch.randn(4, K).to(BF16)
+    leader.apply(x)
+    follower.apply(x)
+    follower.apply(x[:3])
+    assert seen == [False, True, False]

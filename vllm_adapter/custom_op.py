@@ -7,6 +7,8 @@ torch.compile needs no auto-functionalization, and its fake implementation only 
 output, so Dynamo traces it without a graph break. ``LoRABatchMeta`` is passed as its tensors:
 a dataclass cannot cross the op boundary, and its host ``num_tokens`` must not, or compiled
 graphs would specialize on it. Nothing in the call reads a device value on the host.
+``chain_pdl`` (a constant per call site) lets the op overlap the kernel before it
+(``fused.lora_linear_fp8``); the layer passes False right after it prepared the metadata.
 
 ``prepare_meta`` refreshes the metadata buffers in place from a mapping (mutates them, returns
 nothing): as one opaque op it is captured into CUDA graphs as it is, and torch.compile does not
@@ -32,7 +34,7 @@ META_FIELDS = ("token_lora_mapping", "token_indices_sorted_by_lora_ids", "active
 SCHEMA = (
     "(Tensor x, Tensor w_q, Tensor w_scale, Tensor[] lora_a, Tensor[] lora_b, "
     + ", ".join(f"Tensor {f}" for f in META_FIELDS)
-    + ", Tensor? bias=None) -> Tensor"
+    + ", Tensor? bias=None, bool chain_pdl=False) -> Tensor"
 )
 PREPARE_SCHEMA = (
     "(Tensor mapping, "
@@ -54,11 +56,11 @@ def _meta_from_tensors(x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> LoRA
 
 def _impl(x, w_q, w_scale, lora_a, lora_b, token_lora_mapping, token_indices_sorted_by_lora_ids,
           active_lora_ids, num_tokens_per_lora, lora_token_start_loc, sorted_lora_ids, row_group,
-          num_active, bias=None):
+          num_active, bias=None, chain_pdl=False):
     meta = _meta_from_tensors(x, (token_lora_mapping, token_indices_sorted_by_lora_ids,
                                   active_lora_ids, num_tokens_per_lora, lora_token_start_loc,
                                   sorted_lora_ids, row_group, num_active))
-    return fused.lora_linear_fp8(x, w_q, w_scale, lora_a, lora_b, meta, bias)
+    return fused.lora_linear_fp8(x, w_q, w_scale, lora_a, lora_b, meta, bias, chain_pdl=chain_pdl)
 
 
 def _fake(x, w_q, w_scale, lora_a, lora_b, *meta_and_bias, **kw):
@@ -92,12 +94,12 @@ def register() -> None:
 
 def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                     lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
-                    meta: LoRABatchMeta, bias: torch.Tensor | None = None) -> torch.Tensor:
+                    meta: LoRABatchMeta, bias: torch.Tensor | None = None, chain_pdl: bool = False) -> torch.Tensor:
     """Call the registered op with ``meta`` flattened into its tensors."""
     register()
     op = getattr(torch.ops, NAMESPACE).lora_linear_fp8
     return op(x, w_q, w_scale, list(lora_a), list(lora_b),
-              *(getattr(meta, f) for f in META_FIELDS), bias)
+              *(getattr(meta, f) for f in META_FIELDS), bias, chain_pdl)
 
 
 def prepare_meta(mapping: torch.Tensor, meta: LoRABatchMeta) -> None:

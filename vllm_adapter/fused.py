@@ -12,6 +12,12 @@
 ``device_ok`` is what the layer selection asks before taking a layer over: it accepts only
 devices where 1 or 2 applies, so vLLM's kernels are never replaced by the slow reference unless
 asked.
+
+Chained PDL (``chain_pdl``, CuTe decode / no-adapter paths): a layer's op may start under the
+kernel before it (``epilora_cute.ops.lora_linear_fp8``). That kernel must not write the adapter
+buffers or the batch metadata: vLLM writes the buffers when it activates adapters, long before
+the forward, and the layer passes ``chain_pdl=False`` for the call right after it prepared the
+metadata. EPILORA_CHAIN_PDL=0 turns chaining off (read once).
 """
 
 from __future__ import annotations
@@ -29,6 +35,13 @@ from .eligibility import ENV_REFERENCE, env_flag
 
 # Hopper: the CuTe-DSL kernels target sm_90 (wgmma + TMA).
 MIN_CAPABILITY = (9, 0)
+ENV_CHAIN_PDL = "EPILORA_CHAIN_PDL"
+
+
+@functools.lru_cache(maxsize=1)
+def chain_pdl_enabled() -> bool:
+    """EPILORA_CHAIN_PDL (default 1), read once: whether the op may chain onto the kernel before it."""
+    return os.environ.get(ENV_CHAIN_PDL, "1").strip() == "1"
 
 
 def _ops_module():
@@ -130,16 +143,18 @@ def _reference(x, w_q, w_scale, lora_a, lora_b, meta: LoRABatchMeta) -> torch.Te
 
 def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                     lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
-                    meta: LoRABatchMeta, bias: torch.Tensor | None = None) -> torch.Tensor:
+                    meta: LoRABatchMeta, bias: torch.Tensor | None = None, chain_pdl: bool = False) -> torch.Tensor:
     """y[M, N] = fp8(x) @ W^T + per-token LoRA (+ bias), in x's dtype.
 
     x [M, K] bf16; w_q [N, K] float8_e4m3fn; w_scale one fp32 value; lora_a / lora_b vLLM's
     stacked per-slice buffers ([max_loras, 1, r, K] / [max_loras, 1, n_s, r]); meta describes
-    at least the first M rows (rows past its tokens carry no adapter).
+    at least the first M rows (rows past its tokens carry no adapter). ``chain_pdl``: see the
+    module docstring (CuTe path only, unless EPILORA_CHAIN_PDL=0).
     """
     path = kernel_path(x.device)
     if path == "cute":
-        y = fused_op()(x, w_q, w_scale.reshape(1), list(lora_a), list(lora_b), meta)
+        y = fused_op()(x, w_q, w_scale.reshape(1), list(lora_a), list(lora_b), meta,
+                       chain_pdl=chain_pdl and chain_pdl_enabled())
     elif path == "triton":
         from .triton_path import triton_lora_linear
 

@@ -181,9 +181,11 @@ class EpiLoRALinearMixin:
         base = self.base_layer
         # Transformers-backend inputs are [1, seq, hidden]; the op takes [tokens, hidden].
         x2 = x.flatten(0, -2) if x.dim() > 2 else x
-        meta = meta_bridge.meta_for(self.punica_wrapper, self._epilora_state, self, x2.shape[0])
+        meta, prepared = meta_bridge.meta_and_prepared(self.punica_wrapper, self._epilora_state, self, x2.shape[0])
+        # Chained PDL: the op may start under the kernel before it and read the metadata early,
+        # so not right after the preparation that writes it.
         y = custom_op.lora_linear_fp8(x2, base.weight.t(), base.weight_scale, self.lora_a_stacked,
-                                      self.lora_b_stacked, meta, bias)
+                                      self.lora_b_stacked, meta, bias, chain_pdl=not prepared)
         return y.view(*x.shape[:-1], y.shape[-1]) if x.dim() > 2 else y
 
 

@@ -68,7 +68,16 @@ def prepare(punica_wrapper, state: MetaState, rows: int) -> None:
 
 def meta_for(punica_wrapper, state: MetaState, layer, rows: int) -> LoRABatchMeta:
     """The metadata for a layer about to run on ``rows`` rows (prepares it when the layer leads)."""
+    return meta_and_prepared(punica_wrapper, state, layer, rows)[0]
+
+
+def meta_and_prepared(punica_wrapper, state: MetaState, layer, rows: int) -> tuple[LoRABatchMeta, bool]:
+    """``meta_for`` and whether this call prepared it: then the preparation's kernels run right
+    before the layer's op, which must not chain onto them (``fused`` module docstring). A host
+    decision, constant for a traced graph (the leader prepares, followers under torch.compile
+    never do)."""
     leads = state.leader() is layer
     if leads or (not torch.compiler.is_compiling() and state.meta.num_tokens != rows):
         prepare(punica_wrapper, state, rows)
-    return state.meta
+        return state.meta, True
+    return state.meta, False
