@@ -4,7 +4,11 @@ Columns, all from one run (CUDA-graph replays, L2 flushed before each, median):
   floor_us       FP8 weight bytes / measured read bandwidth
   vllm_fp8_us    vLLM's scaled_fp8_quant + cutlass_scaled_mm (no adapter)
   vllm_lora_us   the same + vLLM's LoRA shrink/expand Triton kernels (default configs)
-  ours_*_us      our paths, when the K2 kernels are importable (see OUR_PATHS)
+  ours_*_us      our paths, when the K2 kernels are importable (see OUR_PATH_ARGS); the *_chain
+                 columns launch each projection's first kernel with PDL behind the previous
+                 projection's K2 (lora_linear_fp8(chain_pdl=True)): in the layer rows that hides
+                 a launch and prologue per projection boundary, in the per-projection rows (one
+                 projection per graph) they should equal their unchained columns
 """
 
 from __future__ import annotations
@@ -95,9 +99,11 @@ class VllmPath:
 OUR_PATHS: dict[str, object] = {}
 
 
-# Which of our paths to time (EPILORA_BENCH_OURS, comma-separated; default all of them).
-OUR_PATH_ARGS = {"no_adapter": ("no_adapter", True), "decode": ("decode", True),
-                 "decode_nopdl": ("decode", False), "triton": ("triton", True)}
+# Which of our paths to time (EPILORA_BENCH_OURS, comma-separated; default all of them):
+# name -> (path, pdl, chain_pdl).
+OUR_PATH_ARGS = {"no_adapter": ("no_adapter", True, False), "decode": ("decode", True, False),
+                 "decode_nopdl": ("decode", False, False), "triton": ("triton", True, False),
+                 "decode_chain": ("decode", True, True), "no_adapter_chain": ("no_adapter", True, True)}
 
 
 def _register_our_paths() -> None:
@@ -107,10 +113,10 @@ def _register_our_paths() -> None:
         return
     wanted = os.environ.get("EPILORA_BENCH_OURS", ",".join(OUR_PATH_ARGS)).split(",")
 
-    def make(path: str, pdl: bool):
+    def make(path: str, pdl: bool, chain: bool):
         def build(c: LayerCase):
             return lambda: ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=c.y,
-                                               path=path, pdl=pdl)
+                                               path=path, pdl=pdl, chain_pdl=chain)
         return build
     for name in wanted:
         if name in OUR_PATH_ARGS:

@@ -10,6 +10,10 @@ CUDA-graph replays with the L2 flushed (median), all in one run:
   shrink_st4_us     the shrink with the former 4-stage pipeline (the default has 8)
   decode_us         shrink then K2 as the decode path runs them (PDL)
   decode_nopdl_us   the same without PDL
+  decode_x2_us, decode_x2_chain_us   the decode path twice back to back, the second shrink
+                    launched without / with PDL behind the first K2 (chained, as
+                    lora_linear_fp8(chain_pdl=True) does): the difference is the gain of one
+                    projection boundary
   k2_{c1,c1st8}_us, k2_epilogue_{c1,c1st8}_us   the K2 rows with the former default (one CTA per SM,
                     4 stages) and one CTA per SM with 8 stages (where built)
 The differences place the decode path's time (docs/perf.md): e.g. decode - k2 is what the adapter
@@ -99,6 +103,7 @@ class DecodeStages:
 
         c = self.c
         shrink = self._run(self.shrink, self.s_cfg, self.s_spec)
+        shrink_chained = self._run(self.shrink, self.s_cfg, self.s_spec, pdl=True)
         pair_pdl = self._run(self.k2, self.l_cfg, self.k2_pair_spec, pdl=True)
         pair = self._run(self.k2, self.l_cfg, self.k2_pair_spec)
         return {
@@ -110,6 +115,8 @@ class DecodeStages:
             "shrink_st4": self._run(self.shrink, self.s_cfg_st4, self.s_spec_st4),
             "decode": lambda: (shrink(), pair_pdl()),
             "decode_nopdl": lambda: (shrink(), pair()),
+            "decode_x2": lambda: (shrink(), pair_pdl(), shrink(), pair_pdl()),
+            "decode_x2_chain": lambda: (shrink(), pair_pdl(), shrink_chained(), pair_pdl()),
         } | {name: self._run(self.k2, cfg, spec) for name, (cfg, spec) in self.variants.items()}
 
 
