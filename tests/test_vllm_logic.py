@@ -419,3 +419,44 @@ def test_chain_pdl_reaches_the_cute_op_unless_turned_off(monkeypatch):
     finally:
         fused.chain_pdl_enabled.cache_clear()
     assert seen == [False, True, True, False]
+
+
+def test_vllm_no_lora_flag_makes_a_no_adapter_call(monkeypatch):
+    """vLLM's host flag "no adapter in this batch" reaches the dispatch as host_num_adapters = 0
+    (its adapter bucket 0: the no-adapter path may be chosen); unset, False, or the shortcut
+    turned off (EPILORA_NO_LORA_SHORTCUT=0, read once): unknown (None)."""
+    x, w_q, w_s, a, b, ids = _problem()
+    meta = build_meta(ids, max_loras=3, max_num_tokens=16)
+    seen = []
+
+    def fake_op(x, w_q, w_scale, lora_a, lora_b, meta, *, chain_pdl):
+        seen.append(meta.host_num_adapters)
+        return x.new_zeros(x.shape[0], w_q.shape[0])
+
+    monkeypatch.setattr(fused, "kernel_path", lambda d: "cute")
+    monkeypatch.setattr(fused, "fused_op", lambda: fake_op)
+    monkeypatch.delenv(fused.ENV_NO_LORA_SHORTCUT, raising=False)
+    fused.no_lora_shortcut_enabled.cache_clear()
+    yes, no = torch.tensor([True]), torch.tensor([False])
+    try:
+        custom_op.lora_linear_fp8(x, w_q, w_s, a, b, meta)
+        custom_op.lora_linear_fp8(x, w_q, w_s, a, b, meta, no_lora_flag_cpu=no)
+        custom_op.lora_linear_fp8(x, w_q, w_s, a, b, meta, no_lora_flag_cpu=yes)
+        monkeypatch.setenv(fused.ENV_NO_LORA_SHORTCUT, "0")
+        fused.no_lora_shortcut_enabled.cache_clear()
+        custom_op.lora_linear_fp8(x, w_q, w_s, a, b, meta, no_lora_flag_cpu=yes)
+    finally:
+        fused.no_lora_shortcut_enabled.cache_clear()
+    assert seen == [None, None, 0, None]
+
+
+def test_layer_finds_vllms_no_lora_flag():
+    from types import SimpleNamespace
+
+    from vllm_adapter import layers
+
+    flag = torch.tensor([False])
+    assert layers._vllm_no_lora_flag(SimpleNamespace(token_mapping_meta=SimpleNamespace(no_lora_flag_cpu=flag))) is flag
+    assert layers._vllm_no_lora_flag(FakePunica()) is None  # no token metadata: unknown
+    assert layers._vllm_no_lora_flag(SimpleNamespace(token_mapping_meta=SimpleNamespace(
+        no_lora_flag_cpu=torch.tensor([True, False])))) is None  # not vLLM's one-element flag

@@ -9,6 +9,9 @@ a dataclass cannot cross the op boundary, and its host ``num_tokens`` must not, 
 graphs would specialize on it. Nothing in the call reads a device value on the host.
 ``chain_pdl`` (a constant per call site) lets the op overlap the kernel before it
 (``fused.lora_linear_fp8``); the layer passes False right after it prepared the metadata.
+``no_lora_flag_cpu`` is vLLM's host flag for a batch without adapters (a CPU tensor, as vLLM
+passes it to its own LoRA ops, so compiled graphs read it at run time): with it set the call is
+dispatched as a no-adapter call.
 
 ``prepare_meta`` refreshes the metadata buffers in place from a mapping (mutates them, returns
 nothing): as one opaque op it is captured into CUDA graphs as it is, and torch.compile does not
@@ -34,7 +37,7 @@ META_FIELDS = ("token_lora_mapping", "token_indices_sorted_by_lora_ids", "active
 SCHEMA = (
     "(Tensor x, Tensor w_q, Tensor w_scale, Tensor[] lora_a, Tensor[] lora_b, "
     + ", ".join(f"Tensor {f}" for f in META_FIELDS)
-    + ", Tensor? bias=None, bool chain_pdl=False) -> Tensor"
+    + ", Tensor? bias=None, bool chain_pdl=False, Tensor? no_lora_flag_cpu=None) -> Tensor"
 )
 PREPARE_SCHEMA = (
     "(Tensor mapping, "
@@ -45,21 +48,33 @@ PREPARE_SCHEMA = (
 _lib: torch.library.Library | None = None
 
 
-def _meta_from_tensors(x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> LoRABatchMeta:
+def _meta_from_tensors(x: torch.Tensor, tensors: Sequence[torch.Tensor],
+                       host_num_adapters: int | None = None) -> LoRABatchMeta:
     f = dict(zip(META_FIELDS, tensors))
     cap = f["token_lora_mapping"].shape[0]
     # num_tokens is only a host hint: the kernels read the device fields, rows past the
     # mapped tokens carry no adapter.
     return LoRABatchMeta(max_loras=f["active_lora_ids"].shape[0] - 1, max_num_tokens=cap,
-                         num_tokens=min(x.shape[0], cap), **f)
+                         num_tokens=min(x.shape[0], cap), host_num_adapters=host_num_adapters, **f)
+
+
+def _host_no_lora(flag: torch.Tensor | None) -> bool:
+    """vLLM's own "no token has an adapter" flag (``LoRAKernelMeta.no_lora_flag_cpu``, set by its
+    metadata preparation every step; its LoRA kernels return early on it). Read only when it is a
+    host tensor (no device sync) and the shortcut is on."""
+    return (flag is not None and flag.device.type == "cpu" and flag.numel() == 1
+            and fused.no_lora_shortcut_enabled() and bool(flag.reshape(())))
 
 
 def _impl(x, w_q, w_scale, lora_a, lora_b, token_lora_mapping, token_indices_sorted_by_lora_ids,
           active_lora_ids, num_tokens_per_lora, lora_token_start_loc, sorted_lora_ids, row_group,
-          num_active, bias=None, chain_pdl=False):
+          num_active, bias=None, chain_pdl=False, no_lora_flag_cpu=None):
+    # A batch without adapters (vLLM's flag) is keyed as such: the dispatch may then take the
+    # no-adapter path (quantization + K2, no shrink) where it is the fastest.
     meta = _meta_from_tensors(x, (token_lora_mapping, token_indices_sorted_by_lora_ids,
                                   active_lora_ids, num_tokens_per_lora, lora_token_start_loc,
-                                  sorted_lora_ids, row_group, num_active))
+                                  sorted_lora_ids, row_group, num_active),
+                              host_num_adapters=0 if _host_no_lora(no_lora_flag_cpu) else None)
     return fused.lora_linear_fp8(x, w_q, w_scale, lora_a, lora_b, meta, bias, chain_pdl=chain_pdl)
 
 
@@ -94,12 +109,13 @@ def register() -> None:
 
 def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                     lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
-                    meta: LoRABatchMeta, bias: torch.Tensor | None = None, chain_pdl: bool = False) -> torch.Tensor:
+                    meta: LoRABatchMeta, bias: torch.Tensor | None = None, chain_pdl: bool = False,
+                    no_lora_flag_cpu: torch.Tensor | None = None) -> torch.Tensor:
     """Call the registered op with ``meta`` flattened into its tensors."""
     register()
     op = getattr(torch.ops, NAMESPACE).lora_linear_fp8
     return op(x, w_q, w_scale, list(lora_a), list(lora_b),
-              *(getattr(meta, f) for f in META_FIELDS), bias, chain_pdl)
+              *(getattr(meta, f) for f in META_FIELDS), bias, chain_pdl, no_lora_flag_cpu)
 
 
 def prepare_meta(mapping: torch.Tensor, meta: LoRABatchMeta) -> None:

@@ -36,6 +36,14 @@ from .eligibility import ENV_REFERENCE, env_flag
 # Hopper: the CuTe-DSL kernels target sm_90 (wgmma + TMA).
 MIN_CAPABILITY = (9, 0)
 ENV_CHAIN_PDL = "EPILORA_CHAIN_PDL"
+ENV_NO_LORA_SHORTCUT = "EPILORA_NO_LORA_SHORTCUT"
+
+
+@functools.lru_cache(maxsize=1)
+def no_lora_shortcut_enabled() -> bool:
+    """EPILORA_NO_LORA_SHORTCUT (default 1), read once: whether vLLM's "no adapter in this batch"
+    flag makes a call a no-adapter call (the dispatch's adapter bucket 0)."""
+    return os.environ.get(ENV_NO_LORA_SHORTCUT, "1").strip() == "1"
 
 
 @functools.lru_cache(maxsize=1)

@@ -185,8 +185,16 @@ class EpiLoRALinearMixin:
         # Chained PDL: the op may start under the kernel before it and read the metadata early,
         # so not right after the preparation that writes it.
         y = custom_op.lora_linear_fp8(x2, base.weight.t(), base.weight_scale, self.lora_a_stacked,
-                                      self.lora_b_stacked, meta, bias, chain_pdl=not prepared)
+                                      self.lora_b_stacked, meta, bias, chain_pdl=not prepared,
+                                      no_lora_flag_cpu=_vllm_no_lora_flag(self.punica_wrapper))
         return y.view(*x.shape[:-1], y.shape[-1]) if x.dim() > 2 else y
+
+
+def _vllm_no_lora_flag(punica_wrapper) -> torch.Tensor | None:
+    """vLLM's host flag "no token of this batch has an adapter" (``LoRAKernelMeta.no_lora_flag_cpu``
+    of the punica wrapper's token metadata, as in vLLM 0.26), or None where it has none."""
+    flag = getattr(getattr(punica_wrapper, "token_mapping_meta", None), "no_lora_flag_cpu", None)
+    return flag if isinstance(flag, torch.Tensor) and flag.device.type == "cpu" and flag.numel() == 1 else None
 
 
 def build(stock_order: tuple) -> tuple[type, ...]:
