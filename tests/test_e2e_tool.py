@@ -217,11 +217,16 @@ def test_logging_config_shows_plugin_debug_only(tmp_path):
     code = ("import json, logging, logging.config, sys; logging.config.dictConfig(json.load(open(sys.argv[1]))); "
             "logging.getLogger('vllm.epilora').debug('EpiLoRA: model.layers.0.mlp.down_proj -> "
             "EpiLoRARowParallelLinearWithLoRA (fused FP8 LoRA)'); "
-            "logging.getLogger('vllm.worker').debug('hidden'); logging.getLogger('vllm.worker').info('shown')")
+            "logging.getLogger('vllm.worker').debug('hidden'); logging.getLogger('vllm.worker').info('shown'); "
+            "logging.getLogger('epilora_cute.dispatch').info("
+            "'dispatch NVIDIA H200|K=4096|N=4096|r=64|M<=1|A=<=5-8|graph -> decode (µs: decode 20.1, triton 23.0)'); "
+            "logging.getLogger('epilora_cute.dispatch').debug('hidden too')")
     out = subprocess.run([sys.executable, "-c", code, str(cfg)], capture_output=True, text=True, check=True).stdout
     assert "hidden" not in out and "shown" in out and "vllm.epilora" in out
     s = rpt.plugin_log_summary(out)
     assert s["taken_over"] == 1 and s["taken_over_classes"] == ["EpiLoRARowParallelLinearWithLoRA"]
+    assert s["dispatch_decisions"] == {"NVIDIA H200|K=4096|N=4096|r=64|M<=1|A=<=5-8|graph": "decode"}
+    assert s["dispatch_wins"] == {"graph": {"decode": 1}}
 
 
 def test_plugin_log_summary():

@@ -44,6 +44,26 @@ PLUGIN_LOG_PATTERNS = {
     "computes_with_vllm": re.compile(r"EpiLoRA: (\S+) computes with vLLM's kernels: (.*)"),
 }
 
+# epilora_cute.dispatch's line per decision: "dispatch <key> -> <path> (<why or timings>)".
+DISPATCH_LINE = re.compile(r"epilora_cute\.dispatch: dispatch (.+?) -> (\w+) \((.*)\)\s*$")
+
+
+def _dispatch_summary(text: str) -> dict:
+    """The timed dispatch's decisions in an engine log: the last path per key, and how many keys
+    each path won per mode ("graph" / "eager", the key's last field)."""
+    last: dict[str, str] = {}
+    for line in text.splitlines():
+        m = DISPATCH_LINE.search(line)
+        if m:
+            last[m.group(1)] = m.group(2)
+    wins: dict[str, dict[str, int]] = {}
+    for key, path in last.items():
+        mode = key.rsplit("|", 1)[-1]
+        wins.setdefault(mode, {})
+        wins[mode][path] = wins[mode].get(path, 0) + 1
+    return {"dispatch_decisions": last, "dispatch_wins": wins}
+
+
 def plugin_log_summary(text: str) -> dict:
     """What the ``vllm.epilora`` lines of an engine log say (each layer counted once)."""
     found = {k: {} for k in PLUGIN_LOG_PATTERNS}
@@ -58,7 +78,8 @@ def plugin_log_summary(text: str) -> dict:
     for key in ("stays_on_vllm", "computes_with_vllm"):
         for why in found[key].values():
             reasons[why] = reasons.get(why, 0) + 1
-    return {"plugin_active": "EpiLoRA plugin active" in text,
+    return {**_dispatch_summary(text),
+            "plugin_active": "EpiLoRA plugin active" in text,
             "plugin_disabled": "EpiLoRA plugin disabled" in text,
             "plugin_off": re.findall(r"EpiLoRA plugin off: .*", text)[:1],
             **{k: len(v) for k, v in found.items()},
@@ -333,6 +354,7 @@ def write_markdown(rep: dict, path: Path) -> None:
           + (f"; Triton tables: {pr['triton_tables']['kept_for_graphs']} kept for CUDA graphs, "
              f"{pr['triton_tables']['made_inside_a_capture']} made inside a capture (expected 0)"
              if pr.get("triton_tables") else ""),
+          f"- timed dispatch, keys won per path (`epilora_cute.dispatch` log): {pl.get('dispatch_wins') or '—'}",
           f"- stock engine: plugin disabled {(rep['plugin_log'].get('stock') or {}).get('plugin_disabled', '—')}, "
           f"LoRA classes {_get(runs, 'stock', 'probe', 'lora_classes') or '—'}", "",
           "## Correctness (ours vs stock, same prompts)", "",

@@ -424,14 +424,16 @@ def engine_kwargs(model: Path, seed: int, overrides: dict | None = None) -> dict
 
 def logging_config() -> dict:
     """vLLM's logging at INFO, the plugin's logger at DEBUG (the layers it takes over are DEBUG
-    lines), logger names in every line."""
+    lines), the dispatch's decisions at INFO, logger names in every line."""
     return {"version": 1, "disable_existing_loggers": False,
             "formatters": {"e2e": {"format": "%(levelname)s %(asctime)s %(name)s: %(message)s",
                                    "datefmt": "%H:%M:%S"}},
             "handlers": {"e2e": {"class": "logging.StreamHandler", "formatter": "e2e", "level": "DEBUG",
                                  "stream": "ext://sys.stdout"}},
             "loggers": {"vllm": {"handlers": ["e2e"], "level": "INFO", "propagate": False},
-                        "vllm.epilora": {"level": "DEBUG"}}}
+                        "vllm.epilora": {"level": "DEBUG"},
+                        # the timed dispatch's one line per decision (which path each bucket got)
+                        "epilora_cute.dispatch": {"handlers": ["e2e"], "level": "INFO", "propagate": False}}}
 
 
 # Log lines after which an engine is dead or hangs for good (vLLM 0.26: an exception in the
