@@ -572,6 +572,12 @@ def test_compare_fp32_reference_and_verdict():
     line = rpt.verdict_line(v)
     assert line.startswith("**ours is within 3.00× of stock's distance to the exact computation**")
     assert "no adapter: stock 0.0100, ours 0.0300 (×3.00)" in line and "ours adds an error stock does not have" in line
+    # Per prompt (one prompt here): ours 0.03 <= 1.25 × stock's 0.01 + 0.02 nats passes; 0.04 does not.
+    assert v["none"]["per_prompt"]["within"] == 1 and v["none"]["per_prompt"]["total"] == 1
+    assert v["none"]["per_prompt"]["worst_ratio"] == pytest.approx(3.0)
+    assert "Per prompt, the stated tolerance" in line and "no adapter 1/1 (worst ×3.00)" in line
+    runs["ours"]["phases"]["logprobs"]["none"] = shifted(0.04)
+    assert rpt.compare(runs, spec, ref)["fp32_reference"]["verdict"]["none"]["per_prompt"]["within"] == 0
     runs["ours"]["phases"]["logprobs"]["none"] = shifted(0.011)
     assert rpt.compare(runs, spec, ref)["fp32_reference"]["verdict"]["as_close_as_stock"]
     assert "fp32_reference" not in rpt.compare(runs, spec, {"skipped": "x", "keys": {}})

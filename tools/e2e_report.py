@@ -120,6 +120,30 @@ def compare_logprobs(a: dict, b: dict, prompt_len: int, gen_len: int = 32) -> di
 # accumulation-order noise of the same kind); beyond it, ours adds an error stock does not have.
 REF_RATIO_OK = 1.25
 REF_MIN_TOP1 = 0.3  # below this top-1 agreement with the reference, the engines ran another model
+# The stated per-prompt tolerance (issue 5: "teacher-forced log-probabilities within a stated
+# tolerance for all 16"): a prompt passes when ours' mean |Δlogprob| to the fp32 reference is at most
+# REF_RATIO_OK × stock's + REF_SLACK_NATS. Relative to stock because the random-weight model turns
+# any rounding difference into ~0.2 nats (stock batched vs stock one at a time, run7).
+REF_SLACK_NATS = 0.02
+
+
+def _mean_abs(a: list, b: list) -> float | None:
+    n = min(len(a), len(b))
+    return sum(abs(x - y) for x, y in zip(a[:n], b[:n])) / n if n else None
+
+
+def per_prompt_verdict(ref_case: dict, ours: dict, stock: dict) -> dict:
+    """Per prompt: ours' and stock's mean |Δlogprob| to the reference, and how many prompts pass
+    the stated tolerance (``REF_RATIO_OK`` × stock's + ``REF_SLACK_NATS``)."""
+    rows = []
+    for r, o, s in zip(ref_case["lp"], ours["lp"], stock["lp"]):
+        do, ds = _mean_abs(o, r), _mean_abs(s, r)
+        if do is not None and ds is not None:
+            rows.append((do, ds))
+    within = [do <= REF_RATIO_OK * ds + REF_SLACK_NATS for do, ds in rows]
+    return {"within": sum(within), "total": len(rows),
+            "worst_ratio": max((do / ds for do, ds in rows if ds > 0), default=None),
+            "ours_mean_abs": [do for do, _ in rows], "stock_mean_abs": [ds for _, ds in rows]}
 
 
 def compare_fp32_reference(runs: dict, spec: dict, ref: dict) -> dict:
@@ -167,6 +191,12 @@ def compare_fp32_reference(runs: dict, spec: dict, ref: dict) -> dict:
             ratio = o["mean_abs"] / s["mean_abs"] if s["mean_abs"] > 0 else float("inf")
             verdict[case] = {"stock_mean_abs": s["mean_abs"], "ours_mean_abs": o["mean_abs"], "ratio": ratio,
                              "stock_top1": s["top1_agreement"], "ours_top1": o["top1_agreement"]}
+            keys = ref.get("keys") or {}
+            rk = (keys.get("ours") or {}).get(case)
+            lp_o = ((runs.get("ours") or {}).get("phases") or {}).get("logprobs") or {}
+            lp_s = ((runs.get("stock") or {}).get("phases") or {}).get("logprobs") or {}
+            if rk in cases and case in lp_o and case in lp_s and (keys.get("stock") or {}).get(case) == rk:
+                verdict[case]["per_prompt"] = per_prompt_verdict(cases[rk], lp_o[case], lp_s[case])
     if verdict:
         worst = max(v["ratio"] for v in verdict.values())
         verdict["worst_ratio"] = worst
@@ -181,10 +211,15 @@ def verdict_line(v: dict) -> str | None:
         return None
     parts = [f"{'no adapter' if c == 'none' else f'{NUM_ADAPTERS} adapters'}: stock {v[c]['stock_mean_abs']:.4f}, "
              f"ours {v[c]['ours_mean_abs']:.4f} (×{v[c]['ratio']:.2f})" for c in ("none", "adapters") if c in v]
+    pp = [f"{'no adapter' if c == 'none' else f'{NUM_ADAPTERS} adapters'} {v[c]['per_prompt']['within']}/"
+          f"{v[c]['per_prompt']['total']} (worst ×{v[c]['per_prompt']['worst_ratio']:.2f})"
+          for c in ("none", "adapters") if c in v and v[c].get("per_prompt", {}).get("total")]
     return (f"**ours is within {v['worst_ratio']:.2f}× of stock's distance to the exact computation** (mean abs "
             f"Δlogprob to the fp32 reference, nats; " + "; ".join(parts) + "): "
             + ("as close to it as stock" if v["as_close_as_stock"] else
-               f"**more than {REF_RATIO_OK}× stock's: ours adds an error stock does not have**"))
+               f"**more than {REF_RATIO_OK}× stock's: ours adds an error stock does not have**")
+            + (f". Per prompt, the stated tolerance (ours ≤ {REF_RATIO_OK}× stock's distance + {REF_SLACK_NATS} "
+               f"nats): " + ", ".join(pp) if pp else ""))
 
 
 def compare(runs: dict, spec: dict, fp32_reference: dict | None = None) -> dict:
