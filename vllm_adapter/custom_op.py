@@ -58,12 +58,16 @@ def _meta_from_tensors(x: torch.Tensor, tensors: Sequence[torch.Tensor],
                          num_tokens=min(x.shape[0], cap), host_num_adapters=host_num_adapters, **f)
 
 
+def is_host_flag(flag) -> bool:
+    """A one-element CPU tensor: a flag the host can read without a device sync."""
+    return isinstance(flag, torch.Tensor) and flag.device.type == "cpu" and flag.numel() == 1
+
+
 def _host_no_lora(flag: torch.Tensor | None) -> bool:
     """vLLM's own "no token has an adapter" flag (``LoRAKernelMeta.no_lora_flag_cpu``, set by its
     metadata preparation every step; its LoRA kernels return early on it). Read only when it is a
-    host tensor (no device sync) and the shortcut is on."""
-    return (flag is not None and flag.device.type == "cpu" and flag.numel() == 1
-            and fused.no_lora_shortcut_enabled() and bool(flag.reshape(())))
+    host flag (no device sync) and the shortcut is on."""
+    return is_host_flag(flag) and fused.no_lora_shortcut_enabled() and bool(flag.reshape(()))
 
 
 def _impl(x, w_q, w_scale, lora_a, lora_b, token_lora_mapping, token_indices_sorted_by_lora_ids,

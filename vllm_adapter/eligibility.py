@@ -53,8 +53,12 @@ def _no(reason: str) -> Verdict:
 OK = Verdict(True, "per-tensor FP8 base, dynamic per-token activations")
 
 
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+def env_flag(name: str, default: bool = False) -> bool:
+    """A boolean environment variable: ``default`` when unset, off for "", 0, false, no, off."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def _quant_scheme(layer):

@@ -43,13 +43,13 @@ ENV_NO_LORA_SHORTCUT = "EPILORA_NO_LORA_SHORTCUT"
 def no_lora_shortcut_enabled() -> bool:
     """EPILORA_NO_LORA_SHORTCUT (default 1), read once: whether vLLM's "no adapter in this batch"
     flag makes a call a no-adapter call (the dispatch's adapter bucket 0)."""
-    return os.environ.get(ENV_NO_LORA_SHORTCUT, "1").strip() == "1"
+    return env_flag(ENV_NO_LORA_SHORTCUT, default=True)
 
 
 @functools.lru_cache(maxsize=1)
 def chain_pdl_enabled() -> bool:
     """EPILORA_CHAIN_PDL (default 1), read once: whether the op may chain onto the kernel before it."""
-    return os.environ.get(ENV_CHAIN_PDL, "1").strip() == "1"
+    return env_flag(ENV_CHAIN_PDL, default=True)
 
 
 def _ops_module():

@@ -194,7 +194,7 @@ def _vllm_no_lora_flag(punica_wrapper) -> torch.Tensor | None:
     """vLLM's host flag "no token of this batch has an adapter" (``LoRAKernelMeta.no_lora_flag_cpu``
     of the punica wrapper's token metadata, as in vLLM 0.26), or None where it has none."""
     flag = getattr(getattr(punica_wrapper, "token_mapping_meta", None), "no_lora_flag_cpu", None)
-    return flag if isinstance(flag, torch.Tensor) and flag.device.type == "cpu" and flag.numel() == 1 else None
+    return flag if custom_op.is_host_flag(flag) else None
 
 
 def build(stock_order: tuple) -> tuple[type, ...]:
