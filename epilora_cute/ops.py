@@ -308,8 +308,9 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     portable two-kernel path), "reference" (torch, any device). "auto" takes the reference off
     CUDA; on a GPU the timed dispatch (``dispatch.py``) takes the fastest applicable path per
     (shape, token bucket, adapter bucket, graph/eager), measured once and remembered across starts.
-    Its candidates are the GPU-verified paths (Triton) plus the opted-in ones: EPILORA_DECODE_PATH=1
-    adds "decode" and "no_adapter", EPILORA_HYBRID_PATH=1 "hybrid"; EPILORA_FORCE_PATH forces one.
+    Its candidates are the applicable GPU-verified paths (``dispatch.VERIFIED_PATHS``: decode,
+    no_adapter, hybrid, triton); EPILORA_DECODE_PATH / EPILORA_HYBRID_PATH =0 take paths out, =1 let
+    unverified ones in; EPILORA_FORCE_PATH forces one.
 
     ``chain_pdl`` (decode and no-adapter paths; ignored with ``pdl=False``): launch the call's first kernel (the
     shrink, or the quantization kernel) with PDL too, so that its launch and prologue (and the
