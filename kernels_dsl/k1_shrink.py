@@ -549,7 +549,10 @@ def compile(config: Config, options: str = "--gpu-arch sm_90a"):
 # ---------------------------------------------------------------------------------------------
 
 SLICE_COUNTS = (1, 2, 3, 4)
-KC_OPTIONS = (512, 1024, 2048, 4096)
+# 1536 / 1792 (v0.13): K = 12288 / 14336 (Qwen3-8B / Llama-3-8B down) need exactly 24 / 28 k-blocks per
+# split; with 2048 no row count fit two CTAs per SM (bm32_kc2048_st8: 202 KiB, one CTA per SM, two
+# waves at 256 CTAs), with 1536 / 1792 bm 16 does (110 KiB).
+KC_OPTIONS = (512, 1024, 1536, 1792, 2048, 4096)
 SMEM_LIMIT = 227 * 1024
 SMEM_TWO_PER_SM = 113 * 1024  # two CTAs per SM (228 KiB per SM, 1 KiB reserved per CTA)
 TARGET_CTAS = 2 * 132  # about two CTAs per H100/H200 SM

@@ -165,6 +165,8 @@ def test_select_and_prebuild_set():
         assert c.smem_bytes <= 227 * 1024 and c.threads <= 256
     with pytest.raises(ValueError, match="rank"):
         E.select(1, 64, 48)
+    # v0.13: bm 64 at every M (bm 128 at >= 2048 tokens was one CTA per SM by registers)
+    assert all(E.select(s, m, 64).bm == 64 for s in E.SLICE_COUNTS for m in (33, 2048, 8192))
 
 
 def test_params_declaration():
@@ -391,6 +393,26 @@ def test_gpu_group_split_bitwise_invariant(M):
     for z, y in outs.items():
         assert torch.equal(y.view(torch.int16), outs[1].view(torch.int16)), z
     assert_close_bf16(outs[None], expected(dict(case, y=y0), bf16_h=True), True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("L", (1, 32))
+def test_gpu_prefill_bm64_equals_bm128(L):
+    """v0.13: from 2048 tokens select() takes bm 64 instead of 128; each output element is the
+    same thread-local fp32 sum and one rounding, so y is bit-identical (gate_up-like widths)."""
+    _hopper()
+    M, widths = 2048, (12288, 12288)
+    case = make_case(M, L, 64, widths, seed=L + 40, device="cuda")
+    assert E.select(2, M, 64).bm == 64
+    y0 = case["y"].clone()
+    outs = []
+    for cfg in (E.select(2, M, 64), E.Config(rank=64, num_slices=2, bm=128, bn=128)):
+        y = y0.clone()
+        E.expand_add(y, case["h"], case["bs"], case["meta"], config=cfg)
+        outs.append(y)
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    assert_close_bf16(outs[0], expected(dict(case, y=y0), bf16_h=True), True)
 
 
 @pytest.mark.gpu

@@ -187,8 +187,16 @@ def test_select_deep_ring():
     for s in (1, 2, 3):
         c = K1.select(s, 4096, 64)
         assert (c.bm, c.kc, c.stages) == (32, 512, 8) and c.smem_bytes <= K1.SMEM_TWO_PER_SM
+    # v0.13: down (K = 12288 / 14336) gets kc = exactly its 24 / 28 k-blocks per split and bm 16,
+    # two CTAs per SM (was bm32_kc2048_st8, 202 KiB, one per SM)
     c = K1.select(1, 12288, 64)
-    assert (c.bm, c.kc, c.stages) == (32, 2048, 8) and c.smem_bytes <= K1.SMEM_LIMIT
+    assert (c.bm, c.kc, c.stages) == (16, 1536, 7) and c.smem_bytes <= K1.SMEM_TWO_PER_SM
+    c = K1.select(1, 14336, 64)
+    assert (c.bm, c.kc, c.stages) == (16, 1792, 6) and c.smem_bytes <= K1.SMEM_TWO_PER_SM
+    c = K1.select(1, 12288, 64)
+    assert K1.grid(12288, 32, c, max_loras=32) == ((8, 2, 16), (8, 1, 1))  # 256 CTAs: one wave
+    assert K1.grid(12288, 256, c, max_loras=32) == ((8, 16, 2), (8, 1, 1))
+    assert K1.grid(12288, 2048, c, max_loras=1) == ((8, 128, 1), (8, 1, 1))
     for c in K1.prebuild_configs():
         assert 2 <= c.stages <= K1.MAX_STAGES
 
@@ -353,7 +361,8 @@ def test_gpu_matches_reference(M, L):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("K,R", [(12288, 64), (14336, 128), (3696, 16), (29568, 64), (4096, 256), (2048, 8)])
+@pytest.mark.parametrize("K,R", [(12288, 64), (14336, 64), (14336, 128), (3696, 16), (29568, 64), (4096, 256),
+                                 (2048, 8)])
 @pytest.mark.parametrize("M", (64, 2048))
 def test_gpu_down_projection_shapes(M, K, R):
     """One slice, long K (the resident-chunk configurations with bm 32/16), no slot ranks."""
@@ -363,6 +372,39 @@ def test_gpu_down_projection_shapes(M, K, R):
     K1.k1_quant_shrink(case["x"], case["As"], case["meta"], codes, scales, h)
     torch.cuda.synchronize()
     _check(case, codes, scales, h, K)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,L", [(32, 1), (32, 32), (256, 32), (2048, 1), (300, 8)])
+def test_gpu_down_v013_config_equals_v010(M, L):
+    """v0.13 moved K = 12288 from bm32_kc2048_st8 to bm16_kc1536_st7: the same 8 splits of 24
+    k-blocks, only the rows per CTA change, so codes, scales and h are bit-identical."""
+    _hopper()
+    K, R = 12288, 64
+    new, old = K1.select(1, K, R), K1.Config(rank=R, num_slices=1, bm=32, kc=2048, stages=8)
+    assert (new.bm, new.kc) == (16, 1536)
+    case = make_case(M, L, R, K, 1, seed=M + L, device="cuda", spread=True, neg_frac=0.2 if L == 8 else 0.0)
+    outs = []
+    for cfg in (new, old):
+        codes, scales, h = _poisoned(M, K, 1, R)
+        K1.k1_quant_shrink(case["x"], case["As"], case["meta"], codes, scales, h, config=cfg)
+        outs.append((codes.view(torch.uint8), scales.view(torch.int32), h.view(torch.int32)))
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    _check(case, outs[0][0].view(torch.float8_e4m3fn), outs[0][1].view(torch.float32),
+           outs[0][2].view(torch.float32), K)
+
+
+def test_emulation_down_v013_config_equals_v010():
+    """CPU: the emulation of the v0.13 down configuration equals the v0.10 one bit for bit (same
+    split ranges; only the row tiles differ)."""
+    case = make_case(40, 4, 64, 12288, 1, seed=13)
+    new, old = K1.select(1, 12288, 64), K1.Config(rank=64, num_slices=1, bm=32, kc=2048, stages=8)
+    a = K1.emulate(case["x"], case["As"], case["meta"], config=new, splits=8, zsplit=1)
+    b = K1.emulate(case["x"], case["As"], case["meta"], config=old, splits=8, zsplit=1)
+    assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
+    assert torch.equal(a[1], b[1])
+    torch.testing.assert_close(a[2], b[2], rtol=1e-6, atol=1e-6)  # torch's CPU GEMM may block by rows
 
 
 @pytest.mark.gpu
