@@ -377,17 +377,21 @@ def test_gpu_down_projection_shapes(M, K, R):
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,L", [(32, 1), (32, 32), (256, 32), (2048, 1), (300, 8)])
 def test_gpu_down_v013_config_equals_v010(M, L):
-    """v0.13 moved K = 12288 from bm32_kc2048_st8 to bm16_kc1536_st7: the same 8 splits of 24
-    k-blocks, only the rows per CTA change, so codes, scales and h are bit-identical."""
+    """v0.13 moved K = 12288 from bm32_kc2048_st8 to bm16_kc1536_st7. At the same 8 splits of 24
+    k-blocks only the rows per CTA change, so codes, scales and h are bit-identical. The old config
+    chose 6 splits of 32 from ~1.4K tokens (choose_splits), so the split count is forced to the new
+    config's 8 here: at 6 splits h's split sum rounds differently (test_emulation_down_v013_...)."""
     _hopper()
     K, R = 12288, 64
     new, old = K1.select(1, K, R), K1.Config(rank=R, num_slices=1, bm=32, kc=2048, stages=8)
     assert (new.bm, new.kc) == (16, 1536)
+    splits = K1.grid(K, M, new, max_loras=L)[0][0]
+    assert splits == 8
     case = make_case(M, L, R, K, 1, seed=M + L, device="cuda", spread=True, neg_frac=0.2 if L == 8 else 0.0)
     outs = []
     for cfg in (new, old):
         codes, scales, h = _poisoned(M, K, 1, R)
-        K1.k1_quant_shrink(case["x"], case["As"], case["meta"], codes, scales, h, config=cfg)
+        K1.k1_quant_shrink(case["x"], case["As"], case["meta"], codes, scales, h, config=cfg, splits=splits)
         outs.append((codes.view(torch.uint8), scales.view(torch.int32), h.view(torch.int32)))
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(*outs))
@@ -396,10 +400,14 @@ def test_gpu_down_v013_config_equals_v010(M, L):
 
 
 def test_emulation_down_v013_config_equals_v010():
-    """CPU: the emulation of the v0.13 down configuration equals the v0.10 one bit for bit (same
-    split ranges; only the row tiles differ)."""
+    """CPU: the emulation of the v0.13 down configuration equals the v0.10 one bit for bit at the
+    same split ranges (only the row tiles differ). The split count is not always the same: the old
+    config took 6 splits of 32 k-blocks from ~1.4K tokens, the new one always 8 of 24 (codes and
+    scales are still exact, h's fp32 split sum rounds differently)."""
     case = make_case(40, 4, 64, 12288, 1, seed=13)
     new, old = K1.select(1, 12288, 64), K1.Config(rank=64, num_slices=1, bm=32, kc=2048, stages=8)
+    assert [K1.choose_splits(12288, m, new) for m in (40, 2048)] == [8, 8]
+    assert [K1.choose_splits(12288, m, old) for m in (40, 2048)] == [8, 6]
     a = K1.emulate(case["x"], case["As"], case["meta"], config=new, splits=8, zsplit=1)
     b = K1.emulate(case["x"], case["As"], case["meta"], config=old, splits=8, zsplit=1)
     assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
