@@ -167,6 +167,8 @@ def test_select_and_prebuild_set():
         E.select(1, 64, 48)
     # v0.13: bm 64 at every M (bm 128 at >= 2048 tokens was one CTA per SM by registers)
     assert all(E.select(s, m, 64).bm == 64 for s in E.SLICE_COUNTS for m in (33, 2048, 8192))
+    # the former choice stays prebuilt: the GPU tests compare against it (no DSL on the GPU machine)
+    assert E.Config(rank=64, num_slices=2, bm=128, bn=128) in pre
 
 
 def test_params_declaration():
