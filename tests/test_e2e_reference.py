@@ -40,7 +40,8 @@ def write_model(directory: Path, seed: int = 0) -> Path:
             return (1 + 0.1 * torch.randn(shape, generator=g)).to(torch.bfloat16)
         return m.make_tensor(seed, name, shape, std)
 
-    m.write_safetensors(directory / "model.safetensors", m.checkpoint_entries(cfg), make, threads=1)
+    # dense: every layer matters as much as the embeddings, so a wrong layer op shows
+    m.write_safetensors(directory / "model.safetensors", m.checkpoint_entries(cfg, "dense"), make, threads=1)
     return directory
 
 
@@ -52,7 +53,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
     d = tmp_path_factory.mktemp("adapters")
-    out = [m.write_adapter(d / f"a{i}", "tiny", rank=8, seed=100 + i, threads=1) for i in range(2)]
+    out = [m.write_adapter(d / f"a{i}", "tiny", rank=8, seed=100 + i, threads=1, init="dense") for i in range(2)]
     peft = json.loads((out[1] / "adapter_config.json").read_text())
     peft["lora_alpha"] = 2 * peft["r"]  # scaling 2 on the second adapter (e2e_model writes alpha = r)
     (out[1] / "adapter_config.json").write_text(json.dumps(peft))

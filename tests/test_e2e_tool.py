@@ -60,7 +60,11 @@ def test_checkpoint_layout(tmp_path):
     assert tuple(t["lm_head.weight"].shape) == tuple(t["model.embed_tokens.weight"].shape) == (TINY["vocab_size"], h)
     assert all(v.dtype == torch.bfloat16 for v in t.values())
     assert torch.equal(t["model.norm.weight"], torch.ones(h, dtype=torch.bfloat16))
-    assert abs(t["lm_head.weight"].float().std().item() - m.WEIGHT_STD) < 0.002
+    # the stable init: embeddings rms 1, logits of std 1, o/down OUT_GAIN per unit input
+    assert abs(t["model.embed_tokens.weight"].float().std().item() - 1) < 0.02
+    assert abs(t["lm_head.weight"].float().std().item() * h ** 0.5 - 1) < 0.02
+    assert abs(t["model.layers.1.mlp.down_proj.weight"].float().std().item() * i ** 0.5 / m.OUT_GAIN - 1) < 0.05
+    assert abs(t["model.layers.1.mlp.gate_proj.weight"].float().std().item() * h ** 0.5 - 1) < 0.05
     # safetensors layout: 8-byte aligned header, contiguous data to the end of the file
     ends = sorted(v["data_offsets"] for k, v in header.items() if k != "__metadata__")
     assert ends[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ends, ends[1:]))
@@ -102,10 +106,32 @@ def test_adapter_layout(tmp_path):
     assert tuple(t[p + "mlp.down_proj.lora_A.weight"].shape) == (r, i)
     assert tuple(t[p + "mlp.down_proj.lora_B.weight"].shape) == (h, r)
     a = torch.cat([v.float().flatten() for k, v in t.items() if "gate_proj.lora_A" in k])
-    b = torch.cat([v.float().flatten() for k, v in t.items() if "lora_B" in k])
-    assert abs(a.std().item() * h ** 0.5 - 1) < 0.1 and abs(b.std().item() - m.LORA_B_STD) < 0.002
+    b_up = torch.cat([v.float().flatten() for k, v in t.items() if "up_proj.lora_B" in k])
+    b_down = torch.cat([v.float().flatten() for k, v in t.items() if "down_proj.lora_B" in k])
+    assert abs(a.std().item() * h ** 0.5 - 1) < 0.1
+    assert abs(b_up.std().item() * r ** 0.5 / m.LORA_GAIN - 1) < 0.05  # update = LORA_GAIN x the base output
+    assert abs(b_down.std().item() * r ** 0.5 / (m.LORA_GAIN * m.OUT_GAIN) - 1) < 0.05
     _, t2 = m.read_safetensors(m.write_adapter(tmp_path / "b", "tiny", rank=r, seed=8) / "adapter_model.safetensors")
     assert not torch.equal(t2[p + "mlp.up_proj.lora_B.weight"], t[p + "mlp.up_proj.lora_B.weight"])
+
+
+def test_dense_init_and_init_in_the_stamp(tmp_path):
+    d = m.write_model(tmp_path / "m", "tiny", seed=1, threads=1, init="dense")
+    _, t = m.read_safetensors(d / "model.safetensors")
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.down_proj.weight",
+                 "model.layers.1.self_attn.q_proj.weight"):
+        assert abs(t[name].float().std().item() - m.DENSE_STD) < 0.002, name
+    mtime = (d / "model.safetensors").stat().st_mtime_ns
+    m.write_model(d, "tiny", seed=1, init="stable")  # another init: rewritten, not reused
+    assert (d / "model.safetensors").stat().st_mtime_ns != mtime
+    _, t2 = m.read_safetensors(d / "model.safetensors")
+    assert abs(t2["model.embed_tokens.weight"].float().std().item() - 1) < 0.02
+    a = m.write_adapter(tmp_path / "a", "tiny", rank=8, seed=3, threads=1, init="dense")
+    _, ta = m.read_safetensors(a / "adapter_model.safetensors")
+    b = torch.cat([v.float().flatten() for k, v in ta.items() if "lora_B" in k])
+    assert abs(b.std().item() - m.DENSE_STD) < 0.002
+    with pytest.raises(ValueError, match="init"):
+        m.checkpoint_entries(m.model_config("tiny"), "xavier")
 
 
 # ----------------------------------------------------------------------------- plugin shim and environment

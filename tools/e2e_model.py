@@ -6,16 +6,34 @@ Checkpoint (HF layout, what vLLM's Qwen3 loader reads): ``config.json`` + one
 ``model.safetensors`` of bf16 tensors, written by a small streaming safetensors writer (no
 ``safetensors`` package needed; 16.4 GB for Qwen3-8B's sizes never sit in memory at once).
 Every tensor has its own seed derived from (seed, name), so the first N layers of a 36-layer
-model are the N-layer model, and the files do not depend on the thread count. Linear weights and
-the embeddings are N(0, 0.02^2) (activations stay O(1): q_proj's output rms is
-0.02 * sqrt(4096) ~ 1.3 on a unit-rms input, logits' std ~ 1.3); RMSNorm weights are 1.
+model are the N-layer model, and the files do not depend on the thread count.
 
-Adapters (PEFT layout): rank r on q/k/v/o/gate/up/down, lora_alpha = r (vLLM folds alpha/r = 1
-into B). A ~ N(0, 1/in): h = x A^T keeps the input's rms; B ~ N(0, 0.02^2): the update
-h B^T has rms ~ sqrt(r) * 0.02 = 0.16 per unit-rms input, ~12 % of q_proj's base output and ~7 %
-of down_proj's. Large enough that an adapter changes greedy tokens within a few steps (a dropped
-or misrouted adapter shows in every comparison), small enough that no value leaves bf16's
-comfortable range.
+Two initializations (``INITS``); std per tensor, gains per unit-rms input:
+
+* ``stable`` (the default): embeddings N(0, 1); q/k/v/gate/up N(0, 1/fan_in) (gain 1); o/down
+  N(0, OUT_GAIN^2 / fan_in); lm_head N(0, 1/hidden) (logits of std 1). Each layer adds a small
+  update to a residual the embeddings dominate (Megatron's scaled init of output projections,
+  taken further). Why: a greedy-identity test between two engines needs a model whose logits do
+  not amplify rounding. In the ``dense`` model one FP8 code flip of a layer's input (two engines
+  rounding one bf16 value differently moves a code by an FP8 step, 2^-3 relative) grows through 36
+  layers until any two engines disagree on ~14 % of greedy steps (stock vLLM against itself,
+  batched vs one at a time: 0/16 identical; ``tools/e2e_margin.py`` simulates it on the CPU).
+  Small output gains shrink what a code flip adds, but not below a floor: the residual is
+  bf16 in vLLM, and an update far below its ulp makes any rounding difference a whole-ulp flip.
+  Simulated at 512 wide x 36 layers (tools/e2e_margin.py, 1024 scored steps): dense 14 % of
+  steps flip; OUT_GAIN 2e-3 with LORA_GAIN 1.0: 0.1-0.2 % without and 0.3-0.4 % with an
+  adapter (~15 and ~14 of 16 32-token continuations identical), while an adapter flips 5 %
+  of steps (~13 of 16 continuations changed).
+  Adapters (PEFT layout, rank r on q/k/v/o/gate/up/down, lora_alpha = r: vLLM folds alpha/r = 1
+  into B): A ~ N(0, 1/in) (h = x A^T keeps the input's rms), B ~ N(0, (LORA_GAIN * g)^2 / r)
+  with g the projection's gain: each update is LORA_GAIN x its projection's base output.
+* ``dense`` (format 1, the runs up to run7): every linear weight and the embeddings N(0, 0.02^2)
+  (q_proj's output rms 0.02 * sqrt(4096) ~ 1.3 on a unit-rms input, logits' std ~1.3), adapters'
+  A as above and B ~ N(0, 0.02^2) (update ~12 % of q_proj's base output). Every layer matters
+  about equally: the stronger test of the teacher-forced log-probabilities against the fp32
+  reference (tests/test_e2e_reference.py uses it), useless for greedy identity.
+
+RMSNorm weights are 1 in both.
 """
 
 from __future__ import annotations
@@ -40,12 +58,15 @@ SIZES = {
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=64, vocab_size=1024),
 }
-WEIGHT_STD = 0.02
-LORA_B_STD = 0.02
+INITS = ("stable", "dense")
+DEFAULT_INIT = "stable"
+OUT_GAIN = 2e-3    # stable: o/down output rms per unit-rms input (chosen with tools/e2e_margin.py)
+LORA_GAIN = 1.0    # stable: an adapter's update rms / its projection's base output rms
+DENSE_STD = 0.02   # dense: every linear weight and the embeddings; adapters' B
 NUM_ADAPTERS = 8
 RANK = 64
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-FORMAT_VERSION = 1  # bump when the generated values change (invalidates cached checkpoints)
+FORMAT_VERSION = 2  # bump when the generated values change (invalidates cached checkpoints)
 
 
 def model_config(size: str = "qwen3-8b", layers: int | None = None) -> dict:
@@ -57,7 +78,7 @@ def model_config(size: str = "qwen3-8b", layers: int | None = None) -> dict:
             "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "rms_norm_eps": 1e-6,
             "rope_theta": 1000000.0, "rope_scaling": None, "max_position_embeddings": 40960,
             "max_window_layers": s["num_hidden_layers"], "use_sliding_window": False, "sliding_window": None,
-            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "initializer_range": WEIGHT_STD,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "initializer_range": DENSE_STD,
             "use_cache": True, "bos_token_id": min(151643, s["vocab_size"] - 2),
             "eos_token_id": min(151645, s["vocab_size"] - 1)}
 
@@ -70,26 +91,44 @@ def _proj_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
             "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
 
 
-def checkpoint_entries(cfg: dict) -> list[tuple[str, tuple[int, ...], float | None]]:
+OUTPUT_PROJS = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def _check_init(init: str) -> None:
+    if init not in INITS:
+        raise ValueError(f"init {init!r}: one of {INITS}")
+
+
+def _gain(name: str) -> float:
+    """Output rms per unit-rms input of a projection's weight (stable init)."""
+    return OUT_GAIN if name in OUTPUT_PROJS else 1.0
+
+
+def checkpoint_entries(cfg: dict, init: str = DEFAULT_INIT) -> list[tuple[str, tuple[int, ...], float | None]]:
     """(name, shape, std) of every tensor of the checkpoint; std None means all ones (norms)."""
+    _check_init(init)
     h, v, hd = cfg["hidden_size"], cfg["vocab_size"], cfg["head_dim"]
-    out = [("model.embed_tokens.weight", (v, h), WEIGHT_STD)]
+    dense = init == "dense"
+    out = [("model.embed_tokens.weight", (v, h), DENSE_STD if dense else 1.0)]
     for layer in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{layer}."
         out += [(p + "input_layernorm.weight", (h,), None), (p + "post_attention_layernorm.weight", (h,), None),
                 (p + "self_attn.q_norm.weight", (hd,), None), (p + "self_attn.k_norm.weight", (hd,), None)]
-        out += [(p + name + ".weight", shape, WEIGHT_STD) for name, shape in _proj_shapes(cfg).items()]
-    out += [("model.norm.weight", (h,), None), ("lm_head.weight", (v, h), WEIGHT_STD)]
+        out += [(p + name + ".weight", shape, DENSE_STD if dense else _gain(name) * shape[1] ** -0.5)
+                for name, shape in _proj_shapes(cfg).items()]
+    out += [("model.norm.weight", (h,), None), ("lm_head.weight", (v, h), DENSE_STD if dense else h ** -0.5)]
     return out
 
 
-def adapter_entries(cfg: dict, rank: int) -> list[tuple[str, tuple[int, ...], float]]:
+def adapter_entries(cfg: dict, rank: int, init: str = DEFAULT_INIT) -> list[tuple[str, tuple[int, ...], float]]:
     """(name, shape, std) of a PEFT adapter's tensors: lora_A [r, in], lora_B [out, r]."""
+    _check_init(init)
     out = []
     for layer in range(cfg["num_hidden_layers"]):
         for name, (n_out, n_in) in _proj_shapes(cfg).items():
             p = f"base_model.model.model.layers.{layer}.{name}."
-            out += [(p + "lora_A.weight", (rank, n_in), n_in ** -0.5), (p + "lora_B.weight", (n_out, rank), LORA_B_STD)]
+            b_std = DENSE_STD if init == "dense" else LORA_GAIN * _gain(name) * rank ** -0.5
+            out += [(p + "lora_A.weight", (rank, n_in), n_in ** -0.5), (p + "lora_B.weight", (n_out, rank), b_std)]
     return out
 
 
@@ -166,36 +205,38 @@ def _cached(directory: Path, stamp: dict) -> bool:
 
 
 def write_model(directory: Path, size: str = "qwen3-8b", layers: int | None = None, seed: int = 0,
-                threads: int | None = None) -> Path:
+                threads: int | None = None, init: str = DEFAULT_INIT) -> Path:
     """The random checkpoint in ``directory`` (kept when a previous call wrote the same one)."""
     directory = Path(directory)
     cfg = model_config(size, layers)
-    stamp = {"config": cfg, "seed": seed, "std": WEIGHT_STD, "format": FORMAT_VERSION}
+    entries = checkpoint_entries(cfg, init)
+    stamp = {"config": cfg, "seed": seed, "init": init, "format": FORMAT_VERSION}
     if _cached(directory, stamp):
         return directory
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "e2e_stamp.json").unlink(missing_ok=True)
     (directory / "config.json").write_text(json.dumps(cfg, indent=1))
-    write_safetensors(directory / "model.safetensors", checkpoint_entries(cfg),
+    write_safetensors(directory / "model.safetensors", entries,
                       lambda name, shape, std: make_tensor(seed, name, shape, std), threads)
     (directory / "e2e_stamp.json").write_text(json.dumps(stamp))
     return directory
 
 
 def write_adapter(directory: Path, size: str = "qwen3-8b", layers: int | None = None, rank: int = 64,
-                  seed: int = 1, threads: int | None = None) -> Path:
+                  seed: int = 1, threads: int | None = None, init: str = DEFAULT_INIT) -> Path:
     directory = Path(directory)
     cfg = model_config(size, layers)
     peft = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank, "lora_dropout": 0.0,
             "target_modules": list(TARGET_MODULES), "bias": "none", "fan_in_fan_out": False,
             "use_rslora": False, "use_dora": False, "modules_to_save": None, "base_model_name_or_path": "e2e-qwen3"}
-    stamp = {"config": cfg, "peft": peft, "seed": seed, "b_std": LORA_B_STD, "format": FORMAT_VERSION}
+    entries = adapter_entries(cfg, rank, init)
+    stamp = {"config": cfg, "peft": peft, "seed": seed, "init": init, "format": FORMAT_VERSION}
     if _cached(directory, stamp):
         return directory
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "e2e_stamp.json").unlink(missing_ok=True)
     (directory / "adapter_config.json").write_text(json.dumps(peft, indent=1))
-    write_safetensors(directory / "adapter_model.safetensors", adapter_entries(cfg, rank),
+    write_safetensors(directory / "adapter_model.safetensors", entries,
                       lambda name, shape, std: make_tensor(seed, name, shape, std), threads)
     (directory / "e2e_stamp.json").write_text(json.dumps(stamp))
     return directory

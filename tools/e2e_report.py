@@ -27,7 +27,7 @@ ANCHORS = {"tpot_none_ms": 3.51, "tpot_one_adapter_ms": 5.97,
 # rounds the base output to bf16, adds the LoRA update and rounds again, the fused op rounds
 # once: ~1/4 of those outputs differ by one ulp, ~1.5e-3 relative rms per layer. Through 36
 # random layers that is a few 1e-3 of the final hidden state: ~0.005-0.01 nats per token on
-# logits of std ~1.3 (WEIGHT_STD * sqrt(hidden)), tails ~5x that. A dropped, misrouted or
+# logits of std ~1.3 (the dense init: 0.02 * sqrt(hidden)), tails ~5x that. A dropped, misrouted or
 # mis-scaled adapter moves each layer's output by ~10 % (tools/e2e_model.py): 0.1-1 nats per
 # token (the report shows it as "adapter effect"). The bounds sit between the two.
 # Greedy identity is a much blunter check on a random model: its top-2 logit gap is
@@ -354,7 +354,8 @@ def write_markdown(rep: dict, path: Path) -> None:
     runs, cmp_, spec = rep["runs"], rep["comparison"], rep["spec"]
     L = [f"# vLLM end to end: stock vs EpiLoRA plugin — {rep['date']}", "",
          f"- command: `{rep['command']}` ({rep['seconds']:.0f} s), git {rep['git']}",
-         f"- model: random Qwen3 ({spec['size']}, {spec['layers']} layers), FP8 online per-tensor, "
+         f"- model: random Qwen3 ({spec['size']}, {spec['layers']} layers, {spec.get('init', 'dense')} init), "
+         f"FP8 online per-tensor, "
          f"{NUM_ADAPTERS} rank-{RANK} adapters; vLLM {_get(runs, 'stock', 'vllm') or _get(runs, 'ours', 'vllm') or '—'}, "
          f"GPU {_get(runs, 'ours', 'probe', 'gpu') or _get(runs, 'stock', 'probe', 'gpu') or '—'}",
          f"- ours: env {rep['ours_env'] or '{}'}; engine start stock "

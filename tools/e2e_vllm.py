@@ -803,6 +803,9 @@ def main(argv=None) -> int:
                     f"forced logprobs; no TPOT / throughput), engine {SMOKE['engine']}; CUDA graphs and "
                     f"torch.compile stay on; ~3 min on an H200")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--init", choices=e2e_model.INITS, default=e2e_model.DEFAULT_INIT,
+                    help="the checkpoint's initialization (tools/e2e_model.py): stable keeps rounding below the "
+                    "top-1 margins (greedy identity is testable), dense is the runs up to run7's")
     ap.add_argument("--sequential", action="store_true", help="start 'ours' only after 'stock' has finished")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
                     help="extra/overriding vllm.LLM keyword, value as JSON (e.g. enforce_eager=true)")
@@ -852,10 +855,11 @@ def main(argv=None) -> int:
         log(smoke_banner(smoke, phases, args))
 
     log(f"writing/reusing the checkpoint and {NUM_ADAPTERS} adapters under {work}")
-    tag = f"{args.size}-L{layers}-s{args.seed}"
-    model = e2e_model.write_model(work / f"model-{tag}", args.size, layers, args.seed)
+    tag = f"{args.size}-L{layers}-s{args.seed}-{args.init}"
+    model = e2e_model.write_model(work / f"model-{tag}", args.size, layers, args.seed, init=args.init)
     adapters = [str(e2e_model.write_adapter(work / f"adapter-{tag}-r{RANK}-{i}", args.size, layers, RANK,
-                                            seed=1000 * (args.seed + 1) + i)) for i in range(NUM_ADAPTERS)]
+                                            seed=1000 * (args.seed + 1) + i, init=args.init))
+                for i in range(NUM_ADAPTERS)]
     log(f"checkpoint ready ({time.time() - t0:.0f} s)")
     shim = e2e_model.make_plugin_shim(work / "shim")
     control = work / f"run-{os.getpid()}"
@@ -863,7 +867,8 @@ def main(argv=None) -> int:
     logging_cfg = control / "logging.json"
     _write_json(logging_cfg, logging_config())
     engine = engine_kwargs(model, args.seed, engine_over)
-    spec = {"size": args.size, "layers": layers, "vocab_size": cfg["vocab_size"], "seed": args.seed, "reps": args.reps,
+    spec = {"size": args.size, "layers": layers, "vocab_size": cfg["vocab_size"], "seed": args.seed, "init": args.init,
+            "reps": args.reps,
             "phases": phases, "adapters": adapters, "engine": engine, "out": str(out), "control_dir": str(control),
             "greedy": {"n": 16, "prompt_len": 64, "gen_len": 32}, "tpot": {"prompt_len": 512, "gen_len": 128},
             "throughput": {"requests": 64, "prompt_len": 512, "gen_len": 128}, "smoke": smoke,
@@ -919,11 +924,13 @@ def rescore(args, t0: float) -> int:
     spec, runs = prev["spec"], prev["runs"]
     out, work = args.out.resolve(), args.work_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"{spec['size']}-L{spec['layers']}-s{spec['seed']}"
+    init = spec.get("init", "dense")  # runs before the init choice (up to run7) used the dense one
+    tag = f"{spec['size']}-L{spec['layers']}-s{spec['seed']}-{init}"
     log(f"rescoring {args.rescore}: writing/reusing its checkpoint and {NUM_ADAPTERS} adapters under {work}")
-    model = e2e_model.write_model(work / f"model-{tag}", spec["size"], spec["layers"], spec["seed"])
+    model = e2e_model.write_model(work / f"model-{tag}", spec["size"], spec["layers"], spec["seed"], init=init)
     adapters = [str(e2e_model.write_adapter(work / f"adapter-{tag}-r{RANK}-{i}", spec["size"], spec["layers"], RANK,
-                                            seed=1000 * (spec["seed"] + 1) + i)) for i in range(len(spec["adapters"]))]
+                                            seed=1000 * (spec["seed"] + 1) + i, init=init))
+                for i in range(len(spec["adapters"]))]
     now, then = checkpoint_id(model, adapters), spec.get("checkpoint")
     if not then and args.expect_checkpoint:
         fp_model, _, fp_adapter = args.expect_checkpoint.partition("/")
