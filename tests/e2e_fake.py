@@ -61,6 +61,11 @@ class FakeLLM:
             time.sleep(3600)
 
     def _worker(self):
+        if getattr(self, "_worker_obj", None) is None:  # one worker, as an engine has (state across RPCs)
+            self._worker_obj = self._make_worker()
+        return self._worker_obj
+
+    def _make_worker(self):
         import torch
 
         from tools.e2e_model import WorkerProbe

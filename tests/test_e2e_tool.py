@@ -725,3 +725,29 @@ def test_files_load_with_vllm_qwen3_and_lora_loaders(tmp_path):
         n_out, n_in = dims[key.split(".", 3)[3]]
         assert r_ == rank and sorted([a, b]) == sorted([[rank, n_in], [n_out, rank]]), key
     assert out["scaling"] == 1.0
+
+
+def test_kernel_summary_busy_span_and_per_name():
+    from types import SimpleNamespace as NS
+
+    def ev(name, t0, t1, dev="DeviceType.CUDA"):
+        return NS(name=name, device_type=dev, time_range=NS(start=t0, end=t1))
+
+    s = m.kernel_summary([ev("a", 0, 10), ev("b", 5, 12), ev("a", 20, 25), ev("host op", 0, 100, "DeviceType.CPU")])
+    assert s["n_kernels"] == 3 and s["span_us"] == 25 and s["busy_us"] == 12 + 5  # [0, 12] and [20, 25]
+    assert s["kernels"]["a"] == {"count": 2, "total_us": 15} and s["kernels"]["b"]["count"] == 1
+    assert m.kernel_summary([]) == {"n_kernels": 0, "busy_us": 0.0, "span_us": 0.0, "kernels": {}}
+
+
+def test_profile_phase_with_stand_in_engine(tmp_path):
+    """--phases profile: the TPOT runs under the worker's profiler (no GPU here: no kernels), the
+    per-token numbers and the report's section come out of the pipeline."""
+    r, rep = _run_tool(tmp_path, "--phases", "profile", "--reference", "off")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for config in ("stock", "ours"):
+        prof = rep["runs"][config]["phases"]["profile"]
+        assert set(prof) == {"none", "one_adapter"}, prof
+        for case in prof.values():
+            assert case["wall_ms_per_token"] >= 0 and case["kernels_per_token"] == 0 and case["top"] == []
+    md = (tmp_path / "out" / "e2e.md").read_text()
+    assert "Where a generated token's time goes" in md and "| ours, one_adapter |" in md

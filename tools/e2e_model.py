@@ -308,6 +308,37 @@ def not_plain(obj, where: str = "result") -> list[str]:
     return [f"{where}: {type(obj).__module__}.{type(obj).__qualname__}"]
 
 
+def kernel_summary(events) -> dict:
+    """GPU kernels of a torch.profiler recording: per kernel name the count and total µs, the
+    busy time (union of kernel intervals) and the span from the first kernel's start to the last
+    one's end. ``events``: FunctionEvents (``prof.events()``); those without device time are
+    host-side and skipped."""
+    kernels = []
+    for ev in events:
+        dt = getattr(ev, "device_type", None)
+        if dt is None or "CUDA" not in str(dt):
+            continue
+        t0, t1 = ev.time_range.start, ev.time_range.end
+        if t1 > t0:
+            kernels.append((t0, t1, ev.name))
+    per: dict[str, list] = {}
+    for t0, t1, name in kernels:
+        e = per.setdefault(name[:120], [0, 0.0])
+        e[0] += 1
+        e[1] += t1 - t0
+    busy, end = 0.0, None
+    for t0, t1, _ in sorted(kernels):
+        if end is None or t0 >= end:
+            busy += t1 - t0
+            end = t1
+        elif t1 > end:
+            busy += t1 - end
+            end = t1
+    span = (max(k[1] for k in kernels) - min(k[0] for k in kernels)) if kernels else 0.0
+    return {"n_kernels": len(kernels), "busy_us": busy, "span_us": span,
+            "kernels": {k: {"count": c, "total_us": t} for k, (c, t) in per.items()}}
+
+
 class WorkerProbe:
     """Mixed into vLLM's GPU worker (``LLM(worker_extension_cls="tools.e2e_model.WorkerProbe")``);
     ``llm.collective_rpc("e2e_lora_layers")`` returns, from inside the engine, which class each
@@ -315,6 +346,26 @@ class WorkerProbe:
 
     def e2e_lora_layers(self) -> dict:
         return plain(self._e2e_lora_layers())
+
+    def e2e_profile_start(self) -> bool:
+        """Start recording the GPU's kernels in this worker (torch.profiler, CUDA activity only:
+        kernels replayed from CUDA graphs included)."""
+        import torch
+
+        act = torch.profiler.ProfilerActivity
+        # without a GPU (the stand-in engine of the tests) a CPU recording: no kernels in it
+        prof = torch.profiler.profile(activities=[act.CUDA if torch.cuda.is_available() else act.CPU])
+        prof.__enter__()
+        self._e2e_prof = prof
+        return True
+
+    def e2e_profile_stop(self) -> dict:
+        """Stop the recording; what ``kernel_summary`` makes of it."""
+        prof = self.__dict__.pop("_e2e_prof", None)
+        if prof is None:
+            return {"error": "e2e_profile_start was not called"}
+        prof.__exit__(None, None, None)
+        return plain(kernel_summary(prof.events()))
 
     def _e2e_lora_layers(self) -> dict:
         import torch

@@ -350,6 +350,31 @@ def fp32_reference_markdown(rep: dict) -> list[str]:
     return L
 
 
+def profile_markdown(runs: dict, top: int = 12) -> list[str]:
+    """The ``profile`` phase (tools/e2e_vllm.py): per engine and case, a generated token's kernels
+    (busy time, span, count) beside its wall time, and the kernels that take the most time."""
+    prof = {c: ((runs.get(c) or {}).get("phases") or {}).get("profile") for c in CONFIGS}
+    if not any(prof.values()):
+        return []
+    L = ["", "## Where a generated token's time goes (batch 1, `profile` phase: GPU worker's profiler, "
+         "(n-token run − 1-token run) / (n − 1))", "",
+         "| engine, case | wall ms/token | kernels busy µs | kernels span µs | kernels per token |", "|---|---|---|---|---|"]
+    for c, cases in prof.items():
+        for case, r in (cases or {}).items():
+            if "error" in r:
+                L.append(f"| {c}, {case} | {r['error']} | | | |")
+                continue
+            L.append(f"| {c}, {case} | {r['wall_ms_per_token']:.3f} | {r['busy_us_per_token']:.0f} | "
+                     f"{r['span_us_per_token']:.0f} | {r['kernels_per_token']:.0f} |")
+    for c, cases in prof.items():
+        for case, r in (cases or {}).items():
+            if "error" in r or not r.get("top"):
+                continue
+            L += ["", f"{c}, {case}: top kernels per token", "", "| kernel | count | µs |", "|---|---|---|"]
+            L += [f"| `{name[:90]}` | {cnt:.1f} | {us:.1f} |" for name, cnt, us in r["top"][:top]]
+    return L
+
+
 def write_markdown(rep: dict, path: Path) -> None:
     runs, cmp_, spec = rep["runs"], rep["comparison"], rep["spec"]
     L = [f"# vLLM end to end: stock vs EpiLoRA plugin — {rep['date']}", "",
@@ -443,6 +468,7 @@ def write_markdown(rep: dict, path: Path) -> None:
             fmt = "{:.2f}" if "TPOT" in r["metric"] else "{:.0f}"
             L.append(f"| {r['metric']} | {_f(r['stock'], fmt)} | {_f(r['ours'], fmt)} | {_f(r['ratio'], '{:.3f}')} | "
                      f"{tgt} | {_f(r['anchor'], fmt)} |")
+    L += profile_markdown(runs)
     tails = [(c, runs[c]["log_tail"]) for c in CONFIGS if (runs.get(c) or {}).get("log_tail")]
     if tails:
         L += ["", "## Log tails of the engines that did not finish", ""]

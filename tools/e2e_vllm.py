@@ -103,6 +103,7 @@ from tools.e2e_model import NUM_ADAPTERS, RANK  # noqa: E402
 from tools.e2e_report import CONFIGS, compare, perf_rows, plugin_log_summary, write_markdown  # noqa: E402
 
 PHASES = ("greedy", "logprobs", "tpot", "throughput")
+OPTIONAL_PHASES = ("profile",)  # only when asked for (--phases)
 
 # Test hook: "module:callable" building a stand-in for vllm.LLM (tests/e2e_fake.py).
 FAKE_LLM_ENV = "EPILORA_E2E_LLM_FACTORY"
@@ -268,7 +269,45 @@ def phase_throughput(c: Ctx) -> dict:
     return out
 
 
-PHASE_FNS = {"greedy": phase_greedy, "logprobs": phase_logprobs, "tpot": phase_tpot, "throughput": phase_throughput}
+def _rpc_timeout() -> float:
+    return float(os.environ.get(RPC_TIMEOUT_ENV) or RPC_TIMEOUT_S)
+
+
+def phase_profile(c: Ctx) -> dict:
+    """The TPOT runs under the GPU worker's profiler: per generated token, the kernels' busy time,
+    the span they cover, their count and each kernel name's time, as (n-token run - 1-token run) /
+    (n - 1) like the TPOT. Tells device time from the gaps between kernels (host, launch)."""
+    t = c.spec["tpot"]
+    p = c.prompts("tpot", 1, t["prompt_len"])
+    n = t["gen_len"] + 1
+    out = {}
+    for case, lo in (("none", None), ("one_adapter", [c.lora(0)])):
+        c.greedy(p, n, lo)  # warm-up
+        runs = []
+        for k in (1, n):
+            rpc(c.llm, "e2e_profile_start", _rpc_timeout())
+            wall = _timed(lambda: c.greedy(p, k, lo))
+            s = rpc(c.llm, "e2e_profile_stop", _rpc_timeout())
+            runs.append((wall, s[0] if isinstance(s, list) else s))
+        (w1, s1), (wn, sn) = runs
+        if "error" in s1 or "error" in sn:
+            out[case] = {"error": s1.get("error") or sn.get("error")}
+            continue
+        per = lambda a, b: (b - a) / (n - 1)  # noqa: E731
+        names = set(s1["kernels"]) | set(sn["kernels"])
+        kern = {k: {"count": per(s1["kernels"].get(k, {}).get("count", 0), sn["kernels"].get(k, {}).get("count", 0)),
+                    "us": per(s1["kernels"].get(k, {}).get("total_us", 0.0), sn["kernels"].get(k, {}).get("total_us", 0.0))}
+                for k in names}
+        out[case] = {"wall_ms_per_token": 1e3 * per(w1, wn), "busy_us_per_token": per(s1["busy_us"], sn["busy_us"]),
+                     "span_us_per_token": per(s1["span_us"], sn["span_us"]),
+                     "kernels_per_token": per(s1["n_kernels"], sn["n_kernels"]),
+                     "top": sorted(([k, v["count"], v["us"]] for k, v in kern.items() if v["us"] > 0),
+                                   key=lambda r: -r[2])[:40]}
+    return out
+
+
+PHASE_FNS = {"greedy": phase_greedy, "logprobs": phase_logprobs, "tpot": phase_tpot, "throughput": phase_throughput,
+             "profile": phase_profile}
 
 
 def _make_llm(engine: dict):
@@ -328,7 +367,7 @@ def worker_main(config: str, spec_path: Path) -> int:
     res["engine_start_s"] = time.perf_counter() - t0
     log(f"{config}: engine up in {res['engine_start_s']:.0f} s")
     try:
-        probe = rpc(llm, "e2e_lora_layers", float(os.environ.get(RPC_TIMEOUT_ENV) or RPC_TIMEOUT_S))[0]
+        probe = rpc(llm, "e2e_lora_layers", _rpc_timeout())[0]
         bad = e2e_model.not_plain(probe, "probe")
         if bad:  # vLLM would not have delivered it; a stand-in engine might
             raise TypeError(f"the probe returned types vLLM cannot send: {bad}")
@@ -839,8 +878,8 @@ def main(argv=None) -> int:
         return rescore(args, t0)
     deadline = t0 + args.time_budget
     phases = [p for p in args.phases.split(",") if p and not (args.skip_throughput and p == "throughput")]
-    if set(phases) - set(PHASES):
-        ap.error(f"--phases: unknown {sorted(set(phases) - set(PHASES))}")
+    if set(phases) - set(PHASES + OPTIONAL_PHASES):
+        ap.error(f"--phases: unknown {sorted(set(phases) - set(PHASES + OPTIONAL_PHASES))}")
     ours_env = parse_env_pairs(args.ours_env)
     engine_over = dict(SMOKE["engine"]) if args.smoke else {}
     engine_over.update({k: json.loads(v) for k, v in parse_env_pairs(args.engine_arg).items()})
