@@ -40,7 +40,7 @@ def test_quant_bad_output_buffers():
         ops.quantize_fp8_per_token(x, None, torch.empty(3, 1, dtype=torch.float16))
 
 
-def _linear_case(m=5, k=64, widths=(32, 16, 16), rank=8, loras=3, seed=0):
+def _linear_case(m=5, k=64, widths=(32, 16, 16), rank=8, loras=3, seed=0, mapping_all=None):
     from epilora_cute.metadata import build_meta
 
     g = torch.Generator().manual_seed(seed)
@@ -49,6 +49,8 @@ def _linear_case(m=5, k=64, widths=(32, 16, 16), rank=8, loras=3, seed=0):
     a = [torch.randn(loras, 1, rank, k, generator=g).bfloat16() for _ in widths]
     b = [torch.randn(loras, 1, n, rank, generator=g).bfloat16() for n in widths]
     mapping = torch.randint(-1, loras, (m,), generator=g, dtype=torch.int32)
+    if mapping_all is not None:
+        mapping.fill_(mapping_all)
     return x, wq, ws, a, b, build_meta(mapping, loras), mapping
 
 
@@ -98,6 +100,27 @@ def test_hybrid_path_needs_a_gpu():
     x, wq, ws, a, b, meta, _ = _linear_case()
     with pytest.raises(ValueError, match="hybrid"):
         ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="hybrid")
+
+
+@pytest.mark.parametrize("host_adapters", [0, None, 2])
+def test_hybrid_path_without_adapters_is_quantization_plus_the_vendor_gemm(monkeypatch, host_adapters):
+    """With vLLM's no-LoRA flag (host_num_adapters 0) the hybrid path is exactly vLLM's FP8 path:
+    no K1, no expand-add. Otherwise (unknown or adapters present) the three kernels run."""
+    from kernels_dsl import expand_add, k1_shrink
+
+    x, wq, ws, a, b, meta, _ = _linear_case(mapping_all=-1)
+    meta.host_num_adapters = host_adapters
+    calls = []
+    monkeypatch.setattr(ops, "arch_of", lambda t: "sm_90a")
+    monkeypatch.setattr(ops, "vendor_fp8_gemm", lambda codes, scales, w_q, w_scale, out=None:
+                        calls.append("gemm") or out.copy_(reference.fp8_scaled_mm(codes, scales, w_q, w_scale)))
+    monkeypatch.setattr(k1_shrink, "k1_quant_shrink", lambda x, a, meta, slot_ranks=None: calls.append("k1") or (
+        *reference.quantize_fp8_per_token(x), None))
+    monkeypatch.setattr(expand_add, "expand_add", lambda out, h, b, meta, slot_ranks=None: calls.append("expand") or out)
+    y = ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="hybrid")
+    assert calls == (["gemm"] if host_adapters == 0 else ["k1", "gemm", "expand"])
+    codes, scales = reference.quantize_fp8_per_token(x)
+    assert torch.equal(y, reference.fp8_scaled_mm(codes, scales, wq, ws).bfloat16())
 
 
 def test_prefill_path_needs_an_sm90a_gpu():
