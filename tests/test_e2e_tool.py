@@ -735,7 +735,8 @@ def test_kernel_summary_busy_span_and_per_name():
 
     s = m.kernel_summary([ev("a", 0, 10), ev("b", 5, 12), ev("a", 20, 25), ev("host op", 0, 100, "DeviceType.CPU")])
     assert s["n_kernels"] == 3 and s["span_us"] == 25 and s["busy_us"] == 12 + 5  # [0, 12] and [20, 25]
-    assert s["kernels"]["a"] == {"count": 2, "total_us": 15} and s["kernels"]["b"]["count"] == 1
+    assert s["kernels"]["a"] == {"count": 2, "total_us": 15, "gap_before_us": 8}  # idle 12..20 before the 2nd a
+    assert s["kernels"]["b"] == {"count": 1, "total_us": 7, "gap_before_us": 0}
     assert m.kernel_summary([]) == {"n_kernels": 0, "busy_us": 0.0, "span_us": 0.0, "kernels": {}}
 
 
@@ -751,3 +752,12 @@ def test_profile_phase_with_stand_in_engine(tmp_path):
             assert case["wall_ms_per_token"] >= 0 and case["kernels_per_token"] == 0 and case["top"] == []
     md = (tmp_path / "out" / "e2e.md").read_text()
     assert "Where a generated token's time goes" in md and "| ours, one_adapter |" in md
+
+
+def test_profile_markdown_tables():
+    r = {"wall_ms_per_token": 4.1, "busy_us_per_token": 3776.0, "span_us_per_token": 4109.0, "kernels_per_token": 657.0,
+         "top": [["k2", 36.0, 320.8, 40.0], ["quant", 144.0, 307.9, 200.0]], "top_gaps": [["quant", 144.0, 307.9, 200.0]]}
+    md = "\n".join(rpt.profile_markdown({"ours": {"phases": {"profile": {"none": r}}}, "stock": {"phases": {}}}))
+    assert "| ours, none | 4.103 | 3776 | 4109 | 657 |" not in md and "| ours, none | 4.100 | 3776 | 4109 | 657 |" in md
+    assert "ours, none: kernels the GPU idles before, per token" in md and "| `quant` | 144.0 | 307.9 | 200.0 |" in md
+    assert rpt.profile_markdown({"ours": {"phases": {}}}) == []

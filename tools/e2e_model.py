@@ -309,10 +309,11 @@ def not_plain(obj, where: str = "result") -> list[str]:
 
 
 def kernel_summary(events) -> dict:
-    """GPU kernels of a torch.profiler recording: per kernel name the count and total µs, the
-    busy time (union of kernel intervals) and the span from the first kernel's start to the last
-    one's end. ``events``: FunctionEvents (``prof.events()``); those without device time are
-    host-side and skipped."""
+    """GPU kernels of a torch.profiler recording: per kernel name the count, total µs and the idle
+    time right before its kernels (the GPU ran nothing between the end of everything before and
+    its start: launch latency, host waits), the busy time (union of kernel intervals) and the span
+    from the first kernel's start to the last one's end. ``events``: FunctionEvents
+    (``prof.events()``); those without device time are host-side and skipped."""
     kernels = []
     for ev in events:
         dt = getattr(ev, "device_type", None)
@@ -322,13 +323,14 @@ def kernel_summary(events) -> dict:
         if t1 > t0:
             kernels.append((t0, t1, ev.name))
     per: dict[str, list] = {}
-    for t0, t1, name in kernels:
-        e = per.setdefault(name[:120], [0, 0.0])
+    busy, end = 0.0, None
+    for t0, t1, name in sorted(kernels):
+        e = per.setdefault(name[:120], [0, 0.0, 0.0])
         e[0] += 1
         e[1] += t1 - t0
-    busy, end = 0.0, None
-    for t0, t1, _ in sorted(kernels):
         if end is None or t0 >= end:
+            if end is not None:
+                e[2] += t0 - end
             busy += t1 - t0
             end = t1
         elif t1 > end:
@@ -336,7 +338,7 @@ def kernel_summary(events) -> dict:
             end = t1
     span = (max(k[1] for k in kernels) - min(k[0] for k in kernels)) if kernels else 0.0
     return {"n_kernels": len(kernels), "busy_us": busy, "span_us": span,
-            "kernels": {k: {"count": c, "total_us": t} for k, (c, t) in per.items()}}
+            "kernels": {k: {"count": c, "total_us": t, "gap_before_us": g} for k, (c, t, g) in per.items()}}
 
 
 class WorkerProbe:

@@ -370,8 +370,13 @@ def profile_markdown(runs: dict, top: int = 12) -> list[str]:
         for case, r in (cases or {}).items():
             if "error" in r or not r.get("top"):
                 continue
-            L += ["", f"{c}, {case}: top kernels per token", "", "| kernel | count | µs |", "|---|---|---|"]
-            L += [f"| `{name[:90]}` | {cnt:.1f} | {us:.1f} |" for name, cnt, us in r["top"][:top]]
+            for key, title in (("top", "top kernels"), ("top_gaps", "kernels the GPU idles before")):
+                if not r.get(key):
+                    continue
+                L += ["", f"{c}, {case}: {title}, per token", "", "| kernel | count | µs | idle before, µs |",
+                      "|---|---|---|---|"]
+                L += [f"| `{row[0][:90]}` | {row[1]:.1f} | {row[2]:.1f} | {_f(row[3] if len(row) > 3 else None, '{:.1f}')} |"
+                      for row in r[key][:top]]
     return L
 
 

@@ -295,14 +295,18 @@ def phase_profile(c: Ctx) -> dict:
             continue
         per = lambda a, b: (b - a) / (n - 1)  # noqa: E731
         names = set(s1["kernels"]) | set(sn["kernels"])
-        kern = {k: {"count": per(s1["kernels"].get(k, {}).get("count", 0), sn["kernels"].get(k, {}).get("count", 0)),
-                    "us": per(s1["kernels"].get(k, {}).get("total_us", 0.0), sn["kernels"].get(k, {}).get("total_us", 0.0))}
+        def field(k, f):
+            return per(s1["kernels"].get(k, {}).get(f, 0.0), sn["kernels"].get(k, {}).get(f, 0.0))
+
+        kern = {k: {"count": field(k, "count"), "us": field(k, "total_us"), "gap": field(k, "gap_before_us")}
                 for k in names}
         out[case] = {"wall_ms_per_token": 1e3 * per(w1, wn), "busy_us_per_token": per(s1["busy_us"], sn["busy_us"]),
                      "span_us_per_token": per(s1["span_us"], sn["span_us"]),
                      "kernels_per_token": per(s1["n_kernels"], sn["n_kernels"]),
-                     "top": sorted(([k, v["count"], v["us"]] for k, v in kern.items() if v["us"] > 0),
-                                   key=lambda r: -r[2])[:40]}
+                     "top": sorted(([k, v["count"], v["us"], v["gap"]] for k, v in kern.items() if v["us"] > 0),
+                                   key=lambda r: -r[2])[:40],
+                     "top_gaps": sorted(([k, v["count"], v["us"], v["gap"]] for k, v in kern.items() if v["gap"] > 0),
+                                        key=lambda r: -r[3])[:20]}
     return out
 
 
