@@ -231,3 +231,18 @@ def test_bench_plot_draws_the_layer_section(tmp_path):
     rows = json.loads((ROOT / "docs" / "gpu_record" / "run5" / "bench_ce10c4b.json").read_text())["rows"]
     plot(rows, tmp_path / "bench.png")
     assert (tmp_path / "bench.png").stat().st_size > 10_000
+
+
+def test_k2sweep_builds_per_token_count():
+    """EPILORA_SWEEP_TOKENS=32 must time bn-32 builds (the sweep set has bn 8 only), all prebuilt."""
+    from kernels_dsl import k2_gemm
+    from tools.bench_k2sweep import sweep_builds
+
+    assert sweep_builds(1) == k2_gemm.sweep_configs() and sweep_builds(8) == k2_gemm.sweep_configs()
+    prebuilt = set(k2_gemm.prebuild_configs())
+    for m, bn in ((9, 16), (32, 32)):
+        builds = sweep_builds(m)
+        assert builds and all(c.bn == bn and not c.lora and c in prebuilt for c in builds)
+        assert {c.ctas for c in builds} == {1, 2}  # the default (two per SM) and the one-per-SM variants
+    with pytest.raises(ValueError, match="token tiles"):
+        sweep_builds(33)

@@ -1,7 +1,7 @@
 """Bench section `k2sweep`: where the no-adapter K2 loses its bandwidth, one knob at a time.
 
-Per Qwen3-8B projection at one token (bn = 8), CUDA-graph replays with the L2 flushed (median):
-every sweep build of `k2_gemm.sweep_configs()` (bm, stages, CTAs per SM) at every split-K
+Per Qwen3-8B projection at one token (EPILORA_SWEEP_TOKENS for another count; ``sweep_builds``),
+CUDA-graph replays with the L2 flushed (median): every sweep build (bm, stages, CTAs per SM) at every split-K
 (cluster size) that divides the k-blocks sensibly, next to
   vllm_gemm_us   vLLM's cutlass_scaled_mm alone on the same pre-quantized x (the anchor)
   null_us        a graph holding one trivial kernel (the timing method's own floor)
@@ -36,6 +36,22 @@ def _vllm_gemm(c: LayerCase, x_q, x_s):
     return lambda: vops.cutlass_scaled_mm(x_q, w_t, scale_a=x_s, scale_b=c.w_s, out_dtype=torch.bfloat16)
 
 
+def sweep_builds(m: int) -> list:
+    """The no-adapter K2 builds timed at ``m`` tokens: at one to eight tokens (bn 8) the sweep set
+    (`k2_gemm.sweep_configs`); above, the prebuilt no-adapter builds of the smallest token tile
+    that holds ``m`` (the default and its one-CTA-per-SM variants), so that EPILORA_SWEEP_TOKENS=32
+    times something (the sweep set alone has bn 8 only)."""
+    from kernels_dsl import k2_gemm
+
+    bn = next((t for t in k2_gemm.TOKEN_TILES if t >= m), None)
+    if bn is None:
+        raise ValueError(f"k2sweep: {m} tokens exceed the decode token tiles {k2_gemm.TOKEN_TILES}")
+    if bn == 8:
+        return k2_gemm.sweep_configs()
+    return sorted({c for c in k2_gemm.prebuild_configs() if not c.lora and c.bn == bn},
+                  key=lambda c: (c.bm, c.ctas, c.stages))
+
+
 def bench_k2sweep(quick: bool) -> list[dict]:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("k2sweep: needs an sm_90 GPU; skipped")
@@ -60,7 +76,7 @@ def bench_k2sweep(quick: bool) -> list[dict]:
             rows.append(base | {"build": "vLLM cutlass_scaled_mm", "us": time_graph(vg)})
             rows[-1]["gbs"] = nbytes / rows[-1]["us"] / 1e3
         nk = p.k // 128
-        for cfg in k2_gemm.sweep_configs():
+        for cfg in sweep_builds(m):
             if any(w % cfg.bm for w in p.slices) or cfg.bn < m:
                 continue
             try:
