@@ -4,7 +4,7 @@ Two modes, matching how a path is later run:
 
 * ``"graph"``: ``fn`` is captured once into a CUDA graph (warm-up and capture on one side stream,
   so per-stream state such as the decode path's sync buffer is made outside the capture), then
-  each repetition zeroes a buffer larger than the L2 (outside the graph), records an event,
+  each repetition empties the L2 (``flush_l2``, outside the graph), records an event,
   replays, records an event. Result: the median replay time, GPU only — what a captured decode
   step pays.
 * ``"eager"``: each repetition flushes the L2, synchronizes, then measures with the host clock one
@@ -18,6 +18,7 @@ runtime does not import ``tools/``.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Callable
@@ -31,14 +32,37 @@ _flush_bufs: dict[int, torch.Tensor] = {}
 _side_streams: dict[int, torch.cuda.Stream] = {}  # one per device: per-stream state is made once
 
 
-def _flush(device: torch.device) -> None:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+FLUSH_ENV = "EPILORA_L2_FLUSH"
+FLUSH_MODES = ("read", "write")
+
+
+def flush_mode() -> str:
+    """How the L2 is emptied before a timed run (EPILORA_L2_FLUSH). "read" (the default): read a
+    buffer 4x the L2, which leaves only clean lines in it. "write": zero that buffer (the method up
+    to run8); it leaves up to a whole L2 of dirty lines (~60 MB on an H200) that the timed kernels'
+    first reads must write back: ~14 µs of DRAM time charged to whatever is timed next, which
+    nothing in a serving engine pays (run8: vLLM's FP8 GEMMs took 58 µs per layer in the engine and
+    84 µs in the write-flushed layer bench)."""
+    mode = os.environ.get(FLUSH_ENV) or "read"
+    if mode not in FLUSH_MODES:
+        raise ValueError(f"{FLUSH_ENV}={mode!r}: one of {FLUSH_MODES}")
+    return mode
+
+
+def flush_l2(device: torch.device | None = None) -> None:
+    """Empty the L2 of ``device`` (default: the current one) of anything a timed run could reuse."""
+    idx = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    mode = flush_mode()
     buf = _flush_bufs.get(idx)
     if buf is None:
         l2 = int(getattr(torch.cuda.get_device_properties(idx), "L2_cache_size", 0) or 0)
         nbytes = max(4 * l2, _MIN_FLUSH_BYTES)
-        buf = _flush_bufs[idx] = torch.empty(nbytes // 4, dtype=torch.int32, device=torch.device("cuda", idx))
-    buf.zero_()
+        buf = _flush_bufs[idx] = torch.zeros(nbytes // 4, dtype=torch.int32, device=torch.device("cuda", idx))
+    if mode == "write":
+        buf.zero_()
+    else:
+        buf.amax()  # reads every line once; its dirty lines were written back by an earlier flush
+
 
 
 def release() -> None:
@@ -64,12 +88,12 @@ def time_graph(fn: Callable[[], None], reps: int = REPS, warmup: int = WARMUP) -
     torch.cuda.synchronize(device)
     try:
         for _ in range(warmup):
-            _flush(device)
+            flush_l2(device)
             graph.replay()
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         for s, e in zip(starts, ends):
-            _flush(device)
+            flush_l2(device)
             s.record()
             graph.replay()
             e.record()
@@ -86,7 +110,7 @@ def time_eager(fn: Callable[[], None], reps: int = REPS, warmup: int = WARMUP) -
         fn()
     times = []
     for _ in range(reps):
-        _flush(device)
+        flush_l2(device)
         torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         fn()

@@ -381,3 +381,17 @@ def test_the_runtime_timer_is_its_own():
         assert "from tools" not in src and "import tools" not in src
     with pytest.raises(ValueError, match="mode"):
         timing.cuda_timer(lambda: None, "bogus")
+
+
+def test_l2_flush_mode(monkeypatch):
+    """The timers empty the L2 by reading (no dirty lines left to write back during the timed
+    run) unless EPILORA_L2_FLUSH=write asks for the pre-session-6 method; anything else is refused."""
+    from epilora_cute import timing
+
+    monkeypatch.delenv(timing.FLUSH_ENV, raising=False)
+    assert timing.flush_mode() == "read"
+    monkeypatch.setenv(timing.FLUSH_ENV, "write")
+    assert timing.flush_mode() == "write"
+    monkeypatch.setenv(timing.FLUSH_ENV, "zero")
+    with pytest.raises(ValueError, match="EPILORA_L2_FLUSH"):
+        timing.flush_mode()

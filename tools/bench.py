@@ -28,6 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from epilora_cute.timing import flush_mode  # noqa: E402
 from tools.gpu_timing import host_launch_us, read_bandwidth_gbs, time_eager, time_graph  # noqa: E402
 
 
@@ -181,6 +182,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     env = environment()
     env["read_bandwidth_gbs"] = read_bandwidth_gbs()
+    env["l2_flush"] = flush_mode()  # "read" from session 6 on; "write" before (docs/perf.md v0.16)
     print(f"GPU {env.get('gpu')}  measured read bandwidth {env['read_bandwidth_gbs']:.0f} GB/s  vLLM {env['vllm']}")
     rows = []
     for name in args.sections.split(","):

@@ -1,7 +1,8 @@
 """Timing as the project reports it: CUDA-graph replays, L2 flushed before each, median.
 
-``time_graph(fn)`` captures ``fn`` once into a CUDA graph, then for every repetition zeroes a
-buffer larger than the L2 (outside the graph), records an event, replays, records an event; the
+``time_graph(fn)`` captures ``fn`` once into a CUDA graph, then for every repetition empties the
+L2 (``epilora_cute.timing.flush_l2``: reads a buffer 4x the L2 by default, EPILORA_L2_FLUSH=write
+zeroes it as up to run8; outside the graph), records an event, replays, records an event; the
 median over repetitions is the reported time. ``time_eager`` times direct calls the same way,
 host launch cost included, and ``host_launch_us`` the host time per call alone.
 """
@@ -14,15 +15,7 @@ from typing import Callable
 
 import torch
 
-_FLUSH_BYTES = 256 * 1024 * 1024  # > 4x the H200's 60 MB L2
-_flush_buf: torch.Tensor | None = None
-
-
-def _flush() -> None:
-    global _flush_buf
-    if _flush_buf is None:
-        _flush_buf = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
-    _flush_buf.zero_()
+from epilora_cute.timing import flush_l2 as _flush  # one L2 flush for the runtime and the bench
 
 
 def _median_us(run: Callable[[], None], reps: int, warmup: int) -> float:
