@@ -761,3 +761,16 @@ def test_profile_markdown_tables():
     assert "| ours, none | 4.103 | 3776 | 4109 | 657 |" not in md and "| ours, none | 4.100 | 3776 | 4109 | 657 |" in md
     assert "ours, none: kernels the GPU idles before, per token" in md and "| `quant` | 144.0 | 307.9 | 200.0 |" in md
     assert rpt.profile_markdown({"ours": {"phases": {}}}) == []
+
+
+def test_margin_simulation_runs_and_reports(capsys):
+    """tools/e2e_margin.py on a tiny model: the three flip rates and the predicted counts."""
+    from tools import e2e_margin
+
+    tiny = ["--hidden", "64", "--inter", "128", "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
+            "--vocab", "512", "--layers", "2", "--prompts", "2", "--gen", "4"]
+    assert e2e_margin.main(tiny) == 0
+    out = capsys.readouterr().out
+    assert "top-1 flips per step: noise" in out and "greedy identical expected" in out and "adapter changes" in out
+    # defaults are the checkpoint's own gains
+    assert f"out gain {m.OUT_GAIN} lora gain {m.LORA_GAIN}" in out

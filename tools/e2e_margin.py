@@ -41,6 +41,10 @@ def bf(x):
 
 
 class Model:
+    """The narrow Qwen3-like model, as a bf16 engine runs it: bf16 residual and activations,
+    FP8 per-token activations and per-tensor weights in every projection (vLLM's codes), causal
+    GQA attention with q/k norms and RoPE."""
+
     def __init__(self, a):
         g = torch.Generator().manual_seed(a.seed)
         h, i, hd, nq, nkv, v = a.hidden, a.inter, a.head_dim, a.heads, a.kv_heads, a.vocab
@@ -64,6 +68,8 @@ class Model:
             self.layers.append((q, lora))
 
     def linear(self, x, q, lora, noise, gen):
+        """One projection: the FP8 GEMM's fp32 result times (1 + noise * N(0, 1)) (engine B's
+        rounding differences), rounded to bf16; the LoRA update added and rounded again."""
         xq, sx = R.quantize_fp8_per_token(x.to(BF16))
         y = R.fp8_scaled_mm(xq, sx, *q)
         if noise:
@@ -75,7 +81,8 @@ class Model:
         return y
 
     @torch.no_grad()
-    def logits_last(self, seqs, adapter, noise=0.0, seed=0, all_positions=False):
+    def logits(self, seqs, adapter, noise=0.0, seed=0, all_positions=False):
+        """fp32 logits of the last position of each sequence (every position with all_positions)."""
         a = self.a
         gen = torch.Generator().manual_seed(seed)
         hd, nq, nkv = a.head_dim, a.heads, a.kv_heads
@@ -145,10 +152,10 @@ def main(argv=None):
     # random sequences of prompt + continuation; the continuation positions are scored teacher-forced
     seqs = torch.randint(0, a.vocab, (a.prompts, 64 + a.gen), generator=g).tolist()
     sl = slice(63, 63 + a.gen)
-    la = m.logits_last(seqs, None, 0.0, 5, all_positions=True)[:, sl]
-    lb = m.logits_last(seqs, None, a.noise, 6, all_positions=True)[:, sl]
-    ll = m.logits_last(seqs, 0, 0.0, 5, all_positions=True)[:, sl]
-    llb = m.logits_last(seqs, 0, a.noise, 6, all_positions=True)[:, sl]
+    la = m.logits(seqs, None, 0.0, 5, all_positions=True)[:, sl]
+    lb = m.logits(seqs, None, a.noise, 6, all_positions=True)[:, sl]
+    ll = m.logits(seqs, 0, 0.0, 5, all_positions=True)[:, sl]
+    llb = m.logits(seqs, 0, a.noise, 6, all_positions=True)[:, sl]
     top2 = la.topk(2, -1).values
     margin = top2[..., 0] - top2[..., 1]
     p_noise = (la.argmax(-1) != lb.argmax(-1)).float().mean().item()
