@@ -64,7 +64,6 @@ def flush_l2(device: torch.device | None = None) -> None:
         buf.amax()  # reads every line once; its dirty lines were written back by an earlier flush
 
 
-
 def release() -> None:
     """Drop the L2-flush buffers (called after a round of timing: serving needs the memory)."""
     _flush_bufs.clear()

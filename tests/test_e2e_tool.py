@@ -774,3 +774,17 @@ def test_margin_simulation_runs_and_reports(capsys):
     assert "top-1 flips per step: noise" in out and "greedy identical expected" in out and "adapter changes" in out
     # defaults are the checkpoint's own gains
     assert f"out gain {m.OUT_GAIN} lora gain {m.LORA_GAIN}" in out
+
+
+def test_profile_per_token_differences():
+    """(n-token run − 1-token run) / (n − 1) for every number; names only in one run count as 0 in the other."""
+    one = (0.010, {"n_kernels": 10, "busy_us": 100.0, "span_us": 120.0,
+                   "kernels": {"gemm": {"count": 4, "total_us": 40.0, "gap_before_us": 2.0}}})
+    many = (0.050, {"n_kernels": 50, "busy_us": 500.0, "span_us": 600.0,
+                    "kernels": {"gemm": {"count": 20, "total_us": 200.0, "gap_before_us": 10.0},
+                                "prep": {"count": 5, "total_us": 5.0, "gap_before_us": 0.0}}})
+    r = e._profile_per_token(one, many, 5)
+    assert r["wall_ms_per_token"] == pytest.approx(10.0) and r["busy_us_per_token"] == pytest.approx(100.0)
+    assert r["span_us_per_token"] == pytest.approx(120.0) and r["kernels_per_token"] == pytest.approx(10.0)
+    assert r["top"] == [["gemm", 4.0, 40.0, 2.0], ["prep", 1.25, 1.25, 0.0]]
+    assert r["top_gaps"] == [["gemm", 4.0, 40.0, 2.0]]

@@ -273,6 +273,27 @@ def _rpc_timeout() -> float:
     return float(os.environ.get(RPC_TIMEOUT_ENV) or RPC_TIMEOUT_S)
 
 
+def _profile_per_token(one: tuple, many: tuple, n: int) -> dict:
+    """(wall s, kernel_summary) of a 1-token and an n-token run -> per generated token: wall ms,
+    busy / span µs, kernels, and per kernel name (count, µs, idle µs before it), the top by time
+    and the top by idle time."""
+    (w1, s1), (wn, sn) = one, many
+
+    def per(a, b):
+        return (b - a) / (n - 1)
+
+    def field(name, f):
+        return per(s1["kernels"].get(name, {}).get(f, 0.0), sn["kernels"].get(name, {}).get(f, 0.0))
+
+    rows = [[k, field(k, "count"), field(k, "total_us"), field(k, "gap_before_us")]
+            for k in set(s1["kernels"]) | set(sn["kernels"])]
+    return {"wall_ms_per_token": 1e3 * per(w1, wn), "busy_us_per_token": per(s1["busy_us"], sn["busy_us"]),
+            "span_us_per_token": per(s1["span_us"], sn["span_us"]),
+            "kernels_per_token": per(s1["n_kernels"], sn["n_kernels"]),
+            "top": sorted((r for r in rows if r[2] > 0), key=lambda r: -r[2])[:40],
+            "top_gaps": sorted((r for r in rows if r[3] > 0), key=lambda r: -r[3])[:20]}
+
+
 def phase_profile(c: Ctx) -> dict:
     """The TPOT runs under the GPU worker's profiler: per generated token, the kernels' busy time,
     the span they cover, their count and each kernel name's time, as (n-token run - 1-token run) /
@@ -289,24 +310,8 @@ def phase_profile(c: Ctx) -> dict:
             wall = _timed(lambda: c.greedy(p, k, lo))
             s = rpc(c.llm, "e2e_profile_stop", _rpc_timeout())
             runs.append((wall, s[0] if isinstance(s, list) else s))
-        (w1, s1), (wn, sn) = runs
-        if "error" in s1 or "error" in sn:
-            out[case] = {"error": s1.get("error") or sn.get("error")}
-            continue
-        per = lambda a, b: (b - a) / (n - 1)  # noqa: E731
-        names = set(s1["kernels"]) | set(sn["kernels"])
-        def field(k, f):
-            return per(s1["kernels"].get(k, {}).get(f, 0.0), sn["kernels"].get(k, {}).get(f, 0.0))
-
-        kern = {k: {"count": field(k, "count"), "us": field(k, "total_us"), "gap": field(k, "gap_before_us")}
-                for k in names}
-        out[case] = {"wall_ms_per_token": 1e3 * per(w1, wn), "busy_us_per_token": per(s1["busy_us"], sn["busy_us"]),
-                     "span_us_per_token": per(s1["span_us"], sn["span_us"]),
-                     "kernels_per_token": per(s1["n_kernels"], sn["n_kernels"]),
-                     "top": sorted(([k, v["count"], v["us"], v["gap"]] for k, v in kern.items() if v["us"] > 0),
-                                   key=lambda r: -r[2])[:40],
-                     "top_gaps": sorted(([k, v["count"], v["us"], v["gap"]] for k, v in kern.items() if v["gap"] > 0),
-                                        key=lambda r: -r[3])[:20]}
+        errors = [s["error"] for _, s in runs if "error" in s]
+        out[case] = {"error": errors[0]} if errors else _profile_per_token(runs[0], runs[1], n)
     return out
 
 
