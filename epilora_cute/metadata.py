@@ -20,6 +20,12 @@ Everything is built with fixed-size device ops and no host synchronization (vLLM
 buffers can be refreshed in place between CUDA-graph replays. ``num_tokens`` is a host value
 and it comes from the shape of the mapping.
 
+One Triton launch instead of the torch ops (opt-in, ``EPILORA_META_KERNEL=1``): ``prepare`` on
+CUDA buffers then calls ``vllm_adapter.meta_kernel.fill_meta``, which writes the same values into
+the same buffers (~50 CUDA-graph nodes per decode step become one). It has NOT run on a GPU yet
+(tested bit-for-bit against the torch ops under the Triton interpreter only), so it is off by
+default; CPU buffers always take the torch ops.
+
 ``host_num_adapters`` (optional, host int): how many distinct adapter slots (>= 0) the tokens use,
 for the timed dispatch's adapter bucket (``dispatch.py``). ``prepare`` sets it when it is given the
 mapping on the host (counted there, no device read) and clears it to None for a device mapping,
@@ -30,9 +36,23 @@ dispatch then buckets by ``max_loras``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
+
+META_KERNEL_ENV = "EPILORA_META_KERNEL"
+
+
+def meta_kernel_enabled() -> bool:
+    """``EPILORA_META_KERNEL=1``: ``prepare`` fills CUDA buffers with one Triton launch
+    (``vllm_adapter/meta_kernel.py``). Default OFF: that kernel has not run on a GPU yet."""
+    return os.environ.get(META_KERNEL_ENV, "").strip() == "1"
+
+
+def use_meta_kernel(device) -> bool:
+    """Whether ``prepare`` takes the one-launch kernel for buffers on ``device``."""
+    return torch.device(device).type == "cuda" and meta_kernel_enabled()
 
 
 @dataclass
@@ -89,6 +109,13 @@ class LoRABatchMeta:
             self.host_num_adapters = int(torch.unique(m[(m >= 0) & (m < L)]).numel())
         else:
             self.host_num_adapters = None
+        if use_meta_kernel(dev):
+            # One Triton launch, same values (opt-in: not run on a GPU yet; see the module docstring).
+            from vllm_adapter.meta_kernel import fill_meta
+
+            fill_meta(self, m if m.device == dev else m.to(device=dev))
+            self.num_tokens = n
+            return self
         m = m.to(device=dev, dtype=torch.int32)
         # Slot ids outside [-1, max_loras) would index adapter buffers out of bounds: map them to
         # "no adapter" rather than trust them (a validating caller checks them on the host first).
