@@ -201,6 +201,24 @@ def test_hybrid_path_matches_reference(proj, m):
     assert _rel_err(y, _reference(x, wq, ws, a, b, mapping)) < 1e-2
 
 
+@pytest.mark.parametrize("m", [1, 33, 2048])
+@pytest.mark.parametrize("proj", ["qkv", "down"])
+def test_hybrid_path_without_adapters_is_vllms_fp8_path(proj, m):
+    """No token has an adapter and the host knows it (vLLM's no-LoRA flag -> host_num_adapters
+    0): the hybrid path is exactly the quantization + the vendor GEMM, bit for bit, and within
+    the reference's tolerance; no K1 or expand-add runs over zero adapters."""
+    widths, k = QWEN3_8B[proj]
+    x, wq, ws, a, b, _ = _case(widths, k, m, seed=m + 5)
+    mapping = torch.full((m,), -1, dtype=torch.int32, device="cuda")
+    meta = build_meta(mapping, 4)
+    assert meta.host_num_adapters == 0
+    out = torch.full((m, sum(widths)), float("nan"), dtype=torch.bfloat16, device="cuda")
+    y = ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path="hybrid")
+    codes, scales = ops.quantize_fp8_per_token(x)
+    assert torch.equal(y, ops.vendor_fp8_gemm(codes, scales, wq, ws))
+    assert _rel_err(y, _reference(x, wq, ws, a, b, mapping)) < 5e-3
+
+
 @pytest.mark.parametrize("m", [33, 256, 2048])
 @pytest.mark.parametrize("proj", ["qkv", "down"])
 def test_prefill_path_matches_reference(proj, m):

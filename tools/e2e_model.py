@@ -120,14 +120,16 @@ def checkpoint_entries(cfg: dict, init: str = DEFAULT_INIT) -> list[tuple[str, t
     return out
 
 
-def adapter_entries(cfg: dict, rank: int, init: str = DEFAULT_INIT) -> list[tuple[str, tuple[int, ...], float]]:
-    """(name, shape, std) of a PEFT adapter's tensors: lora_A [r, in], lora_B [out, r]."""
+def adapter_entries(cfg: dict, rank: int, init: str = DEFAULT_INIT,
+                    lora_gain: float = LORA_GAIN) -> list[tuple[str, tuple[int, ...], float]]:
+    """(name, shape, std) of a PEFT adapter's tensors: lora_A [r, in], lora_B [out, r]; with the
+    stable init each update is ``lora_gain`` x its projection's base output (rms)."""
     _check_init(init)
     out = []
     for layer in range(cfg["num_hidden_layers"]):
         for name, (n_out, n_in) in _proj_shapes(cfg).items():
             p = f"base_model.model.model.layers.{layer}.{name}."
-            b_std = DENSE_STD if init == "dense" else LORA_GAIN * _gain(name) * rank ** -0.5
+            b_std = DENSE_STD if init == "dense" else lora_gain * _gain(name) * rank ** -0.5
             out += [(p + "lora_A.weight", (rank, n_in), n_in ** -0.5), (p + "lora_B.weight", (n_out, rank), b_std)]
     return out
 
@@ -223,14 +225,17 @@ def write_model(directory: Path, size: str = "qwen3-8b", layers: int | None = No
 
 
 def write_adapter(directory: Path, size: str = "qwen3-8b", layers: int | None = None, rank: int = 64,
-                  seed: int = 1, threads: int | None = None, init: str = DEFAULT_INIT) -> Path:
+                  seed: int = 1, threads: int | None = None, init: str = DEFAULT_INIT,
+                  lora_gain: float = LORA_GAIN) -> Path:
     directory = Path(directory)
     cfg = model_config(size, layers)
     peft = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank, "lora_dropout": 0.0,
             "target_modules": list(TARGET_MODULES), "bias": "none", "fan_in_fan_out": False,
             "use_rslora": False, "use_dora": False, "modules_to_save": None, "base_model_name_or_path": "e2e-qwen3"}
-    entries = adapter_entries(cfg, rank, init)
+    entries = adapter_entries(cfg, rank, init, lora_gain)
     stamp = {"config": cfg, "peft": peft, "seed": seed, "init": init, "format": FORMAT_VERSION}
+    if lora_gain != LORA_GAIN:  # stamps of the default gain stay as they were (cached adapters reused)
+        stamp["lora_gain"] = lora_gain
     if _cached(directory, stamp):
         return directory
     directory.mkdir(parents=True, exist_ok=True)

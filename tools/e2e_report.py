@@ -48,6 +48,12 @@ PLUGIN_LOG_PATTERNS = {
 DISPATCH_LINE = re.compile(r"epilora_cute\.dispatch: dispatch (.+?) -> (\w+) \((.*)\)\s*$")
 
 
+def _gain_note(spec: dict) -> str:
+    """', adapter gain G' when the run set one (runs before the option used the default)."""
+    g = spec.get("lora_gain")
+    return "" if g is None else f", adapter gain {g:g}"
+
+
 def _dispatch_summary(text: str) -> dict:
     """The timed dispatch's decisions in an engine log: the last path per key, and how many keys
     each path won per mode ("graph" / "eager", the key's last field)."""
@@ -384,7 +390,7 @@ def write_markdown(rep: dict, path: Path) -> None:
     runs, cmp_, spec = rep["runs"], rep["comparison"], rep["spec"]
     L = [f"# vLLM end to end: stock vs EpiLoRA plugin — {rep['date']}", "",
          f"- command: `{rep['command']}` ({rep['seconds']:.0f} s), git {rep['git']}",
-         f"- model: random Qwen3 ({spec['size']}, {spec['layers']} layers, {spec.get('init', 'dense')} init), "
+         f"- model: random Qwen3 ({spec['size']}, {spec['layers']} layers, {spec.get('init', 'dense')} init{_gain_note(spec)}), "
          f"FP8 online per-tensor, "
          f"{NUM_ADAPTERS} rank-{RANK} adapters; vLLM {_get(runs, 'stock', 'vllm') or _get(runs, 'ours', 'vllm') or '—'}, "
          f"GPU {_get(runs, 'ours', 'probe', 'gpu') or _get(runs, 'stock', 'probe', 'gpu') or '—'}",

@@ -854,6 +854,9 @@ def main(argv=None) -> int:
     ap.add_argument("--init", choices=e2e_model.INITS, default=e2e_model.DEFAULT_INIT,
                     help="the checkpoint's initialization (tools/e2e_model.py): stable keeps rounding below the "
                     "top-1 margins (greedy identity is testable), dense is the runs up to run7's")
+    ap.add_argument("--lora-gain", type=float, default=e2e_model.LORA_GAIN,
+                    help="stable init: each adapter update's rms / its projection's base output rms "
+                    f"(default {e2e_model.LORA_GAIN:g}; tools/e2e_margin.py --lora-gain predicts its greedy margins)")
     ap.add_argument("--sequential", action="store_true", help="start 'ours' only after 'stock' has finished")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
                     help="extra/overriding vllm.LLM keyword, value as JSON (e.g. enforce_eager=true)")
@@ -905,8 +908,9 @@ def main(argv=None) -> int:
     log(f"writing/reusing the checkpoint and {NUM_ADAPTERS} adapters under {work}")
     tag = f"{args.size}-L{layers}-s{args.seed}-{args.init}"
     model = e2e_model.write_model(work / f"model-{tag}", args.size, layers, args.seed, init=args.init)
-    adapters = [str(e2e_model.write_adapter(work / f"adapter-{tag}-r{RANK}-{i}", args.size, layers, RANK,
-                                            seed=1000 * (args.seed + 1) + i, init=args.init))
+    adapters = [str(e2e_model.write_adapter(work / f"adapter-{tag}{_gain_tag(args.lora_gain)}-r{RANK}-{i}", args.size,
+                                            layers, RANK, seed=1000 * (args.seed + 1) + i, init=args.init,
+                                            lora_gain=args.lora_gain))
                 for i in range(NUM_ADAPTERS)]
     log(f"checkpoint ready ({time.time() - t0:.0f} s)")
     shim = e2e_model.make_plugin_shim(work / "shim")
@@ -916,7 +920,7 @@ def main(argv=None) -> int:
     _write_json(logging_cfg, logging_config())
     engine = engine_kwargs(model, args.seed, engine_over)
     spec = {"size": args.size, "layers": layers, "vocab_size": cfg["vocab_size"], "seed": args.seed, "init": args.init,
-            "reps": args.reps,
+            "lora_gain": args.lora_gain, "reps": args.reps,
             "phases": phases, "adapters": adapters, "engine": engine, "out": str(out), "control_dir": str(control),
             "greedy": {"n": 16, "prompt_len": 64, "gen_len": 32}, "tpot": {"prompt_len": 512, "gen_len": 128},
             "throughput": {"requests": 64, "prompt_len": 512, "gen_len": 128}, "smoke": smoke,
@@ -966,6 +970,11 @@ def main(argv=None) -> int:
     return 0 if ok else 1
 
 
+def _gain_tag(lora_gain: float) -> str:
+    """The adapter directories' tag part for a non-default adapter gain ('' for the default)."""
+    return "" if lora_gain == e2e_model.LORA_GAIN else f"-g{lora_gain:g}"
+
+
 def rescore(args, t0: float) -> int:
     """--rescore: the fp32 reference for an earlier run's results (no engines), report rewritten."""
     prev = json.loads(args.rescore.read_text())
@@ -976,8 +985,10 @@ def rescore(args, t0: float) -> int:
     tag = f"{spec['size']}-L{spec['layers']}-s{spec['seed']}-{init}"
     log(f"rescoring {args.rescore}: writing/reusing its checkpoint and {NUM_ADAPTERS} adapters under {work}")
     model = e2e_model.write_model(work / f"model-{tag}", spec["size"], spec["layers"], spec["seed"], init=init)
-    adapters = [str(e2e_model.write_adapter(work / f"adapter-{tag}-r{RANK}-{i}", spec["size"], spec["layers"], RANK,
-                                            seed=1000 * (spec["seed"] + 1) + i, init=init))
+    gain = spec.get("lora_gain", e2e_model.LORA_GAIN)  # runs before the option: the default gain
+    adapters = [str(e2e_model.write_adapter(work / f"adapter-{tag}{_gain_tag(gain)}-r{RANK}-{i}", spec["size"],
+                                            spec["layers"], RANK, seed=1000 * (spec["seed"] + 1) + i, init=init,
+                                            lora_gain=gain))
                 for i in range(len(spec["adapters"]))]
     now, then = checkpoint_id(model, adapters), spec.get("checkpoint")
     if not then and args.expect_checkpoint:
