@@ -31,6 +31,10 @@ if not HAS_GPU:
         pytest.skip("no GPU, and triton was imported before TRITON_INTERPRET=1 was set (see tests/conftest.py)",
                     allow_module_level=True)
 
+# Every test here runs on the GPU too (compiled there, interpreted here): marked `gpu` only where
+# one exists, so that the GPU record's `-m gpu` selection takes them and CPU runs still do.
+pytestmark = [pytest.mark.gpu] if HAS_GPU else []
+
 from epilora_cute import metadata  # noqa: E402
 from epilora_cute.metadata import LoRABatchMeta  # noqa: E402
 from vllm_adapter import meta_kernel  # noqa: E402
