@@ -52,14 +52,20 @@ MODES = ("graph", "eager")
 # Which applicable paths "auto" may time and choose without an opt-in: those with a passing GPU
 # record (docs/gpu_record/). A path joins by adding it here (one line). run6 (65540fc): the op-level
 # tests of decode / no_adapter / hybrid and their kernels' files all passed on the H200.
-VERIFIED_PATHS = frozenset({"triton", "decode", "no_adapter", "hybrid"})
+VERIFIED_PATHS = frozenset({"triton", "decode", "no_adapter", "hybrid", "base"})
 # A path's variable overrides VERIFIED_PATHS when set: "1" lets an unverified path join the
 # candidates, "0" keeps a verified one out. "no_adapter" runs K2, so it follows the decode path's.
 OPT_IN_ENV = {"decode": "EPILORA_DECODE_PATH", "no_adapter": "EPILORA_DECODE_PATH",
               "hybrid": "EPILORA_HYBRID_PATH"}
 # What a key gets when it cannot be timed (under capture, or every candidate failed): the first of
 # these among the candidates — what "auto" took before the timed dispatch existed.
-DEFAULT_ORDER = ("decode", "triton", "hybrid", "no_adapter", "reference")
+DEFAULT_ORDER = ("base", "decode", "triton", "hybrid", "no_adapter", "reference")
+# Batches the host knows to have no adapter (vLLM's no-LoRA flag): "base" (default) computes them
+# with vLLM's own FP8 path only, so base-model traffic gets exactly stock vLLM's outputs (run9: our
+# no-adapter K2 rounds differently, 13/16 greedy runs identical, and was not faster in the engine);
+# "timed" lets every applicable path compete as for any other key.
+NO_LORA_ENV = "EPILORA_NO_LORA_PATH"
+NO_LORA_POLICIES = ("base", "timed")
 
 
 def token_bucket(num_tokens: int) -> int:
@@ -215,12 +221,12 @@ class Call(NamedTuple):
 def applicable_paths(call: Call) -> tuple[str, ...]:
     """Every path that can compute ``call`` (before the opt-in filter), in a fixed order.
 
+    "base" (vLLM's FP8 path): the host knows no token has an adapter (it drops the adapters);
     "decode": ≤ 32 tokens on sm_90a with shapes its kernels take; "no_adapter": the same, and the
-    host knows no token has an adapter (it would drop the adapters otherwise); "hybrid": sm_90a;
-    "triton": any CUDA GPU. "reference" is never a candidate on a GPU. Whether a kernel can be
+    host knows no token has an adapter; "hybrid": sm_90a; "triton": any CUDA GPU. "reference" is never a candidate on a GPU. Whether a kernel can be
     loaded (cached or compiled here) shows when it is timed: a candidate that fails is dropped.
     """
-    paths = []
+    paths = ["base"] if call.host_adapters == 0 else []
     if call.decode_reason is None:
         paths.append("decode")
         if call.host_adapters == 0:
@@ -256,6 +262,23 @@ def _allowed(paths: tuple[str, ...]) -> tuple[str, ...]:
         if _env_allows(p, seen.get(env) if env is not None else None):
             out.append(p)
     return tuple(out)
+
+
+def no_lora_policy() -> str:
+    """``EPILORA_NO_LORA_PATH``: "base" (default) or "timed"; anything else is an error."""
+    v = os.environ.get(NO_LORA_ENV) or "base"
+    if v not in NO_LORA_POLICIES:
+        raise ValueError(f"{NO_LORA_ENV}={v!r}: one of {NO_LORA_POLICIES}")
+    return v
+
+
+def candidates_for(call: Call) -> tuple[str, ...]:
+    """The paths "auto" chooses among for ``call``: the allowed applicable ones; for a batch
+    without adapters only "base" (vLLM's path) unless the no-LoRA policy is "timed"."""
+    names = _allowed(applicable_paths(call))
+    if call.host_adapters == 0 and "base" in names and no_lora_policy() == "base":
+        return ("base",)
+    return names
 
 
 def default_path(candidates) -> str:
@@ -340,7 +363,7 @@ class Dispatcher:
                                  f"applicable: {sorted(applicable + ('reference',))}")
             self._note(key, forced, f"forced by {FORCE_ENV}")
             return forced
-        names = _allowed(applicable)
+        names = candidates_for(call)
         if not names:
             raise ValueError(f"no allowed path for {key.text()} (applicable: {list(applicable)}; "
                              f"VERIFIED_PATHS / {sorted(set(OPT_IN_ENV.values()))} decide)")

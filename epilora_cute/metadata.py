@@ -20,11 +20,11 @@ Everything is built with fixed-size device ops and no host synchronization (vLLM
 buffers can be refreshed in place between CUDA-graph replays. ``num_tokens`` is a host value
 and it comes from the shape of the mapping.
 
-One Triton launch instead of the torch ops (opt-in, ``EPILORA_META_KERNEL=1``): ``prepare`` on
-CUDA buffers then calls ``vllm_adapter.meta_kernel.fill_meta``, which writes the same values into
-the same buffers (~50 CUDA-graph nodes per decode step become one). It has NOT run on a GPU yet
-(tested bit-for-bit against the torch ops under the Triton interpreter only), so it is off by
-default; CPU buffers always take the torch ops.
+One Triton launch instead of the torch ops (default; ``EPILORA_META_KERNEL=0`` keeps the torch
+ops): ``prepare`` on CUDA buffers calls ``vllm_adapter.meta_kernel.fill_meta``, which writes the
+same values into the same buffers (~50 CUDA-graph nodes per decode step become one; bit for bit
+against the torch ops on the H200 and under the Triton interpreter, run9). CPU buffers always take
+the torch ops.
 
 ``host_num_adapters`` (optional, host int): how many distinct adapter slots (>= 0) the tokens use,
 for the timed dispatch's adapter bucket (``dispatch.py``). ``prepare`` sets it when it is given the
@@ -45,14 +45,21 @@ META_KERNEL_ENV = "EPILORA_META_KERNEL"
 
 
 def meta_kernel_enabled() -> bool:
-    """``EPILORA_META_KERNEL=1``: ``prepare`` fills CUDA buffers with one Triton launch
-    (``vllm_adapter/meta_kernel.py``). Default OFF: that kernel has not run on a GPU yet."""
-    return os.environ.get(META_KERNEL_ENV, "").strip() == "1"
+    """Whether ``prepare`` fills CUDA buffers with one Triton launch (``vllm_adapter/meta_kernel.py``):
+    yes unless ``EPILORA_META_KERNEL=0`` (GPU-verified in run9: same values as the torch ops)."""
+    return os.environ.get(META_KERNEL_ENV, "").strip() != "0"
 
 
 def use_meta_kernel(device) -> bool:
-    """Whether ``prepare`` takes the one-launch kernel for buffers on ``device``."""
-    return torch.device(device).type == "cuda" and meta_kernel_enabled()
+    """Whether ``prepare`` takes the one-launch kernel for buffers on ``device`` (CUDA, switched
+    on, and Triton importable: without it the torch ops compute the same values)."""
+    return torch.device(device).type == "cuda" and meta_kernel_enabled() and _triton_available()
+
+
+def _triton_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 @dataclass
@@ -110,7 +117,7 @@ class LoRABatchMeta:
         else:
             self.host_num_adapters = None
         if use_meta_kernel(dev):
-            # One Triton launch, same values (opt-in: not run on a GPU yet; see the module docstring).
+            # One Triton launch, same values (see the module docstring).
             from vllm_adapter.meta_kernel import fill_meta
 
             fill_meta(self, m if m.device == dev else m.to(device=dev))

@@ -107,16 +107,10 @@ def _reference_quant_into(x, codes, scales, warn_reason: str | None):
 # The fused LoRA linear: y = quant(x) @ W_q^T * s_x * s_w + per-token adapter update.
 
 DECODE_MAX_TOKENS = 32
-PATHS = ("auto", "decode", "no_adapter", "hybrid", "prefill", "triton", "reference")
-# The CuTe decode path (shrink + K2) compiles and passes its CPU emulation but has not yet run
-# correctly on a GPU (first H200 contact: K2 hangs, docs/perf.md v0.3). Until a GPU record shows it
-# correct, "auto" never picks it; EPILORA_DECODE_PATH=1 opts in (tests and benchmarks pass
-# path="decode" explicitly).
+PATHS = ("auto", "base", "decode", "no_adapter", "hybrid", "prefill", "triton", "reference")
+# The decode and no-adapter paths' variable for "auto" (dispatch.OPT_IN_ENV): "0" keeps them out of
+# the candidates, "1" lets them in if they ever leave dispatch.VERIFIED_PATHS.
 DECODE_PATH_ENV = "EPILORA_DECODE_PATH"
-
-
-def _decode_enabled() -> bool:
-    return os.environ.get(DECODE_PATH_ENV, "0") == "1"
 
 
 def supports_device(device: torch.device) -> bool:
@@ -298,9 +292,10 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     optional int32 [max_loras] of effective ranks (work beyond them is skipped). Returns y [M, N]
     bf16 (written into ``out`` when given).
 
-    Paths: "hybrid" (K1 + the vendor FP8 GEMM + our expand-add; any batch size on sm_90a;
-    GPU-verified at a618449, docs/gpu_record/run3, opt-in for "auto" until a record covers the
-    current kernels), "prefill" (33..8192 tokens, sm_90a: K1, the activations gathered into
+    Paths: "base" (only when the host knows no token has an adapter, ``meta.host_num_adapters
+    == 0``, e.g. from vLLM's no-LoRA flag: the quantization + the vendor FP8 GEMM, i.e. vLLM's own
+    FP8 path, so base-model traffic gets stock vLLM's results bit for bit; any CUDA GPU), "hybrid"
+    (K1 + the vendor FP8 GEMM + our expand-add; any batch size on sm_90a), "prefill" (33..8192 tokens, sm_90a: K1, the activations gathered into
     adapter-sorted order, the prefill K2 with the grouped epilogue; compiled but not yet run on a
     GPU: explicit only), "decode" (≤ 32 tokens, sm_90a: the shrink kernel with the quantization CTAs, then K2
     as its PDL dependent — two launches; ``pdl=False`` serializes them), "no_adapter" (quantize +
@@ -308,8 +303,9 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     portable two-kernel path), "reference" (torch, any device). "auto" takes the reference off
     CUDA; on a GPU the timed dispatch (``dispatch.py``) takes the fastest applicable path per
     (shape, token bucket, adapter bucket, graph/eager), measured once and remembered across starts.
-    Its candidates are the applicable GPU-verified paths (``dispatch.VERIFIED_PATHS``: decode,
-    no_adapter, hybrid, triton); EPILORA_DECODE_PATH / EPILORA_HYBRID_PATH =0 take paths out, =1 let
+    Its candidates are the applicable GPU-verified paths (``dispatch.VERIFIED_PATHS``: base,
+    decode, no_adapter, hybrid, triton; without adapters only "base" unless
+    EPILORA_NO_LORA_PATH=timed); EPILORA_DECODE_PATH / EPILORA_HYBRID_PATH =0 take paths out, =1 let
     unverified ones in; EPILORA_FORCE_PATH forces one.
 
     ``chain_pdl`` (decode and no-adapter paths; ignored with ``pdl=False``): launch the call's first kernel (the
@@ -340,6 +336,13 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     if path == "triton":
         from vllm_adapter.triton_path import triton_lora_linear
         return triton_lora_linear(x, w_q, w_scale, a, b, meta, out=out)
+    if path == "base":
+        if getattr(meta, "host_num_adapters", None) != 0:
+            raise ValueError("path='base' computes the base layer only: it needs meta.host_num_adapters == 0 "
+                             "(the host's knowledge that no token has an adapter)")
+        if not x.is_cuda:
+            raise ValueError("path='base' needs a CUDA GPU (the vendor FP8 GEMM)")
+        return _base_path(x, w_q, w_scale, out)
     if path == "hybrid":
         if arch_of(x) is None:
             raise ValueError("path='hybrid' does not apply: it needs a CUDA GPU with a CuTe target")
@@ -394,6 +397,13 @@ def vendor_fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor,
     return out.copy_(y)
 
 
+def _base_path(x, w_q, w_scale, out):
+    """vLLM's FP8 linear without LoRA: its per-token quantization (our kernel, same codes and
+    scales) and its CUTLASS GEMM (``vendor_fp8_gemm``), written into ``out``."""
+    codes, scales = quantize_fp8_per_token(x)
+    return vendor_fp8_gemm(codes, scales, w_q, w_scale, out=out)
+
+
 def _hybrid_path(x, w_q, w_scale, a, b, meta, out, slot_ranks):
     """K1 (bit-exact quantization + split-K shrink, one launch), the vendor FP8 GEMM, then our
     expand-add into its output: three launches instead of vLLM's four. When the host knows no
@@ -405,8 +415,7 @@ def _hybrid_path(x, w_q, w_scale, a, b, meta, out, slot_ranks):
     from kernels_dsl.k1_shrink import k1_quant_shrink
 
     if getattr(meta, "host_num_adapters", None) == 0:
-        codes, scales = quantize_fp8_per_token(x)
-        return vendor_fp8_gemm(codes, scales, w_q, w_scale, out=out)
+        return _base_path(x, w_q, w_scale, out)
     codes, scales, h = k1_quant_shrink(x, a, meta, slot_ranks=slot_ranks)
     vendor_fp8_gemm(codes, scales, w_q, w_scale, out=out)
     return expand_add(out, h, b, meta, slot_ranks=slot_ranks)

@@ -75,7 +75,7 @@ def test_print_table(tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------
 # The dispatcher behind lora_linear_fp8(path="auto"), with fake paths and timers (no GPU).
 
-OPT_INS = ("EPILORA_DECODE_PATH", "EPILORA_HYBRID_PATH", d.FORCE_ENV)
+OPT_INS = ("EPILORA_DECODE_PATH", "EPILORA_HYBRID_PATH", d.FORCE_ENV, d.NO_LORA_ENV)
 SHIPPED_VERIFIED = d.VERIFIED_PATHS
 
 
@@ -121,18 +121,19 @@ def run(path):  # a candidate run: returns its name so the fake timer knows it
 
 def test_candidates_follow_applicability_and_opt_in(monkeypatch):
     assert d.applicable_paths(call()) == ("decode", "hybrid", "triton")
-    assert d.applicable_paths(call(host_adapters=0)) == ("decode", "no_adapter", "hybrid", "triton")
+    assert d.applicable_paths(call(host_adapters=0)) == ("base", "decode", "no_adapter", "hybrid", "triton")
     assert d.applicable_paths(call(tokens=64, decode_reason="64 tokens")) == ("hybrid", "triton")
     assert d.applicable_paths(call(arch=None, decode_reason="needs sm_90a")) == ("triton",)
-    # Verified on the H200 (run6): every applicable path is a candidate without a variable.
-    assert SHIPPED_VERIFIED == {"triton", "decode", "no_adapter", "hybrid"}
+    assert d.applicable_paths(call(arch=None, decode_reason="needs sm_90a", host_adapters=0)) == ("base", "triton")
+    # Verified on the H200 (run6; base: run9): every applicable path is a candidate without a variable.
+    assert SHIPPED_VERIFIED == {"triton", "decode", "no_adapter", "hybrid", "base"}
     monkeypatch.setattr(d, "VERIFIED_PATHS", SHIPPED_VERIFIED)
     allowed = lambda c: [p for p in d.applicable_paths(c) if d.path_allowed(p)]  # noqa: E731
-    assert allowed(call(host_adapters=0)) == ["decode", "no_adapter", "hybrid", "triton"]
+    assert allowed(call(host_adapters=0)) == ["base", "decode", "no_adapter", "hybrid", "triton"]
     assert list(d._allowed(d.applicable_paths(call(host_adapters=0)))) == allowed(call(host_adapters=0))
     # A variable set to "0" keeps its paths out ("no_adapter" follows the decode path's).
     monkeypatch.setenv("EPILORA_DECODE_PATH", "0")
-    assert allowed(call(host_adapters=0)) == ["hybrid", "triton"]
+    assert allowed(call(host_adapters=0)) == ["base", "hybrid", "triton"]
     monkeypatch.setenv("EPILORA_HYBRID_PATH", "0")
     assert allowed(call()) == ["triton"]
     assert list(d._allowed(d.applicable_paths(call()))) == ["triton"]
@@ -145,6 +146,34 @@ def test_candidates_follow_applicability_and_opt_in(monkeypatch):
     assert allowed(call()) == ["decode", "hybrid", "triton"]
     assert "reference" not in d.applicable_paths(call())
     assert d.OPT_IN_ENV["decode"] == ops.DECODE_PATH_ENV
+
+
+def test_batches_without_adapters_take_vllms_path(tmp_path, monkeypatch, caplog):
+    """No token has an adapter (host count 0): "base" only, untimed, unless the policy is "timed";
+    with adapters (or an unknown count) "base" is never a candidate: it would drop them."""
+    monkeypatch.setattr(d, "VERIFIED_PATHS", SHIPPED_VERIFIED)
+    timer = FakeTimer(graph={"base": 9.0, "decode": 10.0, "hybrid": 30.0, "triton": 20.0, "no_adapter": 5.0},
+                      eager={"base": 30.0, "decode": 40.0, "hybrid": 60.0, "triton": 35.0, "no_adapter": 50.0})
+    disp = d.Dispatcher(d.DispatchTable(tmp_path / "t.json"), timer)
+    assert d.candidates_for(call(host_adapters=0)) == ("base",)
+    with caplog.at_level(logging.INFO, logger="epilora_cute.dispatch"):
+        for mode, capturing in (("graph", True), ("eager", False), ("graph", False)):
+            assert disp.path_for(call(host_adapters=0), run, mode=mode, capturing=capturing) == "base"
+    assert timer.calls == []
+    assert not any(r.levelno >= logging.WARNING for r in caplog.records)  # not a capture default
+    for host in (None, 1, 5):
+        assert "base" not in d.candidates_for(call(host_adapters=host))
+    monkeypatch.setenv(d.NO_LORA_ENV, "timed")
+    assert d.candidates_for(call(host_adapters=0)) == ("base", "decode", "no_adapter", "hybrid", "triton")
+    assert disp.path_for(call(host_adapters=0, tokens=3), run, mode="graph", capturing=False) == "no_adapter"
+    assert {p for p, _ in timer.calls} == {"base", "decode", "no_adapter", "hybrid", "triton"}
+    monkeypatch.setenv(d.NO_LORA_ENV, "fastest")
+    with pytest.raises(ValueError, match="EPILORA_NO_LORA_PATH"):
+        d.candidates_for(call(host_adapters=0))
+    # With "base" not allowed (taken out of the verified set), the other paths compete as before.
+    monkeypatch.delenv(d.NO_LORA_ENV)
+    monkeypatch.setattr(d, "VERIFIED_PATHS", SHIPPED_VERIFIED - {"base"})
+    assert d.candidates_for(call(host_adapters=0)) == ("decode", "no_adapter", "hybrid", "triton")
 
 
 def test_keys_bucket_tokens_and_adapters():

@@ -217,6 +217,9 @@ def test_hybrid_path_without_adapters_is_vllms_fp8_path(proj, m):
     codes, scales = ops.quantize_fp8_per_token(x)
     assert torch.equal(y, ops.vendor_fp8_gemm(codes, scales, wq, ws))
     assert _rel_err(y, _reference(x, wq, ws, a, b, mapping)) < 5e-3
+    # "base" is that path by name, and "auto" takes it for such a batch (EPILORA_NO_LORA_PATH unset).
+    assert torch.equal(ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="base"), y)
+    assert torch.equal(ops.lora_linear_fp8(x, wq, ws, a, b, meta), y)
 
 
 @pytest.mark.parametrize("m", [33, 256, 2048])

@@ -180,11 +180,11 @@ def test_prepare_wiring(monkeypatch):
         assert got.host_num_adapters == (want.host_num_adapters if DEVICE.type == "cpu" else None)
 
 
-def test_switch_default_off(monkeypatch):
+def test_switch_default_on_for_cuda(monkeypatch):
     monkeypatch.delenv(metadata.META_KERNEL_ENV, raising=False)
-    assert not metadata.meta_kernel_enabled()
-    assert not metadata.use_meta_kernel("cuda") and not metadata.use_meta_kernel("cpu")
-    for value, on in (("1", True), ("0", False), ("", False), ("true", False)):
+    assert metadata.meta_kernel_enabled()
+    assert metadata.use_meta_kernel("cuda") and not metadata.use_meta_kernel("cpu")
+    for value, on in (("1", True), ("0", False), (" 0 ", False), ("", True)):
         monkeypatch.setenv(metadata.META_KERNEL_ENV, value)
         assert metadata.use_meta_kernel(torch.device("cuda", 0)) is on
         assert metadata.use_meta_kernel("cpu") is False  # CPU buffers: always the torch ops

@@ -82,13 +82,6 @@ def test_lora_linear_bad_input(mutate, exc, match):
         ops.lora_linear_fp8(c["x"], c["wq"], c["ws"], c["a"], c["b"], meta, out=c["out"], path=c["path"])
 
 
-def test_auto_never_takes_the_unverified_decode_path_by_default(monkeypatch):
-    monkeypatch.delenv("EPILORA_DECODE_PATH", raising=False)
-    assert not ops._decode_enabled()
-    monkeypatch.setenv("EPILORA_DECODE_PATH", "1")
-    assert ops._decode_enabled()
-
-
 def test_plugin_hooks():
     assert ops.supports_device(torch.device("cpu")) is False
     assert ops.lora_linear_fp8_unsupported(6144, 4096, 64, 3) is None
@@ -121,6 +114,23 @@ def test_hybrid_path_without_adapters_is_quantization_plus_the_vendor_gemm(monke
     assert calls == (["gemm"] if host_adapters == 0 else ["k1", "gemm", "expand"])
     codes, scales = reference.quantize_fp8_per_token(x)
     assert torch.equal(y, reference.fp8_scaled_mm(codes, scales, wq, ws).bfloat16())
+
+
+@pytest.mark.parametrize("host_adapters", [None, 1])
+def test_base_path_refuses_a_batch_that_may_have_adapters(host_adapters):
+    """"base" drops the adapters: without the host's word that no token has one it is an error,
+    never a silent wrong answer (here even with every token mapped to -1: the count decides)."""
+    x, wq, ws, a, b, meta, _ = _linear_case(mapping_all=-1 if host_adapters is None else 0)
+    meta.host_num_adapters = host_adapters
+    with pytest.raises(ValueError, match="host_num_adapters == 0"):
+        ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="base")
+
+
+def test_base_path_needs_a_gpu():
+    x, wq, ws, a, b, meta, _ = _linear_case(mapping_all=-1)
+    assert meta.host_num_adapters == 0
+    with pytest.raises(ValueError, match="CUDA"):
+        ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="base")
 
 
 def test_prefill_path_needs_an_sm90a_gpu():

@@ -15,8 +15,8 @@ dispatched as a no-adapter call.
 
 ``prepare_meta`` refreshes the metadata buffers in place from a mapping (mutates them, returns
 nothing): as one opaque op it is captured into CUDA graphs as it is, and torch.compile does not
-trace ``LoRABatchMeta.prepare``'s sorts and scatters. With ``EPILORA_META_KERNEL=1`` (default
-off, not yet run on a GPU) ``prepare`` is one Triton launch on CUDA (``meta_kernel.py``).
+trace ``LoRABatchMeta.prepare``'s sorts and scatters. On CUDA ``prepare`` is one Triton launch
+(``meta_kernel.py``; ``EPILORA_META_KERNEL=0``: the torch ops).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``LoRABatchMeta.prepare`` as ONE Triton launch (opt-in: ``EPILORA_META_KERNEL=1``).
+"""``LoRABatchMeta.prepare`` as ONE Triton launch (default on CUDA; ``EPILORA_META_KERNEL=0`` turns it off).
 
 The torch implementation of ``prepare`` (``epilora_cute/metadata.py``) is ~35 small ops; inside
 vLLM's CUDA graph they are ~50 graph nodes per decode step (~80 us of GPU time plus ~25 us of
@@ -7,9 +7,9 @@ with exactly the same values in a single program (grid ``(1,)``), with no host s
 the token count ``n`` is a runtime argument (not specialized), so one compiled kernel serves every
 CUDA-graph size, each graph capturing its own launch.
 
-NOT YET RUN ON A GPU: it is tested bit-for-bit against the torch implementation under the Triton
-interpreter only (``tests/test_meta_kernel.py``). That is why ``prepare`` takes it only for CUDA
-tensors when ``EPILORA_META_KERNEL=1`` is set; by default (unset) the torch ops run as before.
+Tested bit for bit against the torch implementation (``tests/test_meta_kernel.py``): compiled on
+the H200 (run9, CUDA-graph replays included) and under the Triton interpreter here. In the engine
+(run9) it took 52 kernels out of each decode step.
 
 Algorithm (column ``c`` of a one-hot row stands for slot id ``c - 1``, column 0 for "no adapter"):
 
