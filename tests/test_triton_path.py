@@ -593,3 +593,21 @@ def test_gpu_capture_of_a_layer_never_run_eagerly(prepared, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y_graph.view(torch.int16), run().view(torch.int16))
+
+
+@pytest.mark.parametrize("sms,cc", [(132, (9, 0)), (142, (8, 9))])
+def test_k1_split_counts_are_powers_of_two(monkeypatch, sms, cc):
+    """Few compile-time variants: every batch size and projection shape gets a power-of-two K1
+    split (each distinct SPLIT_K is a separate Triton compile during serving). The CUDA branch of
+    pick_config with the device's SM count and capability stubbed (an H200, an L40S)."""
+    monkeypatch.setattr(tp, "_num_sms", lambda device: sms)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc)
+    seen = set()
+    for m in list(range(1, 600)) + [1000, 2048, 4096, 8192]:
+        for k, slices in ((4096, 3), (4096, 2), (4096, 1), (12288, 1), (14336, 1)):
+            cfg = tp.pick_config(m, k, 64, slices, torch.device("cuda"))
+            split = cfg.k1_split_k
+            assert split & (split - 1) == 0, (m, k, slices, split)
+            assert tp._k1_split(k, cfg)[0] == split  # whole k-tiles per split: the count holds
+            seen.add(split)
+    assert seen == {1, 2, 4, 8, 16}

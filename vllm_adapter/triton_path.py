@@ -111,6 +111,11 @@ def pick_config(M: int, K: int, R: int, num_slices: int, device, *, w8a16: bool 
     k1_bm, k1_bk, k1_br = 16, 128, min(r_pad, 64)
     base_programs = max(1, -(-M // k1_bm) * num_slices * -(-R // k1_br))
     split = max(1, min(-(-4 * sms // base_programs), K // (2 * k1_bk), MAX_K1_SPLITS))
+    # A power of two: SPLIT_K (and the quantizer tile that follows it) are compile-time constants,
+    # and every new value is a Triton compile (~1-3 s) in the middle of serving. Any split from 1
+    # to 16 made batch sizes of one dispatch bucket compile up to ten variants (run9: 1-3 s stalls
+    # in 4 of 9 throughput repetitions); powers of two make it five per kernel shape.
+    split = 1 << (split.bit_length() - 1)
     bm, bn, bk, warps, stages = _k2_tiles(M, N or 4096, sms, w8a16, hopper)
     if not hopper:
         stages = min(stages, 3)
