@@ -341,6 +341,7 @@ def test_pipeline_with_stand_in_engine(tmp_path, mode):
     assert rep["runs"]["ours"]["phases"]["logprobs"]["tokens_from"] == "stock"
     assert rep["plugin_log"]["ours"]["taken_over"] == 4 * 2 and rep["plugin_log"]["stock"]["plugin_disabled"]
     assert rep["runs"]["ours"]["probe"]["epilora_active"] == 8 and rep["ours_env"] == {"EPILORA_FORCE_TRITON": "1"}
+    assert rep["shared_env"] == e.shared_env(os.environ)
     assert rep["concurrent"] == (not mode)
     perf = {x["metric"]: x for x in rep["performance"]}
     assert all(x["stock"] is not None and x["ours"] is not None for x in perf.values())
@@ -788,3 +789,10 @@ def test_profile_per_token_differences():
     assert r["span_us_per_token"] == pytest.approx(120.0) and r["kernels_per_token"] == pytest.approx(10.0)
     assert r["top"] == [["gemm", 4.0, 40.0, 2.0], ["prep", 1.25, 1.25, 0.0]]
     assert r["top_gaps"] == [["gemm", 4.0, 40.0, 2.0]]
+
+
+def test_shared_env_keeps_the_knobs_both_engines_inherit():
+    env = {"TORCHINDUCTOR_DETERMINISTIC": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0", "HOME": "/root",
+           "EPILORA_FORCE_PATH": "triton", "NCCL_NVLS_ENABLE": "0", "PATH": "/bin"}
+    assert e.shared_env(env) == {"NCCL_NVLS_ENABLE": "0", "TORCHINDUCTOR_DETERMINISTIC": "1",
+                                 "VLLM_USE_FLASHINFER_SAMPLER": "0"}

@@ -394,6 +394,7 @@ def write_markdown(rep: dict, path: Path) -> None:
          f"FP8 online per-tensor, "
          f"{NUM_ADAPTERS} rank-{RANK} adapters; vLLM {_get(runs, 'stock', 'vllm') or _get(runs, 'ours', 'vllm') or '—'}, "
          f"GPU {_get(runs, 'ours', 'probe', 'gpu') or _get(runs, 'stock', 'probe', 'gpu') or '—'}",
+         f"- both engines inherit: {rep.get('shared_env') or '{}'}",
          f"- ours: env {rep['ours_env'] or '{}'}; engine start stock "
          f"{_f(_get(runs, 'stock', 'engine_start_s'), '{:.0f}')} s, ours {_f(_get(runs, 'ours', 'engine_start_s'), '{:.0f}')} s"
          + (" (started together)" if rep["concurrent"] else "")]

@@ -785,6 +785,15 @@ def run_fp32_reference(mode: str, runs: dict, spec: dict, model: Path, adapters:
     return res
 
 
+# Variables of the launching shell that change how both engines compute (Inductor's deterministic
+# mode, vLLM's and torch's knobs): recorded in the report, since both engines inherit them.
+SHARED_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_", "VLLM_", "CUDA_", "NCCL_")
+
+
+def shared_env(environ) -> dict[str, str]:
+    return {k: v for k, v in sorted(environ.items()) if k.startswith(SHARED_ENV_PREFIXES)}
+
+
 def build_report(args, spec: dict, runs: dict, notes: dict, ours_env: dict, t0: float, out: Path,
                  entry_point: str = "", fp32_reference: dict | None = None, extra: dict | None = None) -> dict:
     git = os.environ.get("EPILORA_GIT_COMMIT") or subprocess.run(
@@ -793,7 +802,8 @@ def build_report(args, spec: dict, runs: dict, notes: dict, ours_env: dict, t0: 
             for c in CONFIGS if (out / f"{c}.log").exists()}
     rep = {"tool": "tools/e2e_vllm.py", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "git": git,
            "command": " ".join(["python", "tools/e2e_vllm.py"] + (args.argv or [])), "seconds": time.time() - t0,
-           "concurrent": not args.sequential, "ours_env": ours_env, "spec": spec, "notes": notes,
+           "concurrent": not args.sequential, "ours_env": ours_env, "shared_env": shared_env(os.environ),
+           "spec": spec, "notes": notes,
            "entry_point": entry_point,
            "targets": {"tpot_one_adapter_ms": e2e_report.TARGET_TPOT_ONE_ADAPTER_MS,
                        "tput_eight_adapters": e2e_report.TARGET_TPUT_8_ADAPTERS,
