@@ -748,11 +748,12 @@ def test_profile_phase_with_stand_in_engine(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for config in ("stock", "ours"):
         prof = rep["runs"][config]["phases"]["profile"]
-        assert set(prof) == {"none", "one_adapter"}, prof
+        assert set(prof) == {"none", "one_adapter", "eight_adapters_b64"}, prof
         for case in prof.values():
             assert case["wall_ms_per_token"] >= 0 and case["kernels_per_token"] == 0 and case["top"] == []
     md = (tmp_path / "out" / "e2e.md").read_text()
     assert "Where a generated token's time goes" in md and "| ours, one_adapter |" in md
+    assert "| ours, eight_adapters_b64 |" in md
 
 
 def test_profile_markdown_tables():

@@ -362,8 +362,9 @@ def profile_markdown(runs: dict, top: int = 12) -> list[str]:
     prof = {c: ((runs.get(c) or {}).get("phases") or {}).get("profile") for c in CONFIGS}
     if not any(prof.values()):
         return []
-    L = ["", "## Where a generated token's time goes (batch 1, `profile` phase: GPU worker's profiler, "
-         "(n-token run − 1-token run) / (n − 1))", "",
+    L = ["", "## Where a generated token's time goes (`profile` phase: GPU worker's profiler, "
+         "(n-token run − 1-token run) / (n − 1); batch 1, and `eight_adapters_bN`: one decode step of the "
+         "throughput batch of N requests, per step)", "",
          "| engine, case | wall ms/token | kernels busy µs | kernels span µs | kernels per token |", "|---|---|---|---|---|"]
     for c, cases in prof.items():
         for case, r in (cases or {}).items():

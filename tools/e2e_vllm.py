@@ -294,15 +294,29 @@ def _profile_per_token(one: tuple, many: tuple, n: int) -> dict:
             "top_gaps": sorted((r for r in rows if r[3] > 0), key=lambda r: -r[3])[:20]}
 
 
+# The profile phase's batched case: decode steps of the throughput workload (its batch, 8 adapters),
+# fewer steps than it generates (the trace of each step holds every kernel of the batch).
+PROFILE_BATCH_STEPS = 32
+
+
+def profile_cases(c: Ctx) -> list[tuple[str, list, list | None, int]]:
+    """(case, prompts, adapters, n) of the profile phase: the TPOT runs at batch 1 without and with
+    one adapter, and decode steps at the throughput phase's batch with its 8 adapters."""
+    t, b = c.spec["tpot"], c.spec["throughput"]
+    p1 = c.prompts("tpot", 1, t["prompt_len"])
+    pb = c.prompts("profile-batch", b["requests"], b["prompt_len"])
+    return [("none", p1, None, t["gen_len"] + 1), ("one_adapter", p1, [c.lora(0)], t["gen_len"] + 1),
+            (f"eight_adapters_b{b['requests']}", pb, [c.lora(i % NUM_ADAPTERS) for i in range(len(pb))],
+             PROFILE_BATCH_STEPS + 1)]
+
+
 def phase_profile(c: Ctx) -> dict:
-    """The TPOT runs under the GPU worker's profiler: per generated token, the kernels' busy time,
-    the span they cover, their count and each kernel name's time, as (n-token run - 1-token run) /
-    (n - 1) like the TPOT. Tells device time from the gaps between kernels (host, launch)."""
-    t = c.spec["tpot"]
-    p = c.prompts("tpot", 1, t["prompt_len"])
-    n = t["gen_len"] + 1
+    """The TPOT runs (and decode steps of the throughput batch) under the GPU worker's profiler: per
+    generated token (per decode step in the batched case), the kernels' busy time, the span they
+    cover, their count and each kernel name's time, as (n-token run - 1-token run) / (n - 1) like
+    the TPOT. Tells device time from the gaps between kernels (host, launch)."""
     out = {}
-    for case, lo in (("none", None), ("one_adapter", [c.lora(0)])):
+    for case, p, lo, n in profile_cases(c):
         c.greedy(p, n, lo)  # warm-up
         runs = []
         for k in (1, n):
