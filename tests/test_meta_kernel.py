@@ -20,16 +20,10 @@ import torch
 
 pytest.importorskip("triton")
 
-HAS_GPU = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if HAS_GPU else "cpu")
+from tests.triton_mode import DEVICE, HAS_GPU, skip_unless_runnable  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-if not HAS_GPU:
-    if "triton" not in sys.modules:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    import triton.language.standard as _tl_standard
-    if type(_tl_standard.cdiv).__name__ != "InterpretedFunction":
-        pytest.skip("no GPU, and triton was imported before TRITON_INTERPRET=1 was set (see tests/conftest.py)",
-                    allow_module_level=True)
+skip_unless_runnable()
 
 # Every test here runs on the GPU too (compiled there, interpreted here): marked `gpu` only where
 # one exists, so that the GPU record's `-m gpu` selection takes them and CPU runs still do.

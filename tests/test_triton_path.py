@@ -15,21 +15,12 @@ interpreter's fp32->bf16 cast, which truncates. Bound = that bf16 unit + 2^-10 f
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-HAS_GPU = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if HAS_GPU else "cpu")
-if not HAS_GPU:
-    if "triton" not in sys.modules:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    import triton.language.standard as _tl_standard
-    if type(_tl_standard.cdiv).__name__ != "InterpretedFunction":
-        pytest.skip("no GPU, and triton was imported before TRITON_INTERPRET=1 was set (see tests/conftest.py)",
-                    allow_module_level=True)
+from tests.triton_mode import DEVICE, HAS_GPU, skip_unless_runnable  # noqa: E402
+
+skip_unless_runnable()
 
 from epilora_cute import reference as ref  # noqa: E402
 from epilora_cute.metadata import build_meta  # noqa: E402
