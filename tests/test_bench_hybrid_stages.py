@@ -71,8 +71,15 @@ def test_geometry_group_split_and_variants():
     class Case:  # what launch_variants reads of a LayerCase
         proj, m, rank, max_loras = QWEN3_8B[0], 32, 64, 32
     assert launch_variants(Case()) == {"z1": ({"zsplit": 1}, {"zsplit": 1})}
+    # The sweep: every z up to the 32 adapters + the no-adapter group a tile can meet, except
+    # each kernel's default (K1's 11 is not a sweep value; expand-add's is left out where it is).
+    sweep = launch_variants(Case(), zsweep=True)
+    ex_z = int(g["expand_grid"].split("x")[2])
+    assert set(sweep) == {"z1", "z2", "z4", "z8", "z16", "z32"}
+    assert all(sweep[f"z{z}"][0] == {"zsplit": z} for z in (2, 4, 8, 16, 32))
+    assert all(sweep[f"z{z}"][1] == (None if z == ex_z else {"zsplit": z}) for z in (2, 4, 8, 16, 32))
     Case.m = 2048
-    assert launch_variants(Case()) == {}
+    assert launch_variants(Case()) == {} and launch_variants(Case(), zsweep=True) == {}
 
 
 def test_sum_layer_and_format():

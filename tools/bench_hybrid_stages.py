@@ -14,6 +14,9 @@ replays with the L2 flushed before each (median, tools/gpu_timing):
   hybrid_us      the whole op, lora_linear_fp8(path="hybrid") (validation + the three launches)
   k1_z1_us, expand_add_z1_us     the same kernels with the group split (grid z) forced to 1: the
                  launch geometry before v0.6 (timed only where the default z is > 1)
+  k1_zN_us, expand_add_zN_us     with EPILORA_BENCH_ZSWEEP=1, also z = 2, 4, ..., 64 where it differs
+                 from the default and a tile can have that many adapter groups: data for the
+                 group-split rule (`choose_zsplit`), e.g. K1 at 32 tokens x 32 adapters (4x its floor)
   vllm_fp8_us, vllm_lora_us      vLLM's quantization + GEMM, and + its LoRA shrink/expand, for the
                  same projection (when vLLM imports), so vllm_lora - vllm_fp8 is vLLM's adapter cost
   k1_floor_us / expand_floor_us   least DRAM traffic at the measured read bandwidth: x read +
@@ -22,7 +25,8 @@ replays with the L2 flushed before each (median, tools/gpu_timing):
 
 One extra row per (M, adapters) with proj = "layer" sums the four projections. A stage that raises
 is reported as `<stage>_error`. Knobs: EPILORA_BENCH_TOKENS, EPILORA_BENCH_ADAPTERS (as `prefill`).
-Budget: 24 projection rows x <= 8 timed graphs of <= ~1 ms: well under a minute on the H200.
+Budget: 24 projection rows x <= 8 timed graphs of <= ~1 ms: well under a minute on the H200 (the
+z sweep adds <= 12 graphs to each many-adapter row).
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ RANK = 64
 TOKENS = (32, 256, 2048)
 ADAPTERS = (1, 32)
 STAGES = ("k1", "gemm", "expand_add", "hybrid")
+ZSWEEP = (2, 4, 8, 16, 32, 64)
+ZSWEEP_ENV = "EPILORA_BENCH_ZSWEEP"
 
 
 def settings(env: Mapping[str, str] | None = None) -> tuple[list[int], list[int]]:
@@ -146,7 +152,7 @@ class HybridStages:
                "expand_add": ex(),
                "hybrid": lambda: ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=self.out,
                                                      path="hybrid")}
-        for name, (k1_kw, ex_kw) in launch_variants(c).items():
+        for name, (k1_kw, ex_kw) in launch_variants(c, zsweep=os.environ.get(ZSWEEP_ENV) == "1").items():
             if k1_kw is not None:
                 fns[f"k1_{name}"] = k1(**k1_kw)
             if ex_kw is not None:
@@ -154,15 +160,25 @@ class HybridStages:
         return fns
 
 
-def launch_variants(c: LayerCase) -> dict[str, tuple[dict | None, dict | None]]:
+def launch_variants(c: LayerCase, zsweep: bool = False) -> dict[str, tuple[dict | None, dict | None]]:
     """name -> (K1 keyword args or None, expand-add keyword args or None) for this case: "z1", the
-    group split forced off (the geometry before v0.6), for the kernels whose default z is > 1."""
+    group split forced off (the geometry before v0.6), for the kernels whose default z is > 1; with
+    ``zsweep`` also "z2" ... "z64" where z differs from the kernel's default and is at most the
+    adapter groups a tile can meet (more z-CTAs would find no group)."""
     g = geometry(c.proj, c.m, c.rank, c.max_loras)
     k1_z = int(g["k1_grid"].split("x")[2])
     ex_z = int(g["expand_grid"].split("x")[2])
     if k1_z == 1 and ex_z == 1:
         return {}
-    return {"z1": ({"zsplit": 1} if k1_z > 1 else None, {"zsplit": 1} if ex_z > 1 else None)}
+    out = {"z1": ({"zsplit": 1} if k1_z > 1 else None, {"zsplit": 1} if ex_z > 1 else None)}
+    if zsweep:
+        groups = min(c.m, c.max_loras + 1)  # no tile meets more groups than this
+        for z in ZSWEEP:
+            k1_kw = {"zsplit": z} if k1_z > 1 and z != k1_z and z <= groups else None
+            ex_kw = {"zsplit": z} if ex_z > 1 and z != ex_z and z <= groups else None
+            if k1_kw or ex_kw:
+                out[f"z{z}"] = (k1_kw, ex_kw)
+    return out
 
 
 def _vllm_launchers(c: LayerCase) -> dict[str, Callable[[], object]]:
