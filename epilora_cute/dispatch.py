@@ -224,8 +224,9 @@ def applicable_paths(call: Call) -> tuple[str, ...]:
 
     "base" (vLLM's FP8 path): the host knows no token has an adapter (it drops the adapters);
     "decode": ≤ 32 tokens on sm_90a with shapes its kernels take; "no_adapter": the same, and the
-    host knows no token has an adapter; "hybrid": sm_90a; "triton": any CUDA GPU. "reference" is never a candidate on a GPU. Whether a kernel can be
-    loaded (cached or compiled here) shows when it is timed: a candidate that fails is dropped.
+    host knows no token has an adapter; "hybrid": sm_90a; "triton": any CUDA GPU. "reference" is
+    never a candidate on a GPU. Whether a kernel can be loaded (cached or compiled here) shows when
+    it is timed: a candidate that fails is dropped.
     """
     paths = ["base"] if call.host_adapters == 0 else []
     if call.decode_reason is None:

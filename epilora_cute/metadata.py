@@ -36,6 +36,7 @@ dispatch then buckets by ``max_loras``.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -56,6 +57,7 @@ def use_meta_kernel(device) -> bool:
     return torch.device(device).type == "cuda" and meta_kernel_enabled() and _triton_available()
 
 
+@functools.lru_cache(maxsize=None)
 def _triton_available() -> bool:
     import importlib.util
 

@@ -74,8 +74,8 @@ def _host_no_lora(flag: torch.Tensor | None) -> bool:
 def _impl(x, w_q, w_scale, lora_a, lora_b, token_lora_mapping, token_indices_sorted_by_lora_ids,
           active_lora_ids, num_tokens_per_lora, lora_token_start_loc, sorted_lora_ids, row_group,
           num_active, bias=None, chain_pdl=False, no_lora_flag_cpu=None):
-    # A batch without adapters (vLLM's flag) is keyed as such: the dispatch may then take the
-    # no-adapter path (quantization + K2, no shrink) where it is the fastest.
+    # A batch without adapters (vLLM's flag) is keyed as such: the dispatch then runs vLLM's own
+    # FP8 path on it ("base"; EPILORA_NO_LORA_PATH=timed: the fastest no-adapter candidate).
     meta = _meta_from_tensors(x, (token_lora_mapping, token_indices_sorted_by_lora_ids,
                                   active_lora_ids, num_tokens_per_lora, lora_token_start_loc,
                                   sorted_lora_ids, row_group, num_active),
