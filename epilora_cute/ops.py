@@ -7,7 +7,6 @@ taken only where the result is identical (the quantization) or explicitly reques
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
