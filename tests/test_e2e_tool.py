@@ -797,3 +797,21 @@ def test_shared_env_keeps_the_knobs_both_engines_inherit():
            "EPILORA_FORCE_PATH": "triton", "NCCL_NVLS_ENABLE": "0", "PATH": "/bin"}
     assert e.shared_env(env) == {"NCCL_NVLS_ENABLE": "0", "TORCHINDUCTOR_DETERMINISTIC": "1",
                                  "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+
+def test_multi_gpu_engines_keep_multicast_and_custom_all_reduce_off(tmp_path):
+    """TP > 1: custom all-reduce and the all-reduce + RMSNorm fusion off, other compilation
+    settings kept; TP 1 unchanged; every engine's environment has multicast off."""
+    cc = {"custom_ops": ["+quant_fp8"], "pass_config": {"fuse_norm_quant": False}}
+    one = e.engine_kwargs(tmp_path, 0, {"compilation_config": cc})
+    assert "disable_custom_all_reduce" not in one and one["compilation_config"] == cc
+    two = e.engine_kwargs(tmp_path, 0, {"tensor_parallel_size": 2, "compilation_config": cc})
+    assert two["disable_custom_all_reduce"] is True
+    assert two["compilation_config"] == {"custom_ops": ["+quant_fp8"],
+                                         "pass_config": {"fuse_norm_quant": False, "fuse_allreduce_rms": False}}
+    assert cc == {"custom_ops": ["+quant_fp8"], "pass_config": {"fuse_norm_quant": False}}  # not mutated
+    bare = e.engine_kwargs(tmp_path, 0, {"tensor_parallel_size": 2})
+    assert bare["compilation_config"] == {"pass_config": {"fuse_allreduce_rms": False}}
+    for config in ("stock", "ours"):
+        env = e.engine_env(config, {"NCCL_NVLS_ENABLE": "1"}, tmp_path, tmp_path, tmp_path / "l.json", {})
+        assert all(env[k] == v for k, v in e.MULTICAST_OFF_ENV.items())

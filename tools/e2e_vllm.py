@@ -453,6 +453,7 @@ def engine_env(config: str, base: dict, shim: Path, cache_root: Path, logging_cf
     env["VLLM_CACHE_ROOT"] = str(cache_root)
     env["VLLM_LOGGING_CONFIG_PATH"] = str(logging_cfg)
     env["PYTHONUNBUFFERED"] = "1"
+    env.update(MULTICAST_OFF_ENV)
     if config == "stock":
         env["EPILORA_DISABLE"] = "1"
     else:
@@ -481,6 +482,27 @@ def engine_kwargs(model: Path, seed: int, overrides: dict | None = None) -> dict
               gpu_memory_utilization=0.4, kv_cache_memory_bytes=16 << 30,
               worker_extension_cls="tools.e2e_model.WorkerProbe")
     kw.update(overrides or {})  # --engine-arg / --smoke replace the defaults
+    return multi_gpu_safe(kw)
+
+
+# What must stay off where NVLink multicast is off (the shared H200 machines: NCCL_NVLS_ENABLE=0,
+# TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1; a program using multicast there can
+# take the host's GPUs out of service): run9's TP = 2 start had vLLM auto-select FlashInfer's
+# all-reduce + RMSNorm fusion ("mnnvl" workspace) and its custom all-reduce, and both engines died
+# with an illegal address. Set for every engine the tool starts, whatever --engine-arg says.
+MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+                     "VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_ALLREDUCE_USE_FLASHINFER": "0"}
+
+
+def multi_gpu_safe(kw: dict) -> dict:
+    """With tensor_parallel_size > 1: vLLM's custom all-reduce off and the all-reduce + RMSNorm
+    fusion pass off (it is FlashInfer's multi-GPU workspace), so only NCCL (without NVLS) all-reduces."""
+    if int(kw.get("tensor_parallel_size", 1) or 1) <= 1:
+        return kw
+    kw = dict(kw, disable_custom_all_reduce=True)
+    cc = dict(kw.get("compilation_config") or {})
+    cc["pass_config"] = dict(cc.get("pass_config") or {}, fuse_allreduce_rms=False)
+    kw["compilation_config"] = cc
     return kw
 
 
