@@ -7,17 +7,47 @@
 #   or, after call A, one call (carry .devvllm/2 .epilora_cache): bash tools/gpu_session.sh verify <commit>
 #   e2e smoke (carry .devvllm/2 after call A, or none on a machine where vLLM is unpacked):
 #                                                 bash tools/gpu_session.sh e2e-smoke <commit> (~4-5 min)
+#   after call A, carry .devvllm/2 .gpu_carry/.epilora_cache (the next-session plan, ~5-6 min each):
+#                                                 bash tools/gpu_session.sh hybrid-identity <commit>
+#                                                 bash tools/gpu_session.sh e2e-perf <commit>
 #   fp32 reference for a recorded e2e run, no vLLM needed (carry nothing):
 #                                                 bash tools/gpu_session.sh e2e-rescore <commit> [E2E_JSON] (~1-2 min)
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore or verify}
+mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, verify, hybrid-identity or e2e-perf}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
 export EPILORA_CACHE_DIR=$cache PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
+# The engines' compilation settings of every e2e run since run7 (our op and stock both quantize
+# with a CUDA kernel; Inductor's norm/act + quant fusions off, they would bypass both).
+E2E_CC='compilation_config={"custom_ops":["+quant_fp8"],"pass_config":{"fuse_norm_quant":false,"fuse_act_quant":false}}'
+unpack_vllm() {
+  if ! python3 -c 'import importlib.util as u, sys; sys.exit(u.find_spec("vllm") is None)' 2> /dev/null \
+      && [[ -f .devvllm/2/unpack.sh ]]; then
+    timeout -s KILL 80 bash .devvllm/2/unpack.sh > /tmp/unpack.log 2>&1 || echo "vLLM unpack failed"
+  fi
+}
 case $mode in
+  hybrid-identity)
+    # perf.md v0.19 (the hybrid rows under the read flush, K1 / expand-add at every group split)
+    # and v0.17's experiment (greedy identity with Inductor's numerics-changing autotuning off in
+    # both engines), one archive each.
+    unpack_vllm
+    EPILORA_BENCH_ZSWEEP=1 timeout -s KILL 150 python3 tools/gpu_record.py --out "$OUT/hs" --quick \
+      --bench-sections hybrid_stages --tests 2>&1 | tail -30
+    TORCHINDUCTOR_DETERMINISTIC=1 timeout -s KILL 330 python3 tools/e2e_vllm.py --out "$OUT/det" \
+      --phases greedy,logprobs --lora-gain 0.5 --reference off --time-budget 310 --engine-arg "$E2E_CC" 2>&1 | tail -40
+    (cd "$OUT" && for d in hs det; do [[ -d $d ]] && tar czf $d.tgz $d && rm -rf $d; done)
+    ;;
+  e2e-perf)
+    # perf.md v0.18 (Triton K1 splits: repetition walls) and the profile's batch-64 case.
+    unpack_vllm
+    timeout -s KILL 500 python3 tools/e2e_vllm.py --out "$OUT/perf" --phases tpot,throughput,profile \
+      --lora-gain 0.5 --reference off --time-budget 480 --engine-arg "$E2E_CC" 2>&1 | tail -40
+    (cd "$OUT" && [[ -d perf ]] && tar czf perf.tgz perf && rm -rf perf)
+    ;;
   record)
     if [[ -f .devvllm/2/unpack.sh ]]; then bash .devvllm/2/unpack.sh > /dev/null 2>&1 || echo "vLLM unpack failed"; fi
     {
