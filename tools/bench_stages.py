@@ -16,6 +16,10 @@ CUDA-graph replays with the L2 flushed (median), all in one run:
                     projection boundary
   k2_{c1,c1st8}_us, k2_epilogue_{c1,c1st8}_us   the K2 rows with the former default (one CTA per SM,
                     4 stages) and one CTA per SM with 8 stages (where built)
+  k2_fixed_us, k2_epilogue_fixed_us   the k2 / k2_epilogue rows' build, grid and cluster on one
+                    k-block per CTA (K = bk x split): launch, prologue, pipeline fill, the cluster
+                    reduction and the stores without the weight stream, i.e. K2's fixed cost
+                    (k2 - k2_fixed is what streaming the rest of the weights adds)
 The differences place the decode path's time (docs/perf.md): e.g. decode - k2 is what the adapter
 and the quantization cost on top of streaming the weights.
 """
@@ -78,6 +82,17 @@ class DecodeStages:
         self.k2_epi_spec = k2_gemm.launch(l_cfg, sync=self.sync_alone, n_quant=0, **k2_common, **lora_args)
         self.k2_pair_spec = k2_gemm.launch(l_cfg, sync=self.sync, n_quant=self.s_spec["n_quant"], **k2_common,
                                            **lora_args)
+        # K2's fixed cost: the same builds and geometry on one k-block per CTA. A failure here
+        # leaves these two rows out, not the projection's others.
+        self.fixed = {}
+        try:
+            kf = split * max(n_cfg.bk, l_cfg.bk)
+            fixed_common = dict(k2_common, w_q=c.w_q[:, :kf].contiguous(), x_q=self.x_q[:, :kf].contiguous())
+            self.fixed["k2_fixed"] = (n_cfg, k2_gemm.launch(n_cfg, sync=self.sync_alone, n_quant=0, **fixed_common))
+            self.fixed["k2_epilogue_fixed"] = (
+                l_cfg, k2_gemm.launch(l_cfg, sync=self.sync_alone, n_quant=0, **fixed_common, **lora_args))
+        except Exception as e:  # noqa: BLE001 - reported in the row, the other stages still run
+            self.fixed_error = f"{type(e).__name__}: {e}"[:200]
         # The same two K2 runs with the experimental builds (k2_gemm.select: ctas / stages).
         self.variants = {}
         for tag, kw in (("c1", dict(ctas=1, stages=4)), ("c1st8", dict(ctas=1, stages=8))):
@@ -117,7 +132,7 @@ class DecodeStages:
             "decode_nopdl": lambda: (shrink(), pair()),
             "decode_x2": lambda: (shrink(), pair_pdl(), shrink(), pair_pdl()),
             "decode_x2_chain": lambda: (shrink(), pair_pdl(), shrink_chained(), pair_pdl()),
-        } | {name: self._run(self.k2, cfg, spec) for name, (cfg, spec) in self.variants.items()}
+        } | {name: self._run(self.k2, cfg, spec) for name, (cfg, spec) in (self.variants | self.fixed).items()}
 
 
 def bench_stages(quick: bool) -> list[dict]:
@@ -133,11 +148,14 @@ def bench_stages(quick: bool) -> list[dict]:
             c = LayerCase(p, m, 64)
             row = {"section": "stages", "proj": p.name, "M": m, "floor_us": p.n * p.k / (bw * 1e9) * 1e6}
             try:
-                fns = DecodeStages(c).launchers()
+                stages = DecodeStages(c)
+                fns = stages.launchers()
             except Exception as e:  # a missing kernel build is reported, not fatal
                 row["error"] = f"{type(e).__name__}: {e}"[:200]
                 rows.append(row)
                 continue
+            if getattr(stages, "fixed_error", None):
+                row["k2_fixed_error"] = stages.fixed_error
             for name, fn in fns.items():
                 try:
                     row[f"{name}_us"] = time_graph(fn)
