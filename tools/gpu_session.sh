@@ -35,8 +35,9 @@ case $mode in
     # and v0.17's experiment (greedy identity with Inductor's numerics-changing autotuning off in
     # both engines), one archive each.
     unpack_vllm
-    EPILORA_BENCH_ZSWEEP=1 timeout -s KILL 150 python3 tools/gpu_record.py --out "$OUT/hs" --quick \
-      --bench-sections hybrid_stages --tests 2>&1 | tail -30
+    # `stages` too: its k2_fixed rows (K2 on one k-block per CTA) are the decode path's fixed cost.
+    EPILORA_BENCH_ZSWEEP=1 timeout -s KILL 180 python3 tools/gpu_record.py --out "$OUT/hs" --quick \
+      --bench-sections stages,hybrid_stages --tests 2>&1 | tail -30
     TORCHINDUCTOR_DETERMINISTIC=1 timeout -s KILL 330 python3 tools/e2e_vllm.py --out "$OUT/det" \
       --phases greedy,logprobs --lora-gain 0.5 --reference off --time-budget 310 --engine-arg "$E2E_CC" 2>&1 | tail -40
     (cd "$OUT" && for d in hs det; do [[ -d $d ]] && tar czf $d.tgz $d && rm -rf $d; done)
