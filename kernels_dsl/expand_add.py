@@ -495,18 +495,23 @@ def column_tiles(widths, bn: int) -> list[tuple[int, int, int]]:
     return out
 
 
-TARGET_CTAS = 4 * 132  # expand-add CTAs are short and small (<= 256 threads, 35-98 KiB): ~4 per SM
+# ~2 CTAs per SM (v0.20, run10's sweep: at 32 tokens x 32 adapters qkv / o / down ran 16 / 13 / 13 us
+# at 8 groups per tile column against 21 / 17 / 17 at the old ~4 per SM; gate/up 32 at z 2, 35 at 4).
+TARGET_CTAS = 256
 
 
 def choose_zsplit(widths, m: int, cfg: Config, max_loras: int | None, target_ctas: int = TARGET_CTAS) -> int:
     """Grid z: how many CTAs share one (column tile, row tile)'s adapter groups (each takes
     ceil(groups / z) of them and writes only their rows). Without it a CTA loads one B tile per
-    group of its row tile, one after another (32 adapters x 1 token: 32 round trips per CTA). More
-    z only while the grid is short of target_ctas, never more than a tile's possible groups."""
+    group of its row tile, one after another (32 adapters x 1 token: 32 round trips per CTA). z is
+    the least power of two that brings the grid to target_ctas (an even share of a power-of-two
+    group count), never more than a tile's possible groups."""
+    from .k1_shrink import pow2_ceil
+
     if max_loras is None:
         return 1
     ctas = sum(-(-w // cfg.bn) for w in widths) * -(-m // cfg.bm)
-    want = max(1, target_ctas // max(ctas, 1))
+    want = pow2_ceil(-(-target_ctas // max(ctas, 1)))
     return max(1, min(want, cfg.bm, m, max_loras + 1, 65535))
 
 

@@ -556,6 +556,9 @@ KC_OPTIONS = (512, 1024, 1536, 1792, 2048, 4096)
 SMEM_LIMIT = 227 * 1024
 SMEM_TWO_PER_SM = 113 * 1024  # two CTAs per SM (228 KiB per SM, 1 KiB reserved per CTA)
 TARGET_CTAS = 2 * 132  # about two CTAs per H100/H200 SM
+# The group split's budget (v0.20, run10's sweep at 32 tokens x 32 adapters): ~3 CTAs per SM, and
+# z rounded up to a power of two, which splits a tile's groups evenly (qkv: z 11 -> 16, 54 -> 45 us).
+Z_TARGET_CTAS = 3 * 132
 
 
 def select(num_slices: int, k: int, rank: int) -> Config:
@@ -625,17 +628,24 @@ def max_groups_per_tile(m: int, bm: int, max_loras: int) -> int:
     return max(1, min(bm, m, max_loras + 1))
 
 
-def choose_zsplit(m: int, cfg: Config, splits: int, max_loras: int | None, target_ctas: int = TARGET_CTAS) -> int:
+def choose_zsplit(m: int, cfg: Config, splits: int, max_loras: int | None, target_ctas: int = Z_TARGET_CTAS) -> int:
     """Grid z: how many CTAs share one row tile's adapter groups (each takes ceil(groups / z) of
     them; the rows of a group belong to exactly one). Without it a CTA streams the A blocks of every
-    group of its tile one after another, e.g. 32 adapters x 1 token each through 8 CTAs. More z
-    only while the grid is short of ~2 CTAs per SM, and never more than a tile's possible groups
-    (the count itself is on the device: surplus z-CTAs find no group and only pass the barriers)."""
+    group of its tile one after another, e.g. 32 adapters x 1 token each through 8 CTAs. z grows
+    while the grid is short of target_ctas, rounded up to a power of two (an even share of a
+    power-of-two group count; run10: 11 CTAs for 32 groups took 54 us, 16 took 45), and never
+    beyond a tile's possible groups (the count itself is on the device: surplus z-CTAs find no
+    group and only pass the barriers)."""
     if max_loras is None:
         return 1
     ctas = splits * -(-m // cfg.bm) * cfg.num_slices
-    want = max(1, target_ctas // max(ctas, 1))
+    want = pow2_ceil(max(1, target_ctas // max(ctas, 1)))
     return max(1, min(want, max_groups_per_tile(m, cfg.bm, max_loras), 65535))
+
+
+def pow2_ceil(n: int) -> int:
+    """The least power of two >= n (n >= 1)."""
+    return 1 << (max(1, n) - 1).bit_length()
 
 
 def grid(k: int, m: int, cfg: Config, splits: int | None = None, max_loras: int | None = None,

@@ -305,7 +305,8 @@ def test_choose_zsplit():
     qkv = (4096, 1024, 1024)
     cfg = E.select(3, 32, 64)
     assert E.grid(qkv, 32, cfg) == (48, 1, 1)  # no max_loras: no group split (the old geometry)
-    assert E.grid(qkv, 32, cfg, max_loras=32) == (48, 1, E.TARGET_CTAS // 48)
+    assert E.grid(qkv, 32, cfg, max_loras=32) == (48, 1, 8)  # ceil(256 / 48) = 6 -> 8
+    assert E.grid((12288, 12288), 32, E.select(2, 32, 64), max_loras=32) == (192, 1, 2)
     assert E.grid(qkv, 32, cfg, max_loras=32, zsplit=3) == (48, 1, 3)
     assert E.grid(qkv, 2048, E.select(3, 2048, 64), max_loras=32)[2] == 1  # enough CTAs already
     for m in (1, 5, 33, 256):
@@ -314,6 +315,7 @@ def test_choose_zsplit():
                 c = E.select(len(widths), m, 64)
                 z = E.choose_zsplit(widths, m, c, L)
                 assert 1 <= z <= min(c.bm, m, L + 1)
+                assert z & (z - 1) == 0 or z == min(c.bm, m, L + 1)  # a power of two unless capped
 
 
 # ---------------------------------------------------------------------------------------------

@@ -195,7 +195,7 @@ def test_select_deep_ring():
     assert (c.bm, c.kc, c.stages) == (16, 1792, 6) and c.smem_bytes <= K1.SMEM_TWO_PER_SM
     c = K1.select(1, 12288, 64)
     assert K1.grid(12288, 32, c, max_loras=32) == ((8, 2, 16), (8, 1, 1))  # 256 CTAs: one wave
-    assert K1.grid(12288, 256, c, max_loras=32) == ((8, 16, 2), (8, 1, 1))
+    assert K1.grid(12288, 256, c, max_loras=32) == ((8, 16, 4), (8, 1, 1))  # v0.20: 396 // 128 = 3 -> 4
     assert K1.grid(12288, 2048, c, max_loras=1) == ((8, 128, 1), (8, 1, 1))
     for c in K1.prebuild_configs():
         assert 2 <= c.stages <= K1.MAX_STAGES
@@ -206,9 +206,10 @@ def test_select_deep_ring():
 def test_choose_zsplit():
     cfg = K1.select(3, 4096, 64)  # bm 32: grid y = 1 tile x 3 slices at 32 tokens
     assert K1.grid(4096, 32, cfg) == ((8, 3, 1), (8, 1, 1))  # no max_loras: no group split
-    assert K1.grid(4096, 32, cfg, max_loras=32) == ((8, 3, K1.TARGET_CTAS // 24), (8, 1, 1))
+    assert K1.grid(4096, 32, cfg, max_loras=32) == ((8, 3, 16), (8, 1, 1))  # 396 // 24 = 16, a power of two
+    assert K1.grid(4096, 256, K1.select(1, 4096, 64), max_loras=32)[0] == (8, 8, 8)  # 396 // 64 = 6 -> 8
     assert K1.grid(4096, 32, cfg, max_loras=8) == ((8, 3, 9), (8, 1, 1))
-    assert K1.grid(4096, 256, cfg, max_loras=32) == ((8, 24, 1), (8, 1, 1))  # 192 CTAs
+    assert K1.grid(4096, 256, cfg, max_loras=32) == ((8, 24, 2), (8, 1, 1))  # 192 CTAs x 2
     assert K1.grid(4096, 2048, cfg, max_loras=32)[0][2] == 1
     assert K1.grid(4096, 32, cfg, max_loras=32, zsplit=3)[0] == (8, 3, 3)
     c1 = K1.select(1, 4096, 64)
@@ -219,6 +220,8 @@ def test_choose_zsplit():
                 c = K1.select(1, k, 64)
                 (s, _, z), _ = K1.grid(k, m, c, max_loras=L)
                 assert 1 <= z <= min(c.bm, m, L + 1)
+                assert z & (z - 1) == 0 or z == min(c.bm, m, L + 1)  # a power of two unless capped
+    assert [K1.pow2_ceil(n) for n in (1, 2, 3, 11, 16, 17)] == [1, 2, 4, 16, 16, 32]
 
 
 def test_emulation_group_split_invariant():

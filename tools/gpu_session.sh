@@ -48,6 +48,10 @@ case $mode in
     timeout -s KILL 500 python3 tools/e2e_vllm.py --out "$OUT/perf" --phases tpot,throughput,profile \
       --lora-gain 0.5 --reference off --time-budget 480 --engine-arg "$E2E_CC" 2>&1 | tail -40
     (cd "$OUT" && [[ -d perf ]] && tar czf perf.tgz perf && rm -rf perf)
+    # Both engines' Inductor output code (the no-adapter greedy mismatch: does our op change what
+    # Inductor generates around it?), diffed on the CPU.
+    find /tmp/epilora_e2e/vllm_cache /tmp/torchinductor_* -name '*.py' -size -4M 2> /dev/null > /tmp/pyl
+    timeout -s KILL 15 tar czf "$OUT/inductor_code.tgz" -T /tmp/pyl 2> /dev/null; wc -l < /tmp/pyl
     ;;
   record)
     if [[ -f .devvllm/2/unpack.sh ]]; then bash .devvllm/2/unpack.sh > /dev/null 2>&1 || echo "vLLM unpack failed"; fi
