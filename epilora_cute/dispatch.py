@@ -22,7 +22,10 @@ the same bucket finds its graph decision already made; the fastest is kept per m
 JSON next to the kernel cache and reused on the next start. Nothing is timed during capture: a
 capture that meets an undecided key takes ``default_path`` (logged as a warning) and the key is
 timed at its next call outside capture. Per process, a key is timed at most once; the steady
-state is a dict lookup (no host sync, no timing). ``EPILORA_FORCE_PATH`` forces one path
+state is a dict lookup (no host sync, no timing). In a serving engine (the vLLM plugin) the first
+call of a projection outside capture also settles every other token bucket up to the batch
+capacity on synthetic inputs (``bucket_warmup.py``), so no timing falls into a request's path.
+``EPILORA_FORCE_PATH`` forces one path
 everywhere (debugging, benchmarks; any applicable path, opted in or not, or "reference"). Each
 decision is logged in one line (logger ``epilora_cute.dispatch``, INFO; defaults at WARNING), and
 ``python -m epilora_cute.dispatch`` prints the table.
@@ -497,7 +500,38 @@ def auto_path(x, w_q, w_scale, lora_a, lora_b, meta, *, widths, rank, out, slot_
                             path=path, pdl=pdl, chain_pdl=chain_pdl)
 
     is_capturing = capturing()
-    return dispatcher().path_for(call, run, mode=current_mode(is_capturing), capturing=is_capturing)
+    d = dispatcher()
+    if not is_capturing:
+        from . import bucket_warmup
+
+        def make_run(b: int) -> Callable[[str], None]:
+            return _synthetic_runner(x, w_q, w_scale, lora_a, lora_b, meta, b, out.shape[1],
+                                     slot_ranks=slot_ranks, pdl=pdl)
+
+        bucket_warmup.maybe_warm_up(call, int(meta.max_num_tokens), d, make_run)
+    return d.path_for(call, run, mode=current_mode(is_capturing), capturing=is_capturing)
+
+
+def _synthetic_runner(x, w_q, w_scale, lora_a, lora_b, meta, tokens: int, n: int, *, slot_ranks, pdl):
+    """A candidate runner for a ``tokens``-token batch of the same projection (the bucket warm-up):
+    the call's activations repeated to ``tokens`` rows, tokens dealt round-robin over all adapter
+    slots (scratch metadata, prepared on the device so its key stays the ``<=`` one), a scratch
+    output. Not chained: nothing before it is in flight."""
+    import torch
+
+    from . import ops
+    from .metadata import build_meta
+
+    xb = x.repeat(-(-tokens // x.shape[0]), 1)[:tokens].contiguous()
+    mapping = torch.arange(tokens, device=x.device, dtype=torch.int32) % max(int(meta.max_loras), 1)
+    mb = build_meta(mapping, int(meta.max_loras), max_num_tokens=tokens)
+    ob = x.new_empty((tokens, n))
+
+    def run(path: str) -> None:
+        ops.lora_linear_fp8(xb, w_q, w_scale, lora_a, lora_b, mb, out=ob, slot_ranks=slot_ranks,
+                            path=path, pdl=pdl)
+
+    return run
 
 
 def cuda_timer(fn: Callable[[], None], mode: str) -> float:

@@ -602,3 +602,18 @@ def test_k1_split_counts_are_powers_of_two(monkeypatch, sms, cc):
             assert tp._k1_split(k, cfg)[0] == split  # whole k-tiles per split: the count holds
             seen.add(split)
     assert seen == {1, 2, 4, 8, 16}
+
+
+@pytest.mark.parametrize("sms,cc", [(132, (9, 0)), (142, (8, 9))])
+def test_configs_depend_on_the_token_bucket_only(monkeypatch, sms, cc):
+    """Every batch size of a dispatch token bucket gets the configuration of the bucket's top, so
+    the bucket warm-up's compile serves them all (run10: first-use compiles stalled serving)."""
+    from epilora_cute.dispatch import token_bucket
+
+    monkeypatch.setattr(tp, "_num_sms", lambda device: sms)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc)
+    for k, slices, n in ((4096, 3, 6144), (4096, 2, 24576), (12288, 1, 4096)):
+        for m in list(range(1, 300)) + [511, 513, 1000, 1025, 3000, 8191]:
+            top = token_bucket(m)
+            assert (tp.pick_config(m, k, 64, slices, torch.device("cuda"), N=n)
+                    == tp.pick_config(top, k, 64, slices, torch.device("cuda"), N=n)), (m, k, slices)

@@ -171,6 +171,21 @@ def test_register_idempotent_and_reversible(plugin_on):
     assert len([c for c in first if c.__name__.startswith("EpiLoRA")]) == 12
 
 
+def test_register_makes_the_bucket_warmup_the_default(plugin_on, monkeypatch):
+    """In an engine every token bucket settles at a projection's first call (vLLM's profile run),
+    not on a request's first contact with a batch size; unregister() restores the library default."""
+    from epilora_cute import bucket_warmup
+
+    monkeypatch.delenv(bucket_warmup.ENV, raising=False)
+    assert plugin_on.register() is True and bucket_warmup.enabled()
+    monkeypatch.setenv(bucket_warmup.ENV, "0")
+    assert not bucket_warmup.enabled()
+    monkeypatch.delenv(bucket_warmup.ENV)
+    plugin_on.unregister()
+    assert not bucket_warmup.enabled()
+    plugin_on.register()
+
+
 def test_disable_env_var(vcfg, monkeypatch, log):
     import vllm.lora.utils as lu
 

@@ -65,6 +65,11 @@ def _install() -> None:
         raise RuntimeError("none of the expected LoRA linear classes found in vllm.lora.layers")
     lora_utils._all_lora_classes = classes + stock
     _State.original, _State.classes, _State.registered = current, classes, True
+    # A serving engine: settle every token bucket at a projection's first call (vLLM's profile
+    # run), not on a request's first contact with a batch size (epilora_cute/bucket_warmup.py).
+    from epilora_cute import bucket_warmup
+
+    bucket_warmup.enable_by_default()
 
 
 def unregister() -> None:
@@ -75,3 +80,6 @@ def unregister() -> None:
 
     lora_utils._all_lora_classes = _State.original
     _State.original, _State.classes, _State.registered = None, (), False
+    from epilora_cute import bucket_warmup
+
+    bucket_warmup.enable_by_default(False)

@@ -108,6 +108,10 @@ def pick_config(M: int, K: int, R: int, num_slices: int, device, *, w8a16: bool 
                                 k2_block_m=16, k2_block_n=32, k2_block_k=64, k2_block_r=min(r_pad, 32))
     sms = _num_sms(device)
     hopper = torch.cuda.get_device_capability(device)[0] >= 9
+    # Tiles by the batch's power-of-two bucket (the dispatch's token bucket), not its exact size:
+    # every size of a bucket then runs the kernels its warm-up compiled (epilora_cute/bucket_warmup.py),
+    # never a Triton compile in a request's path.
+    M = _pow2_at_least(M, lo=1)
     k1_bm, k1_bk, k1_br = 16, 128, min(r_pad, 64)
     base_programs = max(1, -(-M // k1_bm) * num_slices * -(-R // k1_br))
     split = max(1, min(-(-4 * sms // base_programs), K // (2 * k1_bk), MAX_K1_SPLITS))
