@@ -58,17 +58,17 @@ def buckets_to_settle(tokens: int, capacity: int) -> list[int]:
 
 
 def settle_buckets(call: Call, capacity: int, dispatcher: Dispatcher,
-                   make_run: Callable[[int], Callable[[str], None]],
+                   make_case: Callable[[int], tuple[Call, Callable[[str], None]]],
                    buckets: Iterable[int] | None = None) -> dict[int, dict[str, str]]:
-    """For every bucket b (default ``buckets_to_settle``): decide b's keys in both modes with
-    ``make_run(b)`` as the candidate runner (timing them unless known), then run each decided path
-    once. Returns {bucket: {mode: path}}. A bucket whose inputs cannot be built or run is logged and
-    left to settle on first contact."""
+    """For every bucket b (default ``buckets_to_settle``): ``make_case(b)`` gives b's call (its own
+    view: which paths apply depends on the token count, e.g. the decode kernels' <= 32) and a
+    candidate runner; decide b's keys in both modes with them (timing unless known), then run each
+    decided path once. Returns {bucket: {mode: path}}. A bucket whose inputs cannot be built or run
+    is logged and left to settle on first contact."""
     out: dict[int, dict[str, str]] = {}
     for b in (buckets_to_settle(call.tokens, capacity) if buckets is None else buckets):
         try:
-            run = make_run(b)
-            call_b = call._replace(tokens=b)
+            call_b, run = make_case(b)
             paths = {m: dispatcher.path_for(call_b, run, mode=m, capturing=False) for m in MODES}
             for p in dict.fromkeys(paths.values()):
                 run(p)  # loads the chosen kernels (and compiles the Triton path's) now
@@ -80,7 +80,7 @@ def settle_buckets(call: Call, capacity: int, dispatcher: Dispatcher,
 
 
 def maybe_warm_up(call: Call, capacity: int, dispatcher: Dispatcher,
-                  make_run: Callable[[int], Callable[[str], None]]) -> bool:
+                  make_case: Callable[[int], tuple[Call, Callable[[str], None]]]) -> bool:
     """``settle_buckets`` once per process and ``shape_id``; only for calls that may carry adapters
     (a batch the host knows to be adapter-free has one candidate, nothing to time). Returns whether
     it ran now."""
@@ -92,7 +92,7 @@ def maybe_warm_up(call: Call, capacity: int, dispatcher: Dispatcher,
             return False
         _done.add(sid)
     t0 = time.perf_counter()
-    settled = settle_buckets(call, capacity, dispatcher, make_run)
+    settled = settle_buckets(call, capacity, dispatcher, make_case)
     log.info("dispatch warm-up: %s settled %d token buckets up to %d tokens in %.1f s",
              key_for(call, MODES[0]).text().rsplit("|M<=", 1)[0], len(settled), capacity,
              time.perf_counter() - t0)

@@ -504,16 +504,19 @@ def auto_path(x, w_q, w_scale, lora_a, lora_b, meta, *, widths, rank, out, slot_
     if not is_capturing:
         from . import bucket_warmup
 
-        def make_run(b: int) -> Callable[[str], None]:
-            return _synthetic_runner(x, w_q, w_scale, lora_a, lora_b, meta, b, out.shape[1],
-                                     slot_ranks=slot_ranks, pdl=pdl)
+        def make_case(b: int) -> tuple[Call, Callable[[str], None]]:
+            xb, run_b = _synthetic_runner(x, w_q, w_scale, lora_a, lora_b, meta, b, out.shape[1],
+                                          slot_ranks=slot_ranks, pdl=pdl)
+            # b's own view of the call (the decode kernels apply only up to 32 tokens), keyed
+            # with the live call's adapter knowledge.
+            return describe(xb, w_q, widths, rank, lora_a, lora_b, meta)._replace(tokens=b), run_b
 
-        bucket_warmup.maybe_warm_up(call, int(meta.max_num_tokens), d, make_run)
+        bucket_warmup.maybe_warm_up(call, int(meta.max_num_tokens), d, make_case)
     return d.path_for(call, run, mode=current_mode(is_capturing), capturing=is_capturing)
 
 
 def _synthetic_runner(x, w_q, w_scale, lora_a, lora_b, meta, tokens: int, n: int, *, slot_ranks, pdl):
-    """A candidate runner for a ``tokens``-token batch of the same projection (the bucket warm-up):
+    """(activations, candidate runner) for a ``tokens``-token batch of the same projection (the bucket warm-up):
     the call's activations repeated to ``tokens`` rows, tokens dealt round-robin over all adapter
     slots (scratch metadata, prepared on the device so its key stays the ``<=`` one), a scratch
     output. Not chained: nothing before it is in flight."""
@@ -531,7 +534,7 @@ def _synthetic_runner(x, w_q, w_scale, lora_a, lora_b, meta, tokens: int, n: int
         ops.lora_linear_fp8(xb, w_q, w_scale, lora_a, lora_b, mb, out=ob, slot_ranks=slot_ranks,
                             path=path, pdl=pdl)
 
-    return run
+    return xb, run
 
 
 def cuda_timer(fn: Callable[[], None], mode: str) -> float:

@@ -8,7 +8,13 @@ from epilora_cute.dispatch import MODES, TOKEN_BUCKETS, Call, Dispatcher, Dispat
 
 def _call(tokens=16384, host_adapters=None):
     return Call(device="FakeGPU", arch="sm_90a", k=4096, slices=(4096, 1024, 1024), rank=64,
-                tokens=tokens, max_loras=8, host_adapters=host_adapters, decode_reason=None)
+                tokens=tokens, max_loras=8, host_adapters=host_adapters,
+                decode_reason=None if tokens <= 32 else f"{tokens} tokens: the decode path takes 1..32")
+
+
+def _case(runner):
+    """make_case for the fake: b's own call (as dispatch.describe builds it) and ``runner(b)``."""
+    return lambda b: (_call(tokens=b), runner(b))
 
 
 @pytest.fixture(autouse=True)
@@ -36,18 +42,23 @@ def test_buckets_to_settle():
 def test_settles_every_bucket_in_both_modes_and_runs_each_choice(tmp_path):
     runs = []
 
-    def make_run(b):
+    def runner(b):
         def run(path):
             runs.append((b, path))
         return run
 
     # The timer reads which path just ran: hybrid is the fastest from 64 tokens on, the slowest below.
     d = _dispatcher(tmp_path, lambda fn, mode: (fn(), 1.0 if (runs[-1][1] == "hybrid") == (runs[-1][0] >= 64) else 2.0)[1])
-    settled = W.settle_buckets(_call(), 512, d, make_run)
+    settled = W.settle_buckets(_call(), 512, d, _case(runner))
     assert sorted(settled) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
     for b, paths in settled.items():
         assert set(paths) == set(MODES)
         assert all(p in ("decode", "triton", "hybrid") for p in paths.values())
+        # each bucket's own candidates: the decode kernels compete up to 32 tokens only (run11:
+        # the live 16384-token call's view left them out of every bucket)
+        key = key_for(_call(tokens=b), "graph")
+        timed = set(d.table.entries()[key.text()]["times_us"])
+        assert ("decode" in timed) == (b <= 32), (b, timed)
         for m in MODES:  # decided and remembered in the process and the table file
             key = key_for(_call(tokens=b), m)
             assert d.decisions()[key] == paths[m]
@@ -59,11 +70,11 @@ def test_settles_every_bucket_in_both_modes_and_runs_each_choice(tmp_path):
 def test_known_buckets_are_not_timed_again_but_still_run(tmp_path):
     runs = []
     d = _dispatcher(tmp_path)
-    W.settle_buckets(_call(), 64, d, lambda b: (lambda p: runs.append((b, p))))
+    W.settle_buckets(_call(), 64, d, _case(lambda b: (lambda p: runs.append((b, p)))))
     d2 = Dispatcher(DispatchTable(tmp_path / "dispatch.json"),
                     timer=lambda fn, mode: pytest.fail("a known key was timed again"))
     runs.clear()
-    settled = W.settle_buckets(_call(), 64, d2, lambda b: (lambda p: runs.append((b, p))))
+    settled = W.settle_buckets(_call(), 64, d2, _case(lambda b: (lambda p: runs.append((b, p)))))
     assert sorted(settled) == [1, 2, 4, 8, 16, 32, 64]
     assert {b for b, _ in runs} == set(settled)  # each decided path still runs once
 
@@ -71,12 +82,12 @@ def test_known_buckets_are_not_timed_again_but_still_run(tmp_path):
 def test_a_failing_bucket_is_skipped_not_raised(tmp_path, caplog):
     d = _dispatcher(tmp_path)
 
-    def make_run(b):
+    def runner(b):
         if b == 4:
             raise RuntimeError("out of memory")
         return lambda p: None
 
-    settled = W.settle_buckets(_call(), 8, d, make_run)
+    settled = W.settle_buckets(_call(), 8, d, _case(runner))
     assert sorted(settled) == [1, 2, 8] and "bucket 4" in caplog.text
 
 
@@ -84,10 +95,11 @@ def test_once_per_shape_only_when_enabled_and_never_for_adapter_free_batches(tmp
     d = _dispatcher(tmp_path)
     seen = []
 
-    def make_run(b):
+    def runner(b):
         seen.append(b)
         return lambda p: None
 
+    make_run = _case(runner)
     assert not W.maybe_warm_up(_call(), 64, d, make_run)  # off by default outside an engine
     W.enable_by_default()
     assert not W.maybe_warm_up(_call(host_adapters=0), 64, d, make_run)  # one candidate: nothing to time
@@ -124,11 +136,11 @@ def test_synthetic_runner_builds_a_full_batch_over_every_slot(monkeypatch):
         seen["x"], seen["meta"], seen["out"] = xb, args[4], kw["out"]
         return real(xb, *args, **kw)
 
-    run = dispatch._synthetic_runner(x, w_q, w_scale, a, b, meta, 8, sum(widths), slot_ranks=None, pdl=False)
+    xs, run = dispatch._synthetic_runner(x, w_q, w_scale, a, b, meta, 8, sum(widths), slot_ranks=None, pdl=False)
     monkeypatch.setattr(ops, "lora_linear_fp8", spy)
     run("reference")
     xb, mb, out = seen["x"], seen["meta"], seen["out"]
-    assert xb.shape == (8, k) and torch.equal(xb[3:6], x) and torch.equal(xb[6:8], x[:2])
+    assert xb is xs and xb.shape == (8, k) and torch.equal(xb[3:6], x) and torch.equal(xb[6:8], x[:2])
     assert mb.token_lora_mapping[:8].tolist() == [0, 1, 2, 0, 1, 2, 0, 1]  # every slot, no token without
     want = reference.lora_linear(xb, w_q, w_scale, a, b, mb.token_lora_mapping[:8])
     assert torch.equal(out, want.to(out.dtype))
