@@ -54,7 +54,7 @@ def test_settles_every_bucket_in_both_modes_and_runs_each_choice(tmp_path):
     for b, paths in settled.items():
         assert set(paths) == set(MODES)
         assert all(p in ("decode", "triton", "hybrid") for p in paths.values())
-        # each bucket's own candidates: the decode kernels compete up to 32 tokens only (run11:
+        # each bucket's own candidates: the decode kernels compete up to 32 tokens only (run10, 7db3128:
         # the live 16384-token call's view left them out of every bucket)
         key = key_for(_call(tokens=b), "graph")
         timed = set(d.table.entries()[key.text()]["times_us"])

@@ -247,10 +247,50 @@ def test_custom_op_matches_reference_and_opcheck():
     assert y.data_ptr() not in {t.data_ptr() for t in after}  # a fresh output
 
 
+def test_out_variant_writes_the_same_values_into_the_given_buffer():
+    """lora_linear_fp8_out: the fused op's values, written into ``out`` (bias included), nothing
+    returned, inputs untouched; opcheck's fake and AOT-dispatch checks on the mutating schema."""
+    x, w_q, w_s, a, b, ids = _problem()
+    meta = build_meta(ids, max_loras=3, max_num_tokens=16)
+    bias = torch.randn(w_q.shape[0]).to(torch.bfloat16)
+    out = torch.full((x.shape[0], w_q.shape[0]), float("nan"), dtype=torch.bfloat16)
+    assert custom_op.lora_linear_fp8_out(out, x, w_q, w_s, a, b, meta, bias) is out
+    assert torch.equal(out, custom_op.lora_linear_fp8(x, w_q, w_s, a, b, meta, bias))
+    args = (out, x, w_q, w_s, list(a), list(b), *(getattr(meta, f) for f in custom_op.META_FIELDS), None)
+    before = [t.clone() for t in (x, w_q.view(torch.uint8), w_s, *a, *b)]
+    torch.library.opcheck(torch.ops.epilora_vllm.lora_linear_fp8_out.default, args,
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    assert all(torch.equal(p, q) for p, q in zip(before, [x, w_q.view(torch.uint8), w_s, *a, *b]))
+
+
+def test_out_variant_under_inductor_writes_an_inductor_buffer():
+    """Compiled with Inductor (CPU), the out variant's buffer is one Inductor allocates and passes
+    straight to the op (auto-functionalization re-inplaced: no copy of the result), and the values
+    equal the eager op's."""
+    from torch._inductor.utils import run_and_get_code
+
+    custom_op.register()  # outside the traced function (Dynamo does not trace library setup)
+    x, w_q, w_s, a, b, ids = _problem()
+    meta = build_meta(ids, max_loras=3, max_num_tokens=16)
+
+    def step(x):
+        y = torch.empty((x.shape[0], w_q.shape[0]), dtype=x.dtype)
+        custom_op.lora_linear_fp8_out(y, x * 2, w_q, w_s, a, b, meta)
+        return y + 1
+
+    torch._dynamo.reset()
+    got, codes = run_and_get_code(torch.compile(step, backend="inductor", fullgraph=True), x)
+    assert torch.equal(got, custom_op.lora_linear_fp8(x * 2, w_q, w_s, a, b, meta) + 1)
+    code = "\n".join(codes)
+    assert "epilora_vllm.lora_linear_fp8_out" in code
+    assert "clone" not in code and ".copy_(" not in code, code
+
+
 def test_custom_op_register_idempotent():
     custom_op.register()
     custom_op.register()
     assert hasattr(torch.ops.epilora_vllm, "lora_linear_fp8")
+    assert hasattr(torch.ops.epilora_vllm, "lora_linear_fp8_out")
     assert hasattr(torch.ops.epilora_vllm, "prepare_meta")
 
 

@@ -659,9 +659,12 @@ def test_vllm_tp_slicing_matches_kernel_shard_shapes(vcfg):
     torch.testing.assert_close(total, full, rtol=1e-4, atol=1e-4)
 
 
-def test_layer_apply_compiles_without_graph_break(vcfg, plugin_on):
+@pytest.mark.parametrize("out_variant", ["0", "1"])
+def test_layer_apply_compiles_without_graph_break(vcfg, plugin_on, monkeypatch, out_variant):
     """The taken-over layer's apply traces as one graph (Dynamo + AOT autograd on the CPU), and
-    the compiled graph prepares the metadata itself: a new batch needs no Python."""
+    the compiled graph prepares the metadata itself: a new batch needs no Python. Also with
+    EPILORA_OUT_VARIANT=1 (the output allocated in the graph, lora_linear_fp8_out)."""
+    monkeypatch.setenv("EPILORA_OUT_VARIANT", out_variant)
     layer = _fp8_layer(vcfg, "qkv")
     lora_layer = _from_layer(vcfg, layer, "qkv")
     _load_adapters(lora_layer, "qkv")

@@ -13,6 +13,12 @@ graphs would specialize on it. Nothing in the call reads a device value on the h
 passes it to its own LoRA ops, so compiled graphs read it at run time): with it set the call is
 dispatched as a no-adapter call.
 
+``lora_linear_fp8_out`` is the same computation written into a given ``out`` (mutated, returns
+nothing), for a caller that allocates the output in the compiled graph: Inductor then knows the
+buffer (its alignment, for the kernels that read it next), as it does for stock vLLM's GEMM output.
+The plugin uses it with ``EPILORA_OUT_VARIANT=1`` (an experiment: run10's Inductor code showed
+the norm kernels reading our op's returned tensor without the 16-byte alignment hint).
+
 ``prepare_meta`` refreshes the metadata buffers in place from a mapping (mutates them, returns
 nothing): as one opaque op it is captured into CUDA graphs as it is, and torch.compile does not
 trace ``LoRABatchMeta.prepare``'s sorts and scatters. On CUDA ``prepare`` is one Triton launch
@@ -21,6 +27,7 @@ trace ``LoRABatchMeta.prepare``'s sorts and scatters. On CUDA ``prepare`` is one
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import torch
@@ -31,15 +38,19 @@ from . import fused
 
 NAMESPACE = "epilora_vllm"
 OP_NAME = "lora_linear_fp8"
+OUT_OP_NAME = "lora_linear_fp8_out"
 PREPARE_NAME = "prepare_meta"
+OUT_VARIANT_ENV = "EPILORA_OUT_VARIANT"
 META_FIELDS = ("token_lora_mapping", "token_indices_sorted_by_lora_ids", "active_lora_ids",
                "num_tokens_per_lora", "lora_token_start_loc", "sorted_lora_ids", "row_group",
                "num_active")
-SCHEMA = (
-    "(Tensor x, Tensor w_q, Tensor w_scale, Tensor[] lora_a, Tensor[] lora_b, "
+_ARGS = (
+    "Tensor x, Tensor w_q, Tensor w_scale, Tensor[] lora_a, Tensor[] lora_b, "
     + ", ".join(f"Tensor {f}" for f in META_FIELDS)
-    + ", Tensor? bias=None, bool chain_pdl=False, Tensor? no_lora_flag_cpu=None) -> Tensor"
+    + ", Tensor? bias=None, bool chain_pdl=False, Tensor? no_lora_flag_cpu=None"
 )
+SCHEMA = "(" + _ARGS + ") -> Tensor"
+OUT_SCHEMA = "(Tensor(a!) out, " + _ARGS + ") -> ()"
 PREPARE_SCHEMA = (
     "(Tensor mapping, "
     + ", ".join(f"Tensor(a{i}!) {f}" for i, f in enumerate(META_FIELDS))
@@ -87,6 +98,20 @@ def _fake(x, w_q, w_scale, lora_a, lora_b, *meta_and_bias, **kw):
     return x.new_empty((x.shape[0], w_q.shape[0]))
 
 
+def _out_impl(out, x, w_q, w_scale, lora_a, lora_b, token_lora_mapping, token_indices_sorted_by_lora_ids,
+              active_lora_ids, num_tokens_per_lora, lora_token_start_loc, sorted_lora_ids, row_group,
+              num_active, bias=None, chain_pdl=False, no_lora_flag_cpu=None):
+    meta = _meta_from_tensors(x, (token_lora_mapping, token_indices_sorted_by_lora_ids,
+                                  active_lora_ids, num_tokens_per_lora, lora_token_start_loc,
+                                  sorted_lora_ids, row_group, num_active),
+                              host_num_adapters=0 if _host_no_lora(no_lora_flag_cpu) else None)
+    fused.lora_linear_fp8(x, w_q, w_scale, lora_a, lora_b, meta, bias, chain_pdl=chain_pdl, out=out)
+
+
+def _out_fake(out, *args, **kw):
+    return None
+
+
 def _prepare_impl(mapping, *fields):
     meta = _meta_from_tensors(mapping, fields)
     meta.prepare(mapping)
@@ -103,11 +128,14 @@ def register() -> None:
         return
     lib = torch.library.Library(NAMESPACE, "FRAGMENT")
     lib.define(OP_NAME + SCHEMA)
+    lib.define(OUT_OP_NAME + OUT_SCHEMA)
     lib.define(PREPARE_NAME + PREPARE_SCHEMA)
     for key in ("CUDA", "CPU"):
         lib.impl(OP_NAME, _impl, key)
+        lib.impl(OUT_OP_NAME, _out_impl, key)
         lib.impl(PREPARE_NAME, _prepare_impl, key)
     torch.library.register_fake(f"{NAMESPACE}::{OP_NAME}", _fake, lib=lib)
+    torch.library.register_fake(f"{NAMESPACE}::{OUT_OP_NAME}", _out_fake, lib=lib)
     torch.library.register_fake(f"{NAMESPACE}::{PREPARE_NAME}", _prepare_fake, lib=lib)
     _lib = lib  # the registration lives as long as this object
 
@@ -121,6 +149,23 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     op = getattr(torch.ops, NAMESPACE).lora_linear_fp8
     return op(x, w_q, w_scale, list(lora_a), list(lora_b),
               *(getattr(meta, f) for f in META_FIELDS), bias, chain_pdl, no_lora_flag_cpu)
+
+
+def out_variant_enabled() -> bool:
+    """``EPILORA_OUT_VARIANT=1``: the plugin allocates the output and calls ``lora_linear_fp8_out``."""
+    return os.environ.get(OUT_VARIANT_ENV) == "1"
+
+
+def lora_linear_fp8_out(out: torch.Tensor, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                        lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
+                        meta: LoRABatchMeta, bias: torch.Tensor | None = None, chain_pdl: bool = False,
+                        no_lora_flag_cpu: torch.Tensor | None = None) -> torch.Tensor:
+    """``lora_linear_fp8`` written into ``out`` ([M, N], x's dtype, contiguous); returns ``out``."""
+    register()
+    getattr(torch.ops, NAMESPACE).lora_linear_fp8_out(
+        out, x, w_q, w_scale, list(lora_a), list(lora_b), *(getattr(meta, f) for f in META_FIELDS),
+        bias, chain_pdl, no_lora_flag_cpu)
+    return out
 
 
 def prepare_meta(mapping: torch.Tensor, meta: LoRABatchMeta) -> None:

@@ -151,8 +151,10 @@ def _reference(x, w_q, w_scale, lora_a, lora_b, meta: LoRABatchMeta) -> torch.Te
 
 def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                     lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
-                    meta: LoRABatchMeta, bias: torch.Tensor | None = None, chain_pdl: bool = False) -> torch.Tensor:
-    """y[M, N] = fp8(x) @ W^T + per-token LoRA (+ bias), in x's dtype.
+                    meta: LoRABatchMeta, bias: torch.Tensor | None = None, chain_pdl: bool = False,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """y[M, N] = fp8(x) @ W^T + per-token LoRA (+ bias), in x's dtype; written into ``out`` when
+    given (a contiguous [M, N] tensor of x's dtype), else into a new tensor.
 
     x [M, K] bf16; w_q [N, K] float8_e4m3fn; w_scale one fp32 value; lora_a / lora_b vLLM's
     stacked per-slice buffers ([max_loras, 1, r, K] / [max_loras, 1, n_s, r]); meta describes
@@ -161,14 +163,17 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     """
     path = kernel_path(x.device)
     if path == "cute":
-        y = fused_op()(x, w_q, w_scale.reshape(1), list(lora_a), list(lora_b), meta,
+        into = {"out": out} if out is not None else {}
+        y = fused_op()(x, w_q, w_scale.reshape(1), list(lora_a), list(lora_b), meta, **into,
                        chain_pdl=chain_pdl and chain_pdl_enabled())
     elif path == "triton":
         from .triton_path import triton_lora_linear
 
-        y = triton_lora_linear(x, w_q, w_scale.reshape(1), list(lora_a), list(lora_b), meta)
+        y = triton_lora_linear(x, w_q, w_scale.reshape(1), list(lora_a), list(lora_b), meta, out=out)
     else:
         y = _reference(x, w_q, w_scale, lora_a, lora_b, meta)
+        if out is not None:
+            y = out.copy_(y)
     if bias is not None:
-        y = y + bias
+        y = y.add_(bias) if out is not None else y + bias
     return y

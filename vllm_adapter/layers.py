@@ -184,9 +184,17 @@ class EpiLoRALinearMixin:
         meta, prepared = meta_bridge.meta_and_prepared(self.punica_wrapper, self._epilora_state, self, x2.shape[0])
         # Chained PDL: the op may start under the kernel before it and read the metadata early,
         # so not right after the preparation that writes it.
-        y = custom_op.lora_linear_fp8(x2, base.weight.t(), base.weight_scale, self.lora_a_stacked,
-                                      self.lora_b_stacked, meta, bias, chain_pdl=not prepared,
-                                      no_lora_flag_cpu=_vllm_no_lora_flag(self.punica_wrapper))
+        w_q, flag = base.weight.t(), _vllm_no_lora_flag(self.punica_wrapper)
+        if custom_op.out_variant_enabled():
+            # The output allocated here, in the compiled graph (custom_op's module docstring).
+            y = torch.empty((x2.shape[0], w_q.shape[0]), dtype=x2.dtype, device=x2.device)
+            custom_op.lora_linear_fp8_out(y, x2, w_q, base.weight_scale, self.lora_a_stacked,
+                                          self.lora_b_stacked, meta, bias, chain_pdl=not prepared,
+                                          no_lora_flag_cpu=flag)
+        else:
+            y = custom_op.lora_linear_fp8(x2, w_q, base.weight_scale, self.lora_a_stacked,
+                                          self.lora_b_stacked, meta, bias, chain_pdl=not prepared,
+                                          no_lora_flag_cpu=flag)
         return y.view(*x.shape[:-1], y.shape[-1]) if x.dim() > 2 else y
 
 
