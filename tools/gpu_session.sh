@@ -10,12 +10,13 @@
 #   after call A, carry .devvllm/2 .gpu_carry/.epilora_cache (the next-session plan, ~5-6 min each):
 #                                                 bash tools/gpu_session.sh hybrid-identity <commit>
 #                                                 bash tools/gpu_session.sh e2e-perf <commit>
+#                                                 bash tools/gpu_session.sh out-variant <commit>
 #   fp32 reference for a recorded e2e run, no vLLM needed (carry nothing):
 #                                                 bash tools/gpu_session.sh e2e-rescore <commit> [E2E_JSON] (~1-2 min)
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, verify, hybrid-identity or e2e-perf}
+mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, verify, hybrid-identity, e2e-perf or out-variant}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -52,6 +53,14 @@ case $mode in
     # Inductor generates around it?), diffed on the CPU.
     find /tmp/epilora_e2e/vllm_cache /tmp/torchinductor_* -name '*.py' -size -4M 2> /dev/null > /tmp/pyl
     timeout -s KILL 15 tar czf "$OUT/inductor_code.tgz" -T /tmp/pyl 2> /dev/null; wc -l < /tmp/pyl
+    ;;
+  out-variant)
+    # perf.md run10 / plugin.md: the output allocated in the compiled graph (EPILORA_OUT_VARIANT=1)
+    # — greedy identity without adapters (13/16 in every run since run9) and TPOT, ours vs stock.
+    unpack_vllm
+    EPILORA_OUT_VARIANT=1 timeout -s KILL 480 python3 tools/e2e_vllm.py --out "$OUT/ov" \
+      --phases greedy,logprobs,tpot --lora-gain 0.5 --reference off --time-budget 460 --engine-arg "$E2E_CC" 2>&1 | tail -40
+    (cd "$OUT" && [[ -d ov ]] && tar czf ov.tgz ov && rm -rf ov)
     ;;
   record)
     if [[ -f .devvllm/2/unpack.sh ]]; then bash .devvllm/2/unpack.sh > /dev/null 2>&1 || echo "vLLM unpack failed"; fi
