@@ -516,10 +516,10 @@ def auto_path(x, w_q, w_scale, lora_a, lora_b, meta, *, widths, rank, out, slot_
 
 
 def _synthetic_runner(x, w_q, w_scale, lora_a, lora_b, meta, tokens: int, n: int, *, slot_ranks, pdl):
-    """(activations, candidate runner) for a ``tokens``-token batch of the same projection (the bucket warm-up):
-    the call's activations repeated to ``tokens`` rows, tokens dealt round-robin over all adapter
-    slots (scratch metadata, prepared on the device so its key stays the ``<=`` one), a scratch
-    output. Not chained: nothing before it is in flight."""
+    """(activations, candidate runner) for a ``tokens``-token batch of the same projection (the
+    bucket warm-up): the call's activations repeated to ``tokens`` rows, tokens dealt round-robin
+    over all adapter slots (scratch metadata, prepared on the device so its key stays the ``<=``
+    one), a scratch output. Not chained: nothing before it is in flight."""
     import torch
 
     from . import ops
