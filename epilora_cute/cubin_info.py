@@ -12,29 +12,30 @@ import re
 import struct
 
 _EIATTR_REGCOUNT = 0x2F  # .nv.info attribute: (symbol index u32, registers per thread u32)
+_EIATTR_FRAME_SIZE = 0x11  # .nv.info.<kernel> attribute: (symbol index u32, stack frame bytes u32)
 
 
-def register_count(cubin: bytes) -> int:
-    """Registers per thread the cubin's (single) kernel is launched with."""
+def _nv_info_values(cubin: bytes, attr_wanted: int) -> list[int]:
+    """The u32 values of every (symbol, value) record of one attribute in the .nv.info* sections."""
     if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
         raise ValueError("not a 64-bit ELF cubin")
     shoff, = struct.unpack_from("<Q", cubin, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
     sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
     names_at = sections[shstrndx][4]
-    counts = []
+    values = []
     for sec in sections:
         sh_name, sh_offset, sh_size = sec[0], sec[4], sec[5]
         name = cubin[names_at + sh_name: cubin.index(b"\0", names_at + sh_name)]
-        if name != b".nv.info":
+        if name != b".nv.info" and not name.startswith(b".nv.info."):
             continue
         p, end = sh_offset, sh_offset + sh_size
         while p < end:  # records: format byte, attribute byte, payload
             fmt, attr = cubin[p], cubin[p + 1]
             if fmt == 0x04:  # EIFMT_SVAL: u16 size + payload
                 n, = struct.unpack_from("<H", cubin, p + 2)
-                if attr == _EIATTR_REGCOUNT:
-                    counts.append(struct.unpack_from("<II", cubin, p + 4)[1])
+                if attr == attr_wanted and n >= 8:
+                    values.append(struct.unpack_from("<II", cubin, p + 4)[1])
                 p += 4 + n
             elif fmt == 0x03:  # EIFMT_HVAL: u16 value
                 p += 4
@@ -42,9 +43,21 @@ def register_count(cubin: bytes) -> int:
                 p += 3
             else:  # EIFMT_NVAL: no value
                 p += 2
+    return values
+
+
+def register_count(cubin: bytes) -> int:
+    """Registers per thread the cubin's (single) kernel is launched with."""
+    counts = _nv_info_values(cubin, _EIATTR_REGCOUNT)
     if len(counts) != 1:
         raise ValueError(f"expected one kernel register count in .nv.info, found {counts}")
     return counts[0]
+
+
+def stack_frame_bytes(cubin: bytes) -> int:
+    """Bytes of per-thread stack frame (local memory) of the cubin's kernel and its callees: the
+    "N bytes stack frame" of ptxas -v; register spills live there. 0 when the kernel has none."""
+    return max(_nv_info_values(cubin, _EIATTR_FRAME_SIZE), default=0)
 
 
 def register_pool_problem(ptx: str, cubin: bytes) -> str | None:

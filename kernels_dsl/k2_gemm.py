@@ -376,11 +376,16 @@ if cute is not None:
                     if n_quant == 0:
                         # x_q from a previous kernel (the standalone quantization): as its PDL
                         # dependent, wait for it here, after the first weight stages are requested
-                        # (a no-op when launched without PDL).
+                        # (a no-op when launched without PDL). The counter is not touched.
                         cute.arch.griddepcontrol_wait()
-                    while D.ld_acquire_gpu_s32(sync_addr) < n_quant:
-                        D.nanosleep(32)
+                    else:
+                        while D.ld_acquire_gpu_s32(sync_addr) < n_quant:
+                            D.nanosleep(32)
                     D.fence_proxy_async_global()
+                    # 4. x_q of the stages already holding weights, first: the consumer's first
+                    #    WGMMA waits on it (s_x is needed only after the main loop).
+                    for i in cutlass.range(npre, unroll=1):
+                        cute.copy(tma_x, tXg[(None, kb_lo + i)], tXs[(None, i)], tma_bar_ptr=full + i)
                     # s_x goes to the consumer through smem + an mbarrier, so that its reads are
                     # ordered after this acquire (the consumer never saw the flag). One token per
                     # lane (bn <= 32): one memory round trip, not one per token (a serial loop here
@@ -390,17 +395,16 @@ if cute is not None:
                     cute.arch.sync_warp()
                     if lane == 0:
                         cute.arch.mbarrier_arrive(sx_ready)
-                        gdim = cute.arch.grid_dim()
-                        total = gdim[0] * gdim[1] * gdim[2]
-                        old = D.atom_add_acqrel_gpu_s32(sync_addr + 4, 1)
-                        if old == total - 1:
-                            # Every CTA of this grid is past the spin: re-arm for the next call.
-                            D.st_relaxed_gpu_s32(sync_addr, 0)
-                            D.st_relaxed_gpu_s32(sync_addr + 4, 0)
+                        if n_quant > 0:
+                            gdim = cute.arch.grid_dim()
+                            total = gdim[0] * gdim[1] * gdim[2]
+                            old = D.atom_add_acqrel_gpu_s32(sync_addr + 4, 1)
+                            if old == total - 1:
+                                # Every CTA of this grid is past the spin: re-arm for the next call.
+                                D.st_relaxed_gpu_s32(sync_addr, 0)
+                                D.st_relaxed_gpu_s32(sync_addr + 4, 0)
                     cute.arch.sync_warp()
-                    for i in cutlass.range(npre, unroll=1):
-                        cute.copy(tma_x, tXg[(None, kb_lo + i)], tXs[(None, i)], tma_bar_ptr=full + i)
-                    # 4. x_q for the stages already holding weights, then the steady state.
+                    # 5. the steady state: weights and x_q of each freed stage.
                     for i in cutlass.range(npre, nloc, unroll=1):
                         s = i % STAGES
                         cute.arch.mbarrier_wait(empty + s, ((i // STAGES) + 1) % 2)
@@ -415,6 +419,12 @@ if cute is not None:
                         # depend on nothing the shrink kernel writes).
                         self._adapter_producer(tma_bs, mBs, st, sB_layout, bfull, bempty, mTok, mSlotRanks,
                                                sl, row_in_slice, n_s, split, nsplit, M)
+                # The producer warpgroup's side of the consumer's two cluster barriers (all
+                # threads of the cluster take part in each).
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
             else:
                 # ===================================== consumer ====================================
                 cute.arch.setmaxregister_increase(cfg.consumer_regs)
@@ -470,13 +480,13 @@ if cute is not None:
                             v = v + acc_l[i]
                     sRed[r, j] = v
 
-            # Cluster-wide: every partial is in smem (release/acquire at cluster scope).
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-
-            if wg == 1:
+                # Cluster-wide: every partial is in smem (release/acquire at cluster scope).
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
                 # Fixed-order reduction of this CTA's share of the valid elements; y written once.
-                ctid = tidx - 128
+                # It stays inside the consumer branch: code after the branches join is register-
+                # allocated for the producer's budget too, and there the reduction spilled (140 B
+                # of stack loads at bn = 16, 940 B at bn = 32, ptxas -v).
                 mvalid = cutlass.min(M, BN)
                 n_el = BM * mvalid
                 lo = split * n_el // nsplit
@@ -501,10 +511,9 @@ if cute is not None:
                     if e < hi:
                         j = e // BM
                         mY[j, n0 + e - j * BM] = vals[u].to(cutlass.BFloat16)
-
-            # Keep this CTA's smem alive until every CTA of the cluster has read it.
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
+                # Keep this CTA's smem alive until every CTA of the cluster has read it.
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
 
         # -----------------------------------------------------------------------------------------
         @cute.jit

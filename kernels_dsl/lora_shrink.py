@@ -317,6 +317,21 @@ if cute is not None:
                     if tidx < 32:
                         for i in cutlass.range(npre, unroll=1):
                             self._load_x(i, kb_lo + i, full, tma_x, tXg, tXs)
+                    # This thread's share of the (rank row, token) pairs of the reduction below and
+                    # their tokens' slots: loaded now, their latency hidden by the main loop (after
+                    # the wait: token_lora may come from the kernel before us).
+                    mvalid = cutlass.min(M, BN)
+                    rows = cutlass.min(RB, R - c * 64)
+                    n_el = rows * mvalid
+                    lo = split * n_el // nsplit
+                    hi = (split + 1) * n_el // nsplit
+                    RU = 64 * BN // THREADS
+                    toks = cute.make_rmem_tensor((RU,), cutlass.Int32)
+                    for u in cutlass.range_constexpr(RU):
+                        e = lo + tidx + THREADS * u
+                        toks[u] = cutlass.Int32(-2)
+                        if e < hi:
+                            toks[u] = mTok[e // rows]
                     # One WGMMA group stays in flight: block i's MMAs run while the CTA agrees that
                     # block i-1's stage is free and refills it (run6: with the wait for the group
                     # just issued, every k-block paid MMA latency + barrier + refill in series, and
@@ -345,26 +360,12 @@ if cute is not None:
                     cute.arch.cluster_arrive()
                     cute.arch.cluster_wait()
 
-                    # Fixed-order split-K sum; this CTA writes its share of (rank row, token) pairs.
-                    mvalid = cutlass.min(M, BN)
-                    rows = cutlass.min(RB, R - c * 64)
-                    n_el = rows * mvalid
-                    lo = split * n_el // nsplit
-                    hi = (split + 1) * n_el // nsplit
+                    # Fixed-order split-K sum; this CTA writes its share of (rank row, token) pairs,
+                    # each summed over the splits in the fixed order 0..S-1, all of one split's
+                    # partials loaded at once (unrolled: independent loads in flight together).
                     base = sRed.iterator.toint()
-                    # Each element is summed over the splits in the fixed order 0..S-1. The token
-                    # slots and then each split's partials are loaded for all of this thread's
-                    # elements at once (unrolled: independent loads in flight together), not as
-                    # one dependent chain per element.
-                    RU = 64 * BN // THREADS
-                    toks = cute.make_rmem_tensor((RU,), cutlass.Int32)
                     vals = cute.make_rmem_tensor((RU,), cutlass.Float32)
                     vals.fill(0.0)
-                    for u in cutlass.range_constexpr(RU):
-                        e = lo + tidx + THREADS * u
-                        toks[u] = cutlass.Int32(-2)
-                        if e < hi:
-                            toks[u] = mTok[e // rows]
                     for q in cutlass.range(nsplit, unroll=1):
                         for u in cutlass.range_constexpr(RU):
                             e = lo + tidx + THREADS * u

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from epilora_cute.cubin_info import register_count, register_pool_problem
+from epilora_cute.cubin_info import register_count, register_pool_problem, stack_frame_bytes
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
@@ -51,3 +51,18 @@ def test_small_pool_is_flagged(quant_build):
 def test_not_a_cubin():
     with pytest.raises(ValueError):
         register_count(b"not an elf")
+
+
+def test_stack_frame_of_a_kernel_without_locals_is_zero(quant_build):
+    _, cubin = quant_build
+    assert stack_frame_bytes(cubin) == 0
+
+
+def test_stack_frame_is_read_from_nv_info(quant_build):
+    # The same cubin with one EIATTR_FRAME_SIZE record patched in place of its register count
+    # record: the reader finds the attribute wherever it sits in a .nv.info section.
+    _, cubin = quant_build
+    rec = bytes([0x04, 0x2F, 8, 0])
+    at = cubin.index(rec)
+    patched = cubin[:at] + bytes([0x04, 0x11, 8, 0]) + cubin[at + 4: at + 8] + (96).to_bytes(4, "little") + cubin[at + 12:]
+    assert stack_frame_bytes(patched) == 96

@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:
 import pytest  # noqa: E402
 
 from kernels_dsl import k2_gemm, lora_shrink  # noqa: E402
-from epilora_cute.cubin_info import register_pool_problem  # noqa: E402
+from epilora_cute.cubin_info import register_pool_problem, stack_frame_bytes  # noqa: E402
 from kernels_dsl._abi import ptx_entry_params  # noqa: E402
 from tests.dsl46 import run_dsl46  # noqa: E402
 
@@ -52,11 +52,31 @@ def _lines_index(ptx: str, pat: str) -> list[int]:
     return [i for i, ln in enumerate(ptx.splitlines()) if re.search(pat, ln)]
 
 
+def _entry_points(ptx: str, idxs: list[int]) -> list[int]:
+    """Where control reaches each line, in code order: the line itself, or, for a block that
+    the compiler placed out of line (the line before its label is an unconditional branch or a
+    return: no fall through), the first branch to that label. Sorted."""
+    lines = ptx.splitlines()
+    out = []
+    for i in idxs:
+        at = i
+        lab = next((j for j in range(i, -1, -1) if re.match(r"^\$L\w+:", lines[j])), None)
+        if lab is not None and lab > 0 and re.match(r"^\s*(bra(\.uni)?\s|ret;|exit;)", lines[lab - 1]):
+            name = lines[lab].strip()[:-1]
+            srcs = [j for j, ln in enumerate(lines) if re.search(rf"\bbra(\.uni)?\s+{re.escape(name)};", ln)]
+            if srcs:
+                at = min(srcs)
+        out.append(at)
+    return sorted(out)
+
+
 def k2_ptx_problems(cfg: k2_gemm.Config, ptx: str) -> list[str]:
     bad = []
     fp8 = _lines_index(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.bn}k32\.f32\.e4m3\.e4m3")
     bf = _lines_index(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.bn}k16\.f32\.bf16\.bf16")
-    wait = _lines_index(ptx, r"griddepcontrol\.wait")
+    # The producer's wait sits in a branch taken only for n_quant = 0, which ptxas may place at
+    # the end of the code: each wait is located where control enters its block.
+    wait = _entry_points(ptx, _lines_index(ptx, r"griddepcontrol\.wait"))
     if not fp8:
         bad.append("no e4m3 x e4m3 WGMMA with the token tile as N")
     if not re.search(rf"setmaxnreg.dec.sync.aligned.u32\s+{k2_gemm.PRODUCER_REGS};", ptx):
@@ -224,6 +244,12 @@ def check_config(mod, cfg) -> dict:
         pool = register_pool_problem(ptx, cubin)
         if pool:
             bad.append(pool)
+        # A stack frame here means spilled registers: local-memory traffic in the main loop or
+        # the reduction of a kernel whose whole point is a short fixed cost (K2's reduction
+        # spilled up to 940 B until it moved inside the consumer branch).
+        frame = stack_frame_bytes(cubin)
+        if frame:
+            bad.append(f"{frame} B stack frame (register spills)")
     smem = getattr(f, "epilora_smem_bytes", None)
     if smem is not None and smem != cfg.smem_bytes():
         bad.append(f"smem_bytes() {cfg.smem_bytes()} != DSL struct {smem}")
