@@ -209,11 +209,11 @@ def test_gpu_session_script_parses_and_keeps_calls_under_the_device_limit():
     script = ROOT / "tools" / "gpu_session.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     text = script.read_text()
-    modes = ("hybrid-identity)", "e2e-perf)", "out-variant)", "record)", "tests)", "e2e)", "e2e-smoke)", "e2e-rescore)", "verify)")
+    modes = ("hybrid-identity)", "e2e-perf)", "out-variant)", "record)", "tests)", "e2e)", "e2e-smoke)", "e2e-rescore)", "check|verify)")
     for mode in modes:
         assert mode in text
     # Each mode's time limits must add up to less than one device call (600 s).
-    head, *blocks = re.split(r"\n  [\w-]+\)\n", text)
+    head, *blocks = re.split(r"\n  [\w|-]+\)\n", text)
     assert len(blocks) == len(modes)  # one per mode
     unpack = [int(t) for t in re.findall(r"timeout -s KILL (\d+)", head.split("unpack_vllm()", 1)[1])]
     assert unpack  # the shared unpack step has a limit too, counted where a mode calls it

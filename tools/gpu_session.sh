@@ -5,6 +5,7 @@
 #   call C (carry .epilora_cache, machine warm):  bash tools/gpu_session.sh tests <commit>    (~8 min)
 #   call D (carry .epilora_cache, machine warm):  bash tools/gpu_session.sh e2e <commit> [e2e_vllm.py args] (~9 min)
 #   or, after call A, one call (carry .devvllm/2 .epilora_cache): bash tools/gpu_session.sh verify <commit>
+#   (`check`: the same without its e2e smoke run, ~4.5 min)
 #   e2e smoke (carry .devvllm/2 after call A, or none on a machine where vLLM is unpacked):
 #                                                 bash tools/gpu_session.sh e2e-smoke <commit> (~4-5 min)
 #   after call A, carry .devvllm/2 .gpu_carry/.epilora_cache (the next-session plan, ~5-6 min each):
@@ -16,7 +17,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, verify, hybrid-identity, e2e-perf or out-variant}
+mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf or out-variant}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -107,8 +108,9 @@ case $mode in
     timeout -s KILL 300 python3 tools/e2e_vllm.py --rescore "${3:-docs/gpu_record/run5/e2e_smoke_ce10c4b.json}" \
       "${expect[@]}" --time-budget 280 --out "$OUT" 2>&1 | tail -60
     ;;
-  verify)
-    # One call after changes, when the device budget allows only one (call A carried .devvllm/1,
+  check|verify)
+    # check: the first half of verify alone (kernel changes, the e2e in a call of its own).
+    # verify: one call after changes, when the device budget allows only one (call A carried .devvllm/1,
     # this one .devvllm/2 and the cache): the decode path's diagnostics and racecheck, the layer
     # and stage benches, the K2 / quantization / op test files, then the 4-layer e2e smoke run.
     timeout -s KILL 60 bash .devvllm/2/unpack.sh > /dev/null 2>&1 || echo "vLLM unpack failed"
@@ -120,6 +122,7 @@ case $mode in
       --file-timeout 110 --time-limit 185 2>&1 | tail -40
     # The device returns at most 8 files: the logs travel as one archive.
     (cd "$OUT" && tar czf record_logs.tgz diag.log bench.log gpu_tests.log 2> /dev/null && rm -f diag.log bench.log gpu_tests.log)
+    [[ $mode == check ]] && exit 0
     timeout -s KILL 280 python3 tools/e2e_vllm.py --smoke --time-budget 265 --out "$OUT" 2>&1 | tail -40
     ;;
   *) echo "unknown mode $mode"; exit 2 ;;
