@@ -250,3 +250,28 @@ def test_k2sweep_builds_per_token_count():
         assert {c.ctas for c in builds} == {1, 2}  # the default (two per SM) and the one-per-SM variants
     with pytest.raises(ValueError, match="token tiles"):
         sweep_builds(33)
+
+
+def test_stages_decode_pairs_keep_the_counter_protocol():
+    """bench_stages' decode variants (other shrink splits, the 4-stage shrink, the one-CTA-per-SM
+    K2 builds) each pair a shrink with a K2 that waits for exactly that shrink's quantization CTAs,
+    on a counter of their own; built on the CPU (launch specs only)."""
+    from tools.bench_decode import QWEN3_8B, LayerCase
+    from tools.bench_stages import DecodeStages
+
+    down = next(p for p in QWEN3_8B if p.name == "down")
+    st = DecodeStages(LayerCase(down, 1, 64, device="cpu"))
+    assert st.split_s == 8
+    assert {"decode_s2", "decode_s4", "decode_s16", "decode_st4", "shrink_s16"} <= set(st.pairs)
+    syncs = set()
+    for name, (s_cfg, s_spec, k_cfg, k_spec) in st.pairs.items():
+        if k_cfg is None:
+            continue
+        k_sync, n_quant = k_spec["args"][7], k_spec["args"][8]
+        s_sync = [a for a in s_spec["args"] if isinstance(a, torch.Tensor) and a.dtype == torch.int32
+                  and a.shape == (2,)]
+        assert n_quant == s_spec["n_quant"], name
+        assert [t.data_ptr() for t in s_sync] == [k_sync.data_ptr()], name  # the pair's own counter
+        assert s_spec["cluster"][0] == s_spec["grid"][0]
+        syncs.add(k_sync.data_ptr())
+    assert len(syncs) == len([v for v in st.pairs.values() if v[2] is not None])  # one counter each

@@ -48,12 +48,13 @@ QWEN3_8B = (
 class LayerCase:
     """Weights, adapters and activations of one projection, built once per (projection, M, rank)."""
 
-    def __init__(self, proj: Projection, m: int, rank: int, num_adapters: int = 1, max_loras: int = 8, seed: int = 0):
+    def __init__(self, proj: Projection, m: int, rank: int, num_adapters: int = 1, max_loras: int = 8, seed: int = 0,
+                 device: str = "cuda"):
         from epilora_cute import reference
         from epilora_cute.metadata import build_meta
 
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        dev = "cuda"
+        g = torch.Generator(device=device).manual_seed(seed)
+        dev = device
         self.proj, self.m, self.rank = proj, m, rank
         self.x = (torch.randn(m, proj.k, device=dev, generator=g)).bfloat16()
         self.w_q, self.w_s = reference.quantize_fp8_per_tensor(

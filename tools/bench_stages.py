@@ -16,6 +16,13 @@ CUDA-graph replays with the L2 flushed (median), all in one run:
                     projection boundary
   k2_{c1,c1st8}_us, k2_epilogue_{c1,c1st8}_us   the K2 rows with the former default (one CTA per SM,
                     4 stages) and one CTA per SM with 8 stages (where built)
+  decode_s{S}_us, shrink_s{S}_us   the decode path (and the shrink alone) with the shrink's split-K
+                    forced to S in {2, 4, 8, 16} where it differs from the default (shrink_split in
+                    the row): does the shrink, slowed beside K2's full-bandwidth stream, hold K2's
+                    epilogue back (more CTAs, each a bandwidth share), or do its CTAs take SM room
+                    that K2's CTAs wait for (fewer)?
+  decode_st4_us     the decode path with the 4-stage shrink (less shared memory per shrink CTA)
+  decode_c1_us, decode_c1st8_us   the decode path with the one-CTA-per-SM K2 builds
   k2_fixed_us, k2_epilogue_fixed_us   the k2 / k2_epilogue rows' build, grid and cluster on one
                     k-block per CTA (K = bk x split): launch, prologue, pipeline fill, the cluster
                     reduction and the stores without the weight stream, i.e. K2's fixed cost
@@ -93,6 +100,29 @@ class DecodeStages:
                 l_cfg, k2_gemm.launch(l_cfg, sync=self.sync_alone, n_quant=0, **fixed_common, **lora_args))
         except Exception as e:  # noqa: BLE001 - reported in the row, the other stages still run
             self.fixed_error = f"{type(e).__name__}: {e}"[:200]
+        # The decode pair with other shrink splits, the 4-stage shrink, the one-CTA-per-SM K2 builds:
+        # each pair has its own counter (n_quant follows the shrink's grid).
+        self.split_s = split_s
+        self.pairs = {}
+        nk_s = -(-k // s_cfg.bk)
+        pair_shrinks = {f"s{sv}": (s_cfg, sv) for sv in (2, 4, 8, 16) if sv != split_s and nk_s // sv >= 2}
+        pair_shrinks["st4"] = (self.s_cfg_st4, split_s)
+        for tag, (scfg, sv) in pair_shrinks.items():
+            sync_v = torch.zeros(2, dtype=torch.int32, device=dev)
+            sspec = lora_shrink.launch(scfg, sync=sync_v, **dict(shrink_args, split=sv))
+            kspec = k2_gemm.launch(l_cfg, sync=sync_v, n_quant=sspec["n_quant"], **k2_common, **lora_args)
+            self.pairs[f"decode_{tag}"] = (scfg, sspec, l_cfg, kspec)
+            if tag.startswith("s"):
+                self.pairs[f"shrink_{tag}"] = (scfg, lora_shrink.launch(scfg, sync=self.sync_alone,
+                                                                        **dict(shrink_args, split=sv)), None, None)
+        for tag, kw in (("c1", dict(ctas=1, stages=4)), ("c1st8", dict(ctas=1, stages=8))):
+            lv, _ = k2_gemm.select(widths, m, c.rank, **kw)
+            if lv != l_cfg:
+                sync_v = torch.zeros(2, dtype=torch.int32, device=dev)
+                sspec = lora_shrink.launch(s_cfg, sync=sync_v, **shrink_args)
+                kspec = k2_gemm.launch(lv, sync=sync_v, n_quant=sspec["n_quant"],
+                                       **dict(k2_common, split=k2_gemm.split_for(lv, n, k)), **lora_args)
+                self.pairs[f"decode_{tag}"] = (s_cfg, sspec, lv, kspec)
         # The same two K2 runs with the experimental builds (k2_gemm.select: ctas / stages).
         self.variants = {}
         for tag, kw in (("c1", dict(ctas=1, stages=4)), ("c1st8", dict(ctas=1, stages=8))):
@@ -132,7 +162,15 @@ class DecodeStages:
             "decode_nopdl": lambda: (shrink(), pair()),
             "decode_x2": lambda: (shrink(), pair_pdl(), shrink(), pair_pdl()),
             "decode_x2_chain": lambda: (shrink(), pair_pdl(), shrink_chained(), pair_pdl()),
-        } | {name: self._run(self.k2, cfg, spec) for name, (cfg, spec) in (self.variants | self.fixed).items()}
+        } | {name: self._run(self.k2, cfg, spec) for name, (cfg, spec) in (self.variants | self.fixed).items()
+             } | {name: self._pair(*v) for name, v in self.pairs.items()}
+
+    def _pair(self, s_cfg, s_spec, k_cfg, k_spec):
+        shrink = self._run(self.shrink, s_cfg, s_spec)
+        if k_cfg is None:
+            return shrink
+        k2 = self._run(self.k2, k_cfg, k_spec, pdl=True)
+        return lambda: (shrink(), k2())
 
 
 def bench_stages(quick: bool) -> list[dict]:
@@ -154,6 +192,7 @@ def bench_stages(quick: bool) -> list[dict]:
                 row["error"] = f"{type(e).__name__}: {e}"[:200]
                 rows.append(row)
                 continue
+            row["shrink_split"] = stages.split_s
             if getattr(stages, "fixed_error", None):
                 row["k2_fixed_error"] = stages.fixed_error
             for name, fn in fns.items():
