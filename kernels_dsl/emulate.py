@@ -69,6 +69,65 @@ def _squeeze(buf):
     return buf[:, 0] if buf.dim() == 4 else buf
 
 
+def emulate_quant_planes(x, split: int, y_dim: int, threads: int = 128, qv: int = 8, order_seed=None):
+    """The shrink kernel's quantization planes CTA by CTA, thread by thread: which CTA takes which
+    token and which 16-byte vectors of its row (one token per CTA, or one per cluster with the row
+    split over its `split` CTAs when M <= y_dim), each thread's batches of `qv` vectors with the
+    loads clamped into the CTA's range and the stores predicated, the per-CTA maxima combined
+    over the cluster. Returns (x_q [M, K] e4m3, s_x [M] fp32, writes [M, K/8]: how many times
+    each vector was stored)."""
+    from epilora_cute.reference import FP8_DTYPE, MIN_SCALE, FP8_MAX, _clamp_like_cuda
+
+    M, K = x.shape
+    nvec = K // 8
+    xv = x.float().reshape(M, nvec, 8)
+    per_plane = split * y_dim
+    zq = max(1, -(-M // per_plane))
+    rows_split = M <= y_dim
+    xq = torch.zeros(M, K, dtype=torch.float32)
+    sx = torch.full((M,), float("nan"))
+    writes = torch.zeros(M, nvec, dtype=torch.int32)
+    ctas = [(bx, by, bz) for bz in range(zq) for by in range(y_dim) for bx in range(split)]
+    if order_seed is not None:
+        random.Random(order_seed).shuffle(ctas)
+
+    def ranges(bx):
+        return (bx * nvec // split, (bx + 1) * nvec // split) if rows_split else (0, nvec)
+
+    def thread_vectors(lo, hi, t):  # (clamped load index, store index or None) per batch slot
+        for j0 in range(lo + t, hi, threads * qv):
+            for u in range(qv):
+                j = j0 + threads * u
+                yield min(j, hi - 1), (j if j < hi else None)
+
+    memo = {}
+
+    def cta_amax(m, lo, hi):  # every thread's clamped loads, then the max over the CTA
+        if (m, lo, hi) not in memo:
+            loaded = [jl for t in range(threads) for jl, _ in thread_vectors(lo, hi, t)]
+            memo[m, lo, hi] = xv[m, loaded].abs().max() if loaded else torch.tensor(0.0)
+        return memo[m, lo, hi]
+
+    for bx, by, bz in ctas:
+        m = by if rows_split else (bz * y_dim + by) * split + bx
+        if m >= M:
+            continue
+        lo, hi = ranges(bx)
+        amax = cta_amax(m, lo, hi)
+        if rows_split:  # the cluster's maxima, from every CTA's own range
+            for q in range(split):
+                amax = torch.maximum(amax, cta_amax(m, *ranges(q)))
+        scale = torch.maximum(amax / torch.tensor(FP8_MAX), torch.tensor(MIN_SCALE))
+        if bx == 0 or not rows_split:
+            sx[m] = scale
+        for t in range(threads):
+            for jl, js in thread_vectors(lo, hi, t):
+                if js is not None:
+                    xq[m, js * 8:(js + 1) * 8] = _clamp_like_cuda(xv[m, jl] / scale)
+                    writes[m, js] += 1
+    return xq.to(FP8_DTYPE), sx, writes
+
+
 def emulate_shrink(x, lora_a, token_lora, active_ids, num_active, slot_ranks, rank, split, bk=64,
                    order_seed=None):
     """h [slices, M, R] fp32 (rows of tokens without adapter left NaN = never written),

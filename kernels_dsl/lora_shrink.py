@@ -4,8 +4,10 @@ h_s[m, :] = x[m] . A_s[slot(m)]^T in fp32, for every output slice s and every to
 adapter; x_q, s_x = quantize_fp8_per_token(x) bit for bit as vLLM (and epilora_cute.reference).
 
 Grid (S, Y, Z), cluster (S, 1, 1):
-  * z < zq = ceil(M / (S*Y)): quantization planes, one token per CTA (16-byte vector loads);
-    every CTA of these planes then increments sync[0] once (release). K2's producer spins until
+  * z < zq = ceil(M / (S*Y)): quantization planes, one token per CTA (16-byte vector loads), or,
+    when M <= Y, one token per cluster, each of its S CTAs quantizing 1/S of the row with the
+    row's maximum combined in DSMEM (at one token the whole row was one CTA's serial work, on
+    K2's critical path); every CTA of these planes then increments sync[0] once (release). K2's producer spins until
     sync[0] == zq*S*Y (= its n_quant).
   * z = zq + g: adapter group g (index into active_lora_ids; CTAs of absent groups, of the "-1"
     group and of rank chunks beyond the slot's effective rank exit at once).
@@ -66,6 +68,8 @@ FP8_MAX = 448.0
 # Python float, so the kernel literal is that fp32 value).
 MIN_SCALE = float(np.float32(1.0) / np.float32(448.0 * 512.0))
 RED_PAD = 4
+MAX_CLUSTER = 16  # the largest split-K cluster a launch may use (non-portable above 8)
+QV = 8  # 16-byte vectors of x per thread in flight at once in the quantization planes
 DEBUG_PRINT = False
 
 
@@ -109,7 +113,7 @@ class Config:
     def smem_bytes(self) -> int:
         """Dynamic shared memory of a launch: the kernel's smem struct, field by field."""
         st, bn, bk = self.stages, self.bn, self.bk
-        return struct_size([(8 * st, 8), (16, 4), (64 * bk * st * 2, 1024), (bn * bk * st * 2, 1024),
+        return struct_size([(8 * st, 8), (32, 4), (64 * bk * st * 2, 1024), (bn * bk * st * 2, 1024),
                             ((64 + RED_PAD) * bn * 4, 16)])
 
 
@@ -160,7 +164,7 @@ if cute is not None:
             @cute.struct
             class Storage:
                 full: cute.struct.MemRange[cutlass.Int64, stages]
-                red_max: cute.struct.MemRange[cutlass.Float32, 4]
+                red_max: cute.struct.MemRange[cutlass.Float32, 8]
                 sA: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sA_layout)], 1024]
                 sX: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sX_layout)], 1024]
                 sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, red_cosize], 16]
@@ -195,7 +199,8 @@ if cute is not None:
             smem = cutlass.utils.SmemAllocator()
             st = smem.allocate(self.storage)
 
-            # Planes z < zq quantize, one token per CTA (zq = ceil(M / (S*Y)) planes, see launch());
+            # Planes z < zq quantize (zq = ceil(M / (S*Y)) planes, see launch()): one token per CTA, or
+            # one per cluster with the row split over its CTAs when M <= Y;
             # planes z >= zq are the down-projection of group z - zq.
             gd = cute.arch.grid_dim()
             per_plane = gd[0] * gd[1]
@@ -209,43 +214,48 @@ if cute is not None:
                     # h (its own griddepcontrol.wait) only before its epilogue.
                     cute.arch.griddepcontrol_wait()
                     cute.arch.griddepcontrol_launch_dependents()
+                    # Rows split over the cluster when the batch has no more tokens than a plane has
+                    # clusters (decode at 1..Y tokens): token by, each of the S CTAs takes 1/S of
+                    # the row and the S partial maxima meet in DSMEM (max is exact in any order,
+                    # so the codes are the same). Otherwise one token per CTA, the whole row.
+                    rows_split = M <= gd[1]
                     m = (bz * gd[1] + by) * gd[0] + bx
-                    if m < M:
-                        red = st.red_max.get_tensor(cute.make_layout(4))
-                        lane = cute.arch.lane_idx()
-                        warp = tidx // 32
-                        # 8-element (16-byte) vectors of the row: launch() checks K % 16 == 0.
-                        g_x = cute.zipped_divide(mXg[m, None], (8,))
-                        g_q = cute.zipped_divide(mXq16[m, None], (4,))
+                    if rows_split:
+                        m = by
+                    if m < M:  # uniform over a cluster in the split mode
+                        red = st.red_max.get_tensor(cute.make_layout(8))
                         nvec = K // 8
-                        # amax: fmaxf from 0 over |x| (NaN never wins: max.f32 returns the other operand).
-                        amax = cutlass.Float32(0.0)
-                        for j in cutlass.range(tidx, nvec, THREADS, unroll=2):
-                            r_x = cute.make_rmem_tensor(cute.make_layout(8), mXg.element_type)
-                            cute.autovec_copy(g_x[None, j], r_x)
-                            for e in cutlass.range_constexpr(8):
-                                amax = D.fmax_f32(amax, D.abs_f32(r_x[e].to(cutlass.Float32)))
-                        for sh in cutlass.range_constexpr(5):
-                            amax = D.fmax_f32(amax, shfl_bfly_f32(amax, 1 << (4 - sh)))
-                        if lane == 0:
-                            red[warp] = amax
-                        cute.arch.barrier()
-                        amax = D.fmax_f32(D.fmax_f32(red[0], red[1]), D.fmax_f32(red[2], red[3]))
+                        v_lo = cutlass.Int32(0)
+                        v_hi = nvec
+                        if rows_split:
+                            v_lo = split * nvec // nsplit
+                            v_hi = (split + 1) * nvec // nsplit
+                        amax = self._row_amax(mXg, m, v_lo, v_hi, tidx, red)
+                        if rows_split:
+                            if tidx == 0:
+                                red[4] = amax
+                            cute.arch.cluster_arrive()
+                            cute.arch.cluster_wait()
+                            # All S maxima requested at once (one DSMEM round trip), then combined.
+                            red_addr = red.iterator.toint() + 16
+                            parts = cute.make_rmem_tensor((MAX_CLUSTER,), cutlass.Float32)
+                            for q in cutlass.range_constexpr(MAX_CLUSTER):
+                                parts[q] = cutlass.Float32(0.0)
+                                if q < nsplit:
+                                    parts[q] = D.ld_dsmem_f32(red_addr, q)
+                            for q in cutlass.range_constexpr(MAX_CLUSTER):
+                                amax = D.fmax_f32(amax, parts[q])
                         scale = D.fmax_f32(D.div_rn_f32(amax, cutlass.Float32(FP8_MAX)), cutlass.Float32(MIN_SCALE))
-                        if tidx == 0:
+                        sx_owner = tidx  # thread 0 of the token's (first) CTA writes s_x
+                        if rows_split:
+                            sx_owner = tidx + split * THREADS
+                        if sx_owner == 0:
                             mSx[m] = scale
-                        # The row is re-read (L1/L2 hits): K up to 29568 does not fit in registers.
-                        for j in cutlass.range(tidx, nvec, THREADS, unroll=2):
-                            r_x = cute.make_rmem_tensor(cute.make_layout(8), mXg.element_type)
-                            cute.autovec_copy(g_x[None, j], r_x)
-                            r_q = cute.make_rmem_tensor(cute.make_layout(4), mXq16.element_type)
-                            for e in cutlass.range_constexpr(4):
-                                q0 = D.div_rn_f32(r_x[2 * e].to(cutlass.Float32), scale)
-                                q1 = D.div_rn_f32(r_x[2 * e + 1].to(cutlass.Float32), scale)
-                                q0 = D.fmax_f32(cutlass.Float32(-FP8_MAX), D.fmin_f32(q0, cutlass.Float32(FP8_MAX)))
-                                q1 = D.fmax_f32(cutlass.Float32(-FP8_MAX), D.fmin_f32(q1, cutlass.Float32(FP8_MAX)))
-                                r_q[e] = D.cvt_e4m3x2_f32(q0, q1)
-                            cute.autovec_copy(r_q, g_q[None, j])
+                        self._row_codes(mXg, mXq16, m, v_lo, v_hi, tidx, scale)
+                        if rows_split:
+                            # Every CTA of the cluster has read this one's maximum before it exits.
+                            cute.arch.cluster_arrive()
+                            cute.arch.cluster_wait()
                     # Publish: all of this CTA's stores, then one release increment (every CTA of
                     # the quantization planes, with or without a token: K2 waits for all of them).
                     cute.arch.barrier()
@@ -381,6 +391,52 @@ if cute is not None:
                     cute.arch.cluster_wait()
 
         @cute.jit
+        def _row_amax(self, mXg, m, v_lo, v_hi, tidx, red):
+            """max |x[m, 8 v_lo : 8 v_hi]| over the CTA (fmaxf from 0: NaN never wins, max.f32
+            returns the other operand). QV 16-byte vectors per thread are loaded before any is
+            used, so the pass costs ceil(n / (128 QV)) memory round trips, not n / 256: K2's main
+            loop waits for x_q, and beside K2's weight stream each round trip is long (run11: the
+            decode path's exposure grew with K, 8 us on down). Indices past the range are clamped
+            to its last vector: a repeated element leaves the maximum unchanged."""
+            g_x = cute.zipped_divide(mXg[m, None], (8,))
+            amax = cutlass.Float32(0.0)
+            for j0 in cutlass.range(v_lo + tidx, v_hi, THREADS * QV, unroll=1):
+                r_x = cute.make_rmem_tensor(cute.make_layout((8, QV)), mXg.element_type)
+                for u in cutlass.range_constexpr(QV):
+                    cute.autovec_copy(g_x[None, cutlass.min(j0 + THREADS * u, v_hi - 1)], r_x[None, u])
+                for u in cutlass.range_constexpr(QV):
+                    for e in cutlass.range_constexpr(8):
+                        amax = D.fmax_f32(amax, D.abs_f32(r_x[e, u].to(cutlass.Float32)))
+            for sh in cutlass.range_constexpr(5):
+                amax = D.fmax_f32(amax, shfl_bfly_f32(amax, 1 << (4 - sh)))
+            if tidx % 32 == 0:
+                red[tidx // 32] = amax
+            cute.arch.barrier()
+            return D.fmax_f32(D.fmax_f32(red[0], red[1]), D.fmax_f32(red[2], red[3]))
+
+        @cute.jit
+        def _row_codes(self, mXg, mXq16, m, v_lo, v_hi, tidx, scale):
+            """x_q[m, 8 v_lo : 8 v_hi] = e4m3(clamp(x / scale)): the row is re-read (L1/L2 hits; K up
+            to 29568 does not fit in registers), batched like _row_amax; only the stores are
+            predicated."""
+            g_x = cute.zipped_divide(mXg[m, None], (8,))
+            g_q = cute.zipped_divide(mXq16[m, None], (4,))
+            for j0 in cutlass.range(v_lo + tidx, v_hi, THREADS * QV, unroll=1):
+                r_x = cute.make_rmem_tensor(cute.make_layout((8, QV)), mXg.element_type)
+                for u in cutlass.range_constexpr(QV):
+                    cute.autovec_copy(g_x[None, cutlass.min(j0 + THREADS * u, v_hi - 1)], r_x[None, u])
+                for u in cutlass.range_constexpr(QV):
+                    r_q = cute.make_rmem_tensor(cute.make_layout(4), mXq16.element_type)
+                    for e in cutlass.range_constexpr(4):
+                        q0 = D.div_rn_f32(r_x[2 * e, u].to(cutlass.Float32), scale)
+                        q1 = D.div_rn_f32(r_x[2 * e + 1, u].to(cutlass.Float32), scale)
+                        q0 = D.fmax_f32(cutlass.Float32(-FP8_MAX), D.fmin_f32(q0, cutlass.Float32(FP8_MAX)))
+                        q1 = D.fmax_f32(cutlass.Float32(-FP8_MAX), D.fmin_f32(q1, cutlass.Float32(FP8_MAX)))
+                        r_q[e] = D.cvt_e4m3x2_f32(q0, q1)
+                    if j0 + THREADS * u < v_hi:
+                        cute.autovec_copy(r_q, g_q[None, j0 + THREADS * u])
+
+        @cute.jit
         def _load(self, s, kb, full, stage_bytes, tma_as: tuple, mAs: tuple, sA, sAt_layout, sl, a_blk, tma_x, tXg,
                   tXs):
             """Stage s: A's and x's k-block kb (the steady state, after griddepcontrol.wait)."""
@@ -475,6 +531,8 @@ def launch(config: Config, *, x, lora_a, h, x_q, x_scale, sync, token_lora, acti
     M, K = x.shape
     if M > config.bn:
         raise ValueError(f"{M} tokens exceed the token tile {config.bn}")
+    if not 1 <= split <= MAX_CLUSTER:
+        raise ValueError(f"split must be 1..{MAX_CLUSTER} (the cluster size), got {split}")
     if K % 16:
         raise ValueError(f"K = {K} must be a multiple of 16 (16-byte vectors, TMA rows)")
     views = []

@@ -123,3 +123,23 @@ def test_k2_items_follow_first_tokens():
     # Groups in the order of each slot's first token; slots of rank 0 give no item; -1 none.
     items = k2_items([3, -1, 0, 3, 5, 0], [64, 0, 0, 200, 0, 17], 256, 64)
     assert items == [(3, 0), (3, 1), (3, 2), (3, 3), (0, 0), (5, 0)]
+
+
+@pytest.mark.parametrize("M,K,S,Y", [(1, 4096, 8, 3), (1, 12288, 8, 1), (1, 12288, 16, 1), (2, 4096, 8, 3),
+                                     (3, 4096, 5, 3), (1, 16, 8, 1), (1, 29568, 7, 2), (4, 12288, 8, 2),
+                                     (8, 12288, 8, 1), (32, 4096, 7, 1), (31, 1040, 2, 4)])
+def test_quant_planes_match_reference(M, K, S, Y):
+    """The quantization planes' decomposition (rows split over a cluster at M <= Y, one token per
+    CTA otherwise; batched clamped loads, predicated stores) gives vLLM's codes and scales, every
+    vector of x_q stored exactly once, in any CTA order."""
+    from epilora_cute.reference import quantize_fp8_per_token
+    from kernels_dsl.emulate import emulate_quant_planes
+
+    g = torch.Generator().manual_seed(M * 7 + K + S)
+    x = (torch.randn(M, K, generator=g) * torch.rand(M, 1, generator=g) * 5).bfloat16()
+    x[0, K - 1] = 40.0  # the row maximum in the last vector (the clamped loads' target)
+    xq, sx, writes = emulate_quant_planes(x, S, Y, order_seed=M + S)
+    ref_q, ref_s = quantize_fp8_per_token(x)
+    assert torch.equal(writes, torch.ones_like(writes))
+    assert torch.equal(sx, ref_s.reshape(-1))
+    assert torch.equal(xq.view(torch.uint8), ref_q.view(torch.uint8))
