@@ -193,6 +193,15 @@ def nanosleep(ns, *, loc=None, ip=None):
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
+@dsl_user_op
+def stamp_globaltimer(addr_i64, *, loc=None, ip=None):
+    """Store %globaltimer (ns, one clock for every SM) as a u64 at a global address: the trace
+    builds' timeline stamps (tools/bench_timeline.py)."""
+    llvm.inline_asm(None, [cutlass.Int64(addr_i64).ir_value(loc=loc, ip=ip)],
+                    "{\n\t.reg .u64 t;\n\tmov.u64 t, %globaltimer;\n\tst.global.u64 [$0], t;\n\t}", "l",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
 # ---------------------------------------------------------------------------------------------
 # Fake tensors for cute.compile without a GPU
 # ---------------------------------------------------------------------------------------------

@@ -71,6 +71,11 @@ CONSUMER_REGS_2CTA = 216
 SMEM_PER_SM = 228 * 1024  # H100/H200; each resident CTA also reserves 1 KiB
 RED_PAD = 4  # fp32 words of padding per token column of the reduction buffer (bank spread)
 META_ROWS = 32  # the adapter table in smem: one row per token of the tile (bn <= 32)
+# Trace builds (Config.trace): per CTA (row split + S * tile), %globaltimer ns at: kernel entry,
+# x_q ready (the producer past its spin / wait), main loop done, h ready (the epilogue's
+# griddepcontrol.wait passed; adapter builds), partials written, done (after the last cluster barrier).
+TRACE_SLOTS = 8
+TRACE_K2 = ("start", "xq_ready", "mainloop_done", "h_ready", "partials_written", "end")
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,7 @@ class Config:
     rank: int = 64
     b_bufs: int = 2
     ctas: int = 1  # CTAs per SM the kernel is built for (1 or 2: registers and the launch bound)
+    trace: bool = False  # timeline stamps (%globaltimer) into an extra int64 [CTAs, 8] argument
 
     def __post_init__(self):
         if (self.bm + RED_PAD) * self.bn * 4 > self.bm * self.bk * self.stages:
@@ -125,7 +131,7 @@ class Config:
             s += f"_lora_s{self.num_slices}_r{self.rank}_nb{self.b_bufs}"
         else:
             s += "_nolora"
-        return s + ("_c2" if self.ctas == 2 else "")
+        return s + ("_c2" if self.ctas == 2 else "") + ("_trace" if self.trace else "")
 
     @property
     def consumer_regs(self) -> int:
@@ -173,7 +179,7 @@ if cute is not None:
                      h: cute.Tensor = None, tok_lora: cute.Tensor = None, active_ids: cute.Tensor = None,
                      num_active: cute.Tensor = None, slot_ranks: cute.Tensor = None,
                      slice_start: cute.Tensor = None, b0: cute.Tensor = None, b1: cute.Tensor = None,
-                     b2: cute.Tensor = None, b3: cute.Tensor = None):
+                     b2: cute.Tensor = None, b3: cute.Tensor = None, trace: cute.Tensor = None):
             # Flat arguments (no tuples): export_to_c, used by tools/capture, only takes flat ones.
             cfg = self.cfg
             fp8 = w.element_type
@@ -253,7 +259,8 @@ if cute is not None:
 
             n_tiles = cute.size(w, mode=[0]) // self.bm
             self.kernel(
-                tma_w, mW, tma_x, mX, sx, sw, y, sync, n_quant, lora_pack, sW_layout, sX_layout, sB_layout, sH_layout,
+                tma_w, mW, tma_x, mX, sx, sw, y, sync, n_quant, lora_pack, trace, sW_layout, sX_layout, sB_layout,
+                sH_layout,
             ).launch(grid=(1, n_tiles, 1), block=(THREADS, 1, 1), cluster=(1, 1, 1), stream=stream,
                      # .minnctapersm ctas: ptxas then gives the launch the full register budget (for
                      # 1 CTA per SM; half of it for 2). Without
@@ -268,8 +275,8 @@ if cute is not None:
         @cute.kernel
         def kernel(self, tma_w: cute.CopyAtom, mW: cute.Tensor, tma_x: cute.CopyAtom, mX: cute.Tensor,
                    mSx: cute.Tensor, mSw: cute.Tensor, mY: cute.Tensor, mSync: cute.Tensor,
-                   n_quant: cutlass.Int32, lora_pack, sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout,
-                   sB_layout: cute.ComposedLayout, sH_layout: cute.ComposedLayout):
+                   n_quant: cutlass.Int32, lora_pack, mTrace, sW_layout: cute.ComposedLayout,
+                   sX_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout, sH_layout: cute.ComposedLayout):
             cfg = self.cfg
             BM, BN, BK, RC, NB, STAGES = self.bm, self.bn, self.bk, self.rc, self.nb, self.stages
             R = cfg.rank
@@ -297,6 +304,14 @@ if cute is not None:
             kb_lo = split * nk // nsplit
             kb_hi = (split + 1) * nk // nsplit
             nloc = kb_hi - kb_lo
+
+            # Trace builds: slot addresses of this CTA's row of the [CTAs, 8] timeline (TRACE_K2).
+            trace_row = cutlass.Int64(0)
+            if cutlass.const_expr(cfg.trace):
+                gd_x = cute.arch.grid_dim()[0]
+                trace_row = mTrace.iterator.toint() + cutlass.Int64(tile * gd_x + cute.arch.block_idx()[0]) * 64
+                if tidx == 0:
+                    D.stamp_globaltimer(trace_row)
 
             smem = cutlass.utils.SmemAllocator()
             st = smem.allocate(self.storage)
@@ -382,6 +397,9 @@ if cute is not None:
                         while D.ld_acquire_gpu_s32(sync_addr) < n_quant:
                             D.nanosleep(32)
                     D.fence_proxy_async_global()
+                    if cutlass.const_expr(cfg.trace):
+                        if lane == 0:
+                            D.stamp_globaltimer(trace_row + 8)
                     # 4. x_q of the stages already holding weights, first: the consumer's first
                     #    WGMMA waits on it (s_x is needed only after the main loop).
                     for i in cutlass.range(npre, unroll=1):
@@ -458,6 +476,9 @@ if cute is not None:
                     for e in cutlass.range_constexpr(cute.size(acc)):
                         acc[e] = acc[e] + acc_blk[e]
 
+                if cutlass.const_expr(cfg.trace):
+                    if ctid == 0:
+                        D.stamp_globaltimer(trace_row + 16)
                 acc_l = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
                 acc_l.fill(0.0)
                 if cutlass.const_expr(cfg.lora):
@@ -465,6 +486,9 @@ if cute is not None:
                     # a moment earlier.
                     cute.arch.mbarrier_wait(st.meta_ready.data_ptr(), 0)
                     cute.arch.griddepcontrol_wait()
+                    if cutlass.const_expr(cfg.trace):
+                        if ctid == 0:
+                            D.stamp_globaltimer(trace_row + 24)
                     self._lora_epilogue(ctid, acc_l, tiled_mma_l, st, sB_layout, sH_layout, bfull, bempty,
                                         mH, sl, M, split, nsplit)
 
@@ -480,6 +504,9 @@ if cute is not None:
                             v = v + acc_l[i]
                     sRed[r, j] = v
 
+                if cutlass.const_expr(cfg.trace):
+                    if ctid == 0:
+                        D.stamp_globaltimer(trace_row + 32)
                 # Cluster-wide: every partial is in smem (release/acquire at cluster scope).
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
@@ -514,6 +541,9 @@ if cute is not None:
                 # Keep this CTA's smem alive until every CTA of the cluster has read it.
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
+                if cutlass.const_expr(cfg.trace):
+                    if ctid == 0:
+                        D.stamp_globaltimer(trace_row + 40)
 
         # -----------------------------------------------------------------------------------------
         @cute.jit
@@ -658,9 +688,15 @@ def _fake_args(cfg: Config):
         num_active = D.fake_rowmajor(i32, (1,), align=4)
         slot_ranks = D.fake_rowmajor(i32, (D.sym(1),), align=4)
         slice_start = D.fake_rowmajor(i32, (cfg.num_slices + 1,), align=4)
-        return (w, xq, sx, sw, y, sync, cutlass.Int32(0), D.fake_stream(), h, tok, active, num_active,
+        args = (w, xq, sx, sw, y, sync, cutlass.Int32(0), D.fake_stream(), h, tok, active, num_active,
                 slot_ranks, slice_start, *bufs)
-    return (w, xq, sx, sw, y, sync, cutlass.Int32(0), D.fake_stream())
+        pad = 4 - cfg.num_slices  # b_{num_slices}..b3
+    else:
+        args = (w, xq, sx, sw, y, sync, cutlass.Int32(0), D.fake_stream())
+        pad = 10  # h .. slice_start, b0 .. b3
+    if not cfg.trace:
+        return args
+    return args + (None,) * pad + (D.fake_rowmajor(cutlass.Int64, (D.sym(1), TRACE_SLOTS)),)
 
 
 def compile(config: Config, options: str = "--gpu-arch sm_90a"):
@@ -704,12 +740,14 @@ def params(config: Config) -> list:
             TensorParam("slot_ranks", i32, 1, dynamic_shape=(0,), align=4),  # [max_loras]
             TensorParam("slice_start", i32, 1, align=4),  # [num_slices+1]: 0, n_0, n_0+n_1, ..., N
         ]
+    if config.trace:
+        p.append(TensorParam("trace", torch.int64, 2, dynamic_shape=(0,), align=16))  # [CTAs, 8] ns
     return p
 
 
 def launch(config: Config, *, w_q, w_scale, x_q, x_scale, y, sync, n_quant: int, split: int,
            h=None, token_lora=None, active_lora_ids=None, num_active=None, slot_ranks=None,
-           slice_start=None, lora_b=None) -> dict:
+           slice_start=None, lora_b=None, trace=None) -> dict:
     """Arguments (in params() order) and launch geometry for one K2 call.
 
     Returns dict(args, grid, block, cluster, smem, pdl). Launch with cluster dims (split, 1, 1)
@@ -739,6 +777,10 @@ def launch(config: Config, *, w_q, w_scale, x_q, x_scale, y, sync, n_quant: int,
             views.append(b3.reshape(-1, config.rank))
         args += views + [(v.shape[0],) for v in views]
         args += [h, token_lora, active_lora_ids, num_active, slot_ranks, slice_start]
+    if config.trace:
+        if trace is None or trace.shape != (split * (N // config.bm), TRACE_SLOTS) or trace.dtype != torch.int64:
+            raise ValueError(f"a trace build needs trace = int64 [{split * (N // config.bm)}, {TRACE_SLOTS}]")
+        args.append(trace)
     return dict(args=tuple(args), grid=(split, N // config.bm, 1), block=config.block, cluster=(split, 1, 1),
                 smem=config.smem_bytes(), pdl=config.lora)
 
@@ -875,7 +917,14 @@ def prebuild_configs() -> list[Config]:
                     if c.fits_ctas() and c.smem_bytes() <= 227 * 1024:
                         cfgs.add(c)
     cfgs.update(sweep_configs())
-    return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank, c.ctas, c.stages))
+    cfgs.update(trace_configs())
+    return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank, c.ctas, c.stages, c.trace))
+
+
+def trace_configs() -> list[Config]:
+    """The timeline builds tools/bench_timeline.py launches: the decode path's rank-64 adapter builds
+    of bn 8 (1..8 tokens) for 1, 2 and 3 slices (bm 128: the Qwen3-8B projections)."""
+    return [default_config(8, 128, lora=True, num_slices=ns, rank=64, trace=True) for ns in (1, 2, 3)]
 
 
 def sweep_configs() -> list[Config]:

@@ -68,6 +68,10 @@ FP8_MAX = 448.0
 # Python float, so the kernel literal is that fp32 value).
 MIN_SCALE = float(np.float32(1.0) / np.float32(448.0 * 512.0))
 RED_PAD = 4
+# Trace builds (Config.trace): per CTA ((z * Y + y) * S + x), %globaltimer ns at: kernel entry, past
+# griddepcontrol.wait, x_q published (quantization CTAs) / main loop done (down-projection), h stored.
+TRACE_SLOTS = 8
+TRACE_SHRINK = ("start", "waited", "published_or_mainloop_done", "h_stored")
 MAX_CLUSTER = 16  # the largest split-K cluster a launch may use (non-portable above 8)
 QV = 8  # 16-byte vectors of x per thread in flight at once in the quantization planes
 DEBUG_PRINT = False
@@ -86,6 +90,7 @@ class Config:
     bk: int = 64
     stages: int = 4
     quant: bool = True
+    trace: bool = False  # timeline stamps (%globaltimer) into an extra int64 [CTAs, 8] argument
 
     def __post_init__(self):
         if self.bn not in (8, 16, 32):
@@ -104,7 +109,8 @@ class Config:
         return -(-self.rank // 64)
 
     def name(self) -> str:
-        return f"bn{self.bn}_r{self.rank}_s{self.num_slices}_bk{self.bk}_st{self.stages}" + ("" if self.quant else "_noq")
+        return (f"bn{self.bn}_r{self.rank}_s{self.num_slices}_bk{self.bk}_st{self.stages}" + ("" if self.quant else "_noq")
+                + ("_trace" if self.trace else ""))
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -135,7 +141,7 @@ if cute is not None:
         def __call__(self, x: cute.Tensor, h: cute.Tensor, xq16: cute.Tensor, sx: cute.Tensor,
                      sync: cute.Tensor, tok: cute.Tensor, active: cute.Tensor, num_active: cute.Tensor,
                      slot_ranks: cute.Tensor, stream: cuda.CUstream, a0: cute.Tensor, a1: cute.Tensor = None,
-                     a2: cute.Tensor = None, a3: cute.Tensor = None):
+                     a2: cute.Tensor = None, a3: cute.Tensor = None, trace: cute.Tensor = None):
             cfg = self.cfg
             a_bufs = tuple(a for a in (a0, a1, a2, a3) if a is not None)
             assert len(a_bufs) == cfg.num_slices
@@ -175,14 +181,14 @@ if cute is not None:
             # S = 1, Y = slices * chunks, Z = 1 + groups (as many as the batch could have).
             ny = cfg.num_slices * cfg.n_chunks
             self.kernel(x, mX, tma_x, tuple(tma_as), tuple(mAs), h, xq16, sx, sync, tok, active, num_active,
-                        slot_ranks, sA_layout, sAt_layout, sX_layout).launch(
+                        slot_ranks, trace, sA_layout, sAt_layout, sX_layout).launch(
                 grid=(1, ny, (cute.size(x, mode=[0]) + ny - 1) // ny + cute.size(tok)), block=(THREADS, 1, 1),
                 cluster=(1, 1, 1), stream=stream)
 
         @cute.kernel
         def kernel(self, mXg: cute.Tensor, mX: cute.Tensor, tma_x: cute.CopyAtom, tma_as: tuple, mAs: tuple,
                    mH: cute.Tensor, mXq16: cute.Tensor, mSx: cute.Tensor, mSync: cute.Tensor, mTok: cute.Tensor,
-                   mActive: cute.Tensor, mNumActive: cute.Tensor, mSlotRanks: cute.Tensor,
+                   mActive: cute.Tensor, mNumActive: cute.Tensor, mSlotRanks: cute.Tensor, mTrace,
                    sA_layout: cute.ComposedLayout, sAt_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout):
             cfg = self.cfg
             BN, BK, STAGES, R = cfg.bn, cfg.bk, cfg.stages, cfg.rank
@@ -195,6 +201,14 @@ if cute is not None:
             nsplit = cute.arch.make_warp_uniform(cute.arch.block_in_cluster_dim()[0])
             M = cute.size(mXg, mode=[0])
             K = cute.size(mXg, mode=[1])
+
+            # Trace builds: this CTA's row of the [CTAs, 8] timeline (TRACE_SHRINK).
+            trace_row = cutlass.Int64(0)
+            if cutlass.const_expr(cfg.trace):
+                gdt = cute.arch.grid_dim()
+                trace_row = mTrace.iterator.toint() + cutlass.Int64((bz * gdt[1] + by) * gdt[0] + bx) * 64
+                if tidx == 0:
+                    D.stamp_globaltimer(trace_row)
 
             smem = cutlass.utils.SmemAllocator()
             st = smem.allocate(self.storage)
@@ -214,6 +228,9 @@ if cute is not None:
                     # h (its own griddepcontrol.wait) only before its epilogue.
                     cute.arch.griddepcontrol_wait()
                     cute.arch.griddepcontrol_launch_dependents()
+                    if cutlass.const_expr(cfg.trace):
+                        if tidx == 0:
+                            D.stamp_globaltimer(trace_row + 8)
                     # Rows split over the cluster when the batch has no more tokens than a plane has
                     # clusters (decode at 1..Y tokens): token by, each of the S CTAs takes 1/S of
                     # the row and the S partial maxima meet in DSMEM (max is exact in any order,
@@ -262,6 +279,8 @@ if cute is not None:
                     if tidx == 0:
                         cute.arch.fence_acq_rel_gpu()
                         D.red_release_gpu_add_s32(mSync.iterator.toint(), 1)
+                        if cutlass.const_expr(cfg.trace):
+                            D.stamp_globaltimer(trace_row + 16)
             else:
                 # ================================ down-projection ==================================
                 g = bz - zq
@@ -324,6 +343,9 @@ if cute is not None:
                             self._load_a(i, kb_lo + i, full, stage_bytes, tma_as, mAs, sA, sAt_layout, sl, a_blk)
                     cute.arch.griddepcontrol_wait()
                     cute.arch.griddepcontrol_launch_dependents()
+                    if cutlass.const_expr(cfg.trace):
+                        if tidx == 0:
+                            D.stamp_globaltimer(trace_row + 8)
                     if tidx < 32:
                         for i in cutlass.range(npre, unroll=1):
                             self._load_x(i, kb_lo + i, full, tma_x, tXg, tXs)
@@ -363,6 +385,9 @@ if cute is not None:
                                 self._load(j % STAGES, kb_lo + j + STAGES, full, stage_bytes, tma_as, mAs, sA,
                                            sAt_layout, sl, a_blk, tma_x, tXg, tXs)
                     cute.nvgpu.warpgroup.wait_group(0)
+                    if cutlass.const_expr(cfg.trace):
+                        if tidx == 0:
+                            D.stamp_globaltimer(trace_row + 16)
 
                     for i in cutlass.range_constexpr(cute.size(acc)):
                         r, j = tCcC[i]
@@ -387,6 +412,9 @@ if cute is not None:
                         if toks[u] == lid:
                             j = e // rows
                             mH[sl, j, c * 64 + e - j * rows] = vals[u]
+                    if cutlass.const_expr(cfg.trace):
+                        if tidx == 0:
+                            D.stamp_globaltimer(trace_row + 24)
                     cute.arch.cluster_arrive()
                     cute.arch.cluster_wait()
 
@@ -484,7 +512,10 @@ def _fake_args(cfg: Config):
     active = D.fake_rowmajor(i32, (D.sym(1),), align=4)
     num_active = D.fake_rowmajor(i32, (1,), align=4)
     slot_ranks = D.fake_rowmajor(i32, (D.sym(1),), align=4)
-    return (x, h, xq16, sx, sync, tok, active, num_active, slot_ranks, D.fake_stream(), *a_bufs)
+    args = (x, h, xq16, sx, sync, tok, active, num_active, slot_ranks, D.fake_stream(), *a_bufs)
+    if cfg.trace:
+        return args + (None,) * (4 - cfg.num_slices) + (D.fake_rowmajor(cutlass.Int64, (D.sym(1), TRACE_SLOTS)),)
+    return args
 
 
 def compile(config: Config, options: str = "--gpu-arch sm_90a"):
@@ -516,11 +547,13 @@ def params(config: Config) -> list:
         TensorParam("num_active", i32, 1, align=4),  # [1]
         TensorParam("slot_ranks", i32, 1, dynamic_shape=(0,), align=4),  # [max_loras]
     ]
+    if config.trace:
+        p.append(TensorParam("trace", torch.int64, 2, dynamic_shape=(0,), align=16))  # [CTAs, 8] ns
     return p
 
 
 def launch(config: Config, *, x, lora_a, h, x_q, x_scale, sync, token_lora, active_lora_ids, num_active,
-           slot_ranks, split: int) -> dict:
+           slot_ranks, split: int, trace=None) -> dict:
     """Arguments (params() order) and geometry; n_quant (for K2) is returned. The spec says
     pdl=False: launch with PDL only when chained behind the previous projection (see the module
     docstring for what that assumes).
@@ -550,6 +583,11 @@ def launch(config: Config, *, x, lora_a, h, x_q, x_scale, sync, token_lora, acti
     per_plane = split * config.num_slices * config.n_chunks
     zq = quant_planes(M, per_plane)
     grid = (split, config.num_slices * config.n_chunks, zq + min(M, max_loras + 1))
+    if config.trace:
+        n = grid[0] * grid[1] * grid[2]
+        if trace is None or trace.shape != (n, TRACE_SLOTS) or trace.dtype != torch.int64:
+            raise ValueError(f"a trace build needs trace = int64 [{n}, {TRACE_SLOTS}]")
+        args.append(trace)
     return dict(args=tuple(args), grid=grid, block=config.block, cluster=(split, 1, 1),
                 smem=config.smem_bytes(), pdl=False, n_quant=zq * per_plane if config.quant else 0)
 
@@ -596,4 +634,9 @@ def prebuild_configs() -> list[Config]:
     # For tools/bench_stages.py (rank 64, the bench's rank): the down-projection alone, and the
     # former 4-stage build.
     return cfgs + [Config(bn=bn, rank=64, num_slices=ns, stages=st, quant=q) for ns in (1, 2, 3)
-                   for bn in TOKEN_TILES for st, q in ((STAGES, False), (4, True))]
+                   for bn in TOKEN_TILES for st, q in ((STAGES, False), (4, True))] + trace_configs()
+
+
+def trace_configs() -> list[Config]:
+    """The timeline builds tools/bench_timeline.py launches (rank 64, 1..8 tokens, 1-3 slices)."""
+    return [Config(bn=8, rank=64, num_slices=ns, stages=STAGES, trace=True) for ns in (1, 2, 3)]

@@ -275,3 +275,30 @@ def test_stages_decode_pairs_keep_the_counter_protocol():
         assert s_spec["cluster"][0] == s_spec["grid"][0]
         syncs.add(k_sync.data_ptr())
     assert len(syncs) == len([v for v in st.pairs.values() if v[2] is not None])  # one counter each
+
+
+def test_timeline_specs_and_summary_on_the_cpu():
+    """bench_timeline: the trace builds' launch specs (trace buffers sized to the grids, the pair's
+    K2 waiting for exactly its shrink's quantization CTAs) and the summary of stamped timelines."""
+    from kernels_dsl import k2_gemm, lora_shrink
+    from tools.bench_decode import QWEN3_8B, LayerCase
+    from tools.bench_timeline import Timeline
+
+    qkv = next(p for p in QWEN3_8B if p.name == "qkv")
+    tl = Timeline(LayerCase(qkv, 1, 64, device="cpu"))
+    assert tl.s_cfg.trace and tl.k_cfg.trace and tl.k_cfg in k2_gemm.prebuild_configs()
+    assert tl.s_cfg in lora_shrink.prebuild_configs()
+    assert tl.s_spec["args"][-1] is tl.s_trace and tl.k_spec["args"][-1] is tl.k_trace
+    assert tl.k_spec["args"][8] == tl.s_spec["n_quant"] and tl.k_spec_alone["args"][8] == 0
+    s_tr, k_tr = tl.s_trace.clone(), tl.k_trace.clone()
+    per = tl.s_grid[0] * tl.s_grid[1]
+    s_tr[:, 0] = 1_000_000  # every shrink CTA starts at t0 = 1 ms
+    s_tr[:per, 2] = 1_003_000  # the quantization CTAs publish 3 µs later
+    k_tr[:, 0] = 1_002_000
+    k_tr[:, 1] = torch.arange(k_tr.shape[0]) * 10 + 1_004_000  # x_q ready 4.00 ... µs
+    ev = tl.summarize(s_tr, k_tr)
+    assert ev["shrink-quant", "published_or_mainloop_done"] == (3.0, 3.0, 3.0, per)
+    assert ev["k2", "start"][:3] == (2.0, 2.0, 2.0)
+    first, med, last, n = ev["k2", "xq_ready"]
+    assert first == 4.0 and n == k_tr.shape[0] and last == pytest.approx(4.0 + (n - 1) * 0.01)
+    assert ("k2", "h_ready") not in ev  # never stamped: absent, not zero
