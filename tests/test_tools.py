@@ -302,3 +302,12 @@ def test_timeline_specs_and_summary_on_the_cpu():
     first, med, last, n = ev["k2", "xq_ready"]
     assert first == 4.0 and n == k_tr.shape[0] and last == pytest.approx(4.0 + (n - 1) * 0.01)
     assert ("k2", "h_ready") not in ev  # never stamped: absent, not zero
+
+
+def test_timeline_section_is_registered_and_skips_without_a_hopper_gpu():
+    from tools import bench, bench_timeline
+
+    bench._optional_sections()
+    assert bench.SECTIONS["timeline"] is bench_timeline.bench_timeline
+    if not torch.cuda.is_available():
+        assert bench_timeline.bench_timeline(quick=True) == []
