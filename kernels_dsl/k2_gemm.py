@@ -102,6 +102,9 @@ class Config:
     b_bufs: int = 2
     ctas: int = 1  # CTAs per SM the kernel is built for (1 or 2: registers and the launch bound)
     trace: bool = False  # timeline stamps (%globaltimer) into an extra int64 [CTAs, 8] argument
+    # Weight stages requested before x_q is ready (0 = all `stages`). Fewer leave the memory system
+    # to the quantization CTAs that K2 waits for (docs/perf.md v0.27, an experiment).
+    early: int = 0
 
     def __post_init__(self):
         if (self.bm + RED_PAD) * self.bn * 4 > self.bm * self.bk * self.stages:
@@ -114,6 +117,8 @@ class Config:
             raise ValueError("bk must be 64 or 128")
         if self.ctas not in (1, 2):
             raise ValueError("ctas must be 1 or 2")
+        if not 0 <= self.early <= self.stages:
+            raise ValueError("early must be 0..stages")
         if self.lora:
             if self.rank not in (8, 16, 32, 64, 128, 256):
                 raise ValueError("rank must be 8..256, a power of two")
@@ -131,7 +136,8 @@ class Config:
             s += f"_lora_s{self.num_slices}_r{self.rank}_nb{self.b_bufs}"
         else:
             s += "_nolora"
-        return s + ("_c2" if self.ctas == 2 else "") + ("_trace" if self.trace else "")
+        return (s + ("_c2" if self.ctas == 2 else "") + (f"_e{self.early}" if self.early else "")
+                + ("_trace" if self.trace else ""))
 
     @property
     def consumer_regs(self) -> int:
@@ -379,8 +385,11 @@ if cute is not None:
                     cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
                     cute.nvgpu.cpasync.prefetch_descriptor(tma_x)
                     npre = cutlass.min(nloc, STAGES)
+                    npre_w = npre  # stages whose weights go out before x_q is ready
+                    if cutlass.const_expr(cfg.early > 0):
+                        npre_w = cutlass.min(nloc, cfg.early)
                     # 1. weights of the first stages: they do not depend on the previous kernel.
-                    for i in cutlass.range(npre, unroll=1):
+                    for i in cutlass.range(npre_w, unroll=1):
                         with cute.arch.elect_one():
                             cute.arch.mbarrier_arrive_and_expect_tx(full + i, stage_bytes)
                         cute.copy(tma_w, tWg[(None, kb_lo + i)], tWs[(None, i)], tma_bar_ptr=full + i)
@@ -402,8 +411,15 @@ if cute is not None:
                             D.stamp_globaltimer(trace_row + 8)
                     # 4. x_q of the stages already holding weights, first: the consumer's first
                     #    WGMMA waits on it (s_x is needed only after the main loop).
-                    for i in cutlass.range(npre, unroll=1):
+                    for i in cutlass.range(npre_w, unroll=1):
                         cute.copy(tma_x, tXg[(None, kb_lo + i)], tXs[(None, i)], tma_bar_ptr=full + i)
+                    if cutlass.const_expr(cfg.early > 0):
+                        # The rest of the first pass over the (still free) stages: weights and x_q.
+                        for i in cutlass.range(npre_w, npre, unroll=1):
+                            with cute.arch.elect_one():
+                                cute.arch.mbarrier_arrive_and_expect_tx(full + i, stage_bytes)
+                            cute.copy(tma_w, tWg[(None, kb_lo + i)], tWs[(None, i)], tma_bar_ptr=full + i)
+                            cute.copy(tma_x, tXg[(None, kb_lo + i)], tXs[(None, i)], tma_bar_ptr=full + i)
                     # s_x goes to the consumer through smem + an mbarrier, so that its reads are
                     # ordered after this acquire (the consumer never saw the flag). One token per
                     # lane (bn <= 32): one memory round trip, not one per token (a serial loop here
@@ -918,7 +934,14 @@ def prebuild_configs() -> list[Config]:
                         cfgs.add(c)
     cfgs.update(sweep_configs())
     cfgs.update(trace_configs())
+    cfgs.update(early_configs())
     return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank, c.ctas, c.stages, c.trace))
+
+
+def early_configs() -> list[Config]:
+    """tools/bench_stages.py's `decode_e1` builds: the decode path's rank-64 builds of bn 8 with one
+    weight stage requested before x_q (Config.early) instead of all four."""
+    return [default_config(8, 128, lora=True, num_slices=ns, rank=64, early=1) for ns in (1, 2, 3)]
 
 
 def trace_configs() -> list[Config]:

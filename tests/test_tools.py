@@ -262,7 +262,8 @@ def test_stages_decode_pairs_keep_the_counter_protocol():
     down = next(p for p in QWEN3_8B if p.name == "down")
     st = DecodeStages(LayerCase(down, 1, 64, device="cpu"))
     assert st.split_s == 8
-    assert {"decode_s2", "decode_s4", "decode_s16", "decode_st4", "shrink_s16"} <= set(st.pairs)
+    assert {"decode_s2", "decode_s4", "decode_s16", "decode_st4", "shrink_s16", "decode_e1"} <= set(st.pairs)
+    assert st.pairs["decode_e1"][2].early == 1
     syncs = set()
     for name, (s_cfg, s_spec, k_cfg, k_spec) in st.pairs.items():
         if k_cfg is None:

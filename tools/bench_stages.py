@@ -23,6 +23,8 @@ CUDA-graph replays with the L2 flushed (median), all in one run:
                     that K2's CTAs wait for (fewer)?
   decode_st4_us     the decode path with the 4-stage shrink (less shared memory per shrink CTA)
   decode_c1_us, decode_c1st8_us   the decode path with the one-CTA-per-SM K2 builds
+  decode_e1_us      the decode path with K2 requesting one weight stage (not all) before x_q is
+                    ready (1..8 tokens, rank 64 builds)
   k2_fixed_us, k2_epilogue_fixed_us   the k2 / k2_epilogue rows' build, grid and cluster on one
                     k-block per CTA (K = bk x split): launch, prologue, pipeline fill, the cluster
                     reduction and the stores without the weight stream, i.e. K2's fixed cost
@@ -123,6 +125,13 @@ class DecodeStages:
                 kspec = k2_gemm.launch(lv, sync=sync_v, n_quant=sspec["n_quant"],
                                        **dict(k2_common, split=k2_gemm.split_for(lv, n, k)), **lora_args)
                 self.pairs[f"decode_{tag}"] = (s_cfg, sspec, lv, kspec)
+        # K2 requesting one weight stage, not all, before x_q is ready (Config.early, perf.md v0.27).
+        le = dataclasses.replace(l_cfg, early=1)
+        if le in k2_gemm.early_configs():
+            sync_v = torch.zeros(2, dtype=torch.int32, device=dev)
+            sspec = lora_shrink.launch(s_cfg, sync=sync_v, **shrink_args)
+            kspec = k2_gemm.launch(le, sync=sync_v, n_quant=sspec["n_quant"], **k2_common, **lora_args)
+            self.pairs["decode_e1"] = (s_cfg, sspec, le, kspec)
         # The same two K2 runs with the experimental builds (k2_gemm.select: ctas / stages).
         self.variants = {}
         for tag, kw in (("c1", dict(ctas=1, stages=4)), ("c1st8", dict(ctas=1, stages=8))):
