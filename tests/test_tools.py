@@ -303,6 +303,8 @@ def test_timeline_specs_and_summary_on_the_cpu():
     first, med, last, n = ev["k2", "xq_ready"]
     assert first == 4.0 and n == k_tr.shape[0] and last == pytest.approx(4.0 + (n - 1) * 0.01)
     assert ("k2", "h_ready") not in ev  # never stamped: absent, not zero
+    alone = tl.summarize(s_tr, None)  # the shrink alone: no K2 rows
+    assert alone["shrink-quant", "published_or_mainloop_done"][0] == 3.0 and not any(k == "k2" for k, _ in alone)
 
 
 def test_timeline_section_is_registered_and_skips_without_a_hopper_gpu():

@@ -3,7 +3,7 @@
 The trace builds (`Config.trace` in kernels_dsl/k2_gemm.py and lora_shrink.py) store %globaltimer
 (ns, one clock for all SMs) at fixed points of every CTA: the shrink's entry, its
 griddepcontrol.wait, x_q published (quantization CTAs) or main loop done (down-projection CTAs)
-and h stored; K2's entry, x_q ready (its producer past the spin), main loop done, h ready (the
+and h stored (also with the shrink alone); K2's entry, x_q ready (its producer past the spin), main loop done, h ready (the
 epilogue's griddepcontrol.wait passed), partials written and the end. Per Qwen3-8B projection,
 rank 64, one adapter, M in {1, 8}: the pair as the decode path launches it (shrink, then K2 as
 its PDL dependent) captured in a CUDA graph, the L2 flushed before each replay, and K2 alone on
@@ -72,6 +72,11 @@ class Timeline:
         self.s_trace = torch.zeros(g[0] * g[1] * g[2], lora_shrink.TRACE_SLOTS, dtype=torch.int64, device=dev)
         self.s_spec = lora_shrink.launch(self.s_cfg, x=c.x, lora_a=c.lora_a, h=self.h, x_q=x_q, x_scale=x_scale,
                                          sync=self.sync, split=split_s, trace=self.s_trace, **common)
+        # The shrink alone (nothing beside it): its counter only counts up, nobody waits on it.
+        self.s_trace_alone = torch.zeros_like(self.s_trace)
+        self.s_spec_alone = lora_shrink.launch(self.s_cfg, x=c.x, lora_a=c.lora_a, h=self.h, x_q=x_q,
+                                               x_scale=x_scale, sync=self.sync_alone, split=split_s,
+                                               trace=self.s_trace_alone, **common)
         bm = k2_gemm.bm_for(widths)
         self.k_cfg = k2_gemm.default_config(8, bm, lora=True, num_slices=len(widths), rank=c.rank, trace=True)
         split = k2_gemm.split_for(self.k_cfg, n, k)
@@ -94,17 +99,20 @@ class Timeline:
         shrink = self._run(self.shrink, self.s_cfg, self.s_spec)
         k2_pdl = self._run(self.k2, self.k_cfg, self.k_spec, pdl=True)
         return {"pair": (lambda: (shrink(), k2_pdl()), (self.s_trace, self.k_trace)),
-                "k2_alone": (self._run(self.k2, self.k_cfg, self.k_spec_alone), (None, self.k_trace_alone))}
+                "k2_alone": (self._run(self.k2, self.k_cfg, self.k_spec_alone), (None, self.k_trace_alone)),
+                "shrink_alone": (self._run(self.shrink, self.s_cfg, self.s_spec_alone), (self.s_trace_alone, None))}
 
     def summarize(self, s_trace, k_trace) -> dict:
         per = self.s_grid[0] * self.s_grid[1]
-        starts = [t for t in ((s_trace[:, 0].tolist() if s_trace is not None else []) + k_trace[:, 0].tolist()) if t > 0]
+        starts = [t for t in ((s_trace[:, 0].tolist() if s_trace is not None else [])
+                              + (k_trace[:, 0].tolist() if k_trace is not None else [])) if t > 0]
         t0 = min(starts)
         ev = {}
         if s_trace is not None:
             kinds = ["shrink-quant" if i // per < self.zq else "shrink-down" for i in range(s_trace.shape[0])]
             ev.update(_events(s_trace, self.shrink.TRACE_SHRINK, t0, kinds))
-        ev.update({("k2", e): v for (_, e), v in _events(k_trace, self.k2.TRACE_K2, t0).items()})
+        if k_trace is not None:
+            ev.update({("k2", e): v for (_, e), v in _events(k_trace, self.k2.TRACE_K2, t0).items()})
         return ev
 
 
