@@ -126,12 +126,6 @@ class Config:
 if cute is not None:
 
     @dsl_user_op
-    def prefetch_l2(addr_i64, *, loc=None, ip=None):
-        """prefetch.global.L2: the line (and the page's translation) on its way, nothing read."""
-        llvm.inline_asm(None, [cutlass.Int64(addr_i64).ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l",
-                        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-
-    @dsl_user_op
     def shfl_bfly_f32(v, lane_mask, *, loc=None, ip=None):
         return cutlass.Float32(llvm.inline_asm(
             T.f32(), [cutlass.Float32(v).ir_value(loc=loc, ip=ip), cutlass.Int32(lane_mask).ir_value(loc=loc, ip=ip)],
@@ -232,6 +226,11 @@ if cute is not None:
                     # or write nothing global before it completes. Then let K2 (our PDL
                     # dependent) be scheduled: it needs x_q (flag) only before its main loop and
                     # h (its own griddepcontrol.wait) only before its epilogue.
+                    cute.arch.griddepcontrol_wait()
+                    cute.arch.griddepcontrol_launch_dependents()
+                    if cutlass.const_expr(cfg.trace):
+                        if tidx == 0:
+                            D.stamp_globaltimer(trace_row + 8)
                     # Rows split over the cluster when the batch has no more tokens than a plane has
                     # clusters (decode at 1..Y tokens): token by, each of the S CTAs takes 1/S of
                     # the row and the S partial maxima meet in DSMEM (max is exact in any order,
@@ -240,39 +239,14 @@ if cute is not None:
                     m = (bz * gd[1] + by) * gd[0] + bx
                     if rows_split:
                         m = by
-                    nvec = K // 8
-                    v_lo = cutlass.Int32(0)
-                    v_hi = nvec
-                    if rows_split:
-                        v_lo = split * nvec // nsplit
-                        v_hi = (split + 1) * nvec // nsplit
-                    # While waiting, the first touch of every buffer this CTA will use, in parallel
-                    # (one lane each): alone, one token's quantization took ~4.5 us after the
-                    # wait (run11 timeline), mostly one cold access after another. A prefetch reads
-                    # nothing into registers and L2 is where the previous kernel's writes land, so
-                    # it may precede the wait.
-                    if m < M and v_lo < v_hi:
-                        g_xp = cute.zipped_divide(mXg[m, None], (8,))
-                        g_qp = cute.zipped_divide(mXq16[m, None], (4,))
-                        if tidx == 0:
-                            prefetch_l2(g_xp[None, v_lo].iterator.toint())
-                        if tidx == 1:
-                            prefetch_l2(g_xp[None, v_hi - 1].iterator.toint())
-                        if tidx == 2:
-                            prefetch_l2(g_qp[None, v_lo].iterator.toint())
-                        if tidx == 3:
-                            prefetch_l2(g_qp[None, v_hi - 1].iterator.toint())
-                        if tidx == 4:
-                            prefetch_l2(mSx.iterator.toint() + cutlass.Int64(m) * 4)
-                    if tidx == 5:
-                        prefetch_l2(mSync.iterator.toint())
-                    cute.arch.griddepcontrol_wait()
-                    cute.arch.griddepcontrol_launch_dependents()
-                    if cutlass.const_expr(cfg.trace):
-                        if tidx == 0:
-                            D.stamp_globaltimer(trace_row + 8)
                     if m < M:  # uniform over a cluster in the split mode
                         red = st.red_max.get_tensor(cute.make_layout(8))
+                        nvec = K // 8
+                        v_lo = cutlass.Int32(0)
+                        v_hi = nvec
+                        if rows_split:
+                            v_lo = split * nvec // nsplit
+                            v_hi = (split + 1) * nvec // nsplit
                         amax = self._row_amax(mXg, m, v_lo, v_hi, tidx, red)
                         if rows_split:
                             if tidx == 0:
