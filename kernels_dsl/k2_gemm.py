@@ -103,7 +103,8 @@ class Config:
     ctas: int = 1  # CTAs per SM the kernel is built for (1 or 2: registers and the launch bound)
     trace: bool = False  # timeline stamps (%globaltimer) into an extra int64 [CTAs, 8] argument
     # Weight stages requested before x_q is ready (0 = all `stages`). Fewer leave the memory system
-    # to the quantization CTAs that K2 waits for (docs/perf.md v0.27, an experiment).
+    # to the quantization CTAs that K2 waits for (docs/perf.md v0.27: no gain). Like `trace`, only
+    # tools/bench_*.py launch such builds; the GPU tests cover the defaults.
     early: int = 0
 
     def __post_init__(self):
