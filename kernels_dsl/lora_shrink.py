@@ -69,9 +69,13 @@ FP8_MAX = 448.0
 MIN_SCALE = float(np.float32(1.0) / np.float32(448.0 * 512.0))
 RED_PAD = 4
 # Trace builds (Config.trace): per CTA ((z * Y + y) * S + x), %globaltimer ns at: kernel entry, past
-# griddepcontrol.wait, x_q published (quantization CTAs) / main loop done (down-projection), h stored.
+# griddepcontrol.wait, x_q published (quantization CTAs) / main loop done (down-projection), h stored;
+# quantization CTAs with a token also: the CTA's amax (first pass + block barrier), the row's amax
+# (after the cluster's DSMEM exchange when split), codes stored (thread 0's), past the barrier
+# before the fence (then fence.acq_rel.gpu + the flag = published).
 TRACE_SLOTS = 8
-TRACE_SHRINK = ("start", "waited", "published_or_mainloop_done", "h_stored")
+TRACE_SHRINK = ("start", "waited", "published_or_mainloop_done", "h_stored", "q_amax_cta", "q_amax_row",
+                "q_codes_stored", "q_before_fence")
 MAX_CLUSTER = 16  # the largest split-K cluster a launch may use (non-portable above 8)
 QV = 8  # 16-byte vectors of x per thread in flight at once in the quantization planes
 DEBUG_PRINT = False
@@ -248,6 +252,9 @@ if cute is not None:
                             v_lo = split * nvec // nsplit
                             v_hi = (split + 1) * nvec // nsplit
                         amax = self._row_amax(mXg, m, v_lo, v_hi, tidx, red)
+                        if cutlass.const_expr(cfg.trace):
+                            if tidx == 0:
+                                D.stamp_globaltimer(trace_row + 32)
                         if rows_split:
                             if tidx == 0:
                                 red[4] = amax
@@ -262,6 +269,9 @@ if cute is not None:
                                     parts[q] = D.ld_dsmem_f32(red_addr, q)
                             for q in cutlass.range_constexpr(MAX_CLUSTER):
                                 amax = D.fmax_f32(amax, parts[q])
+                        if cutlass.const_expr(cfg.trace):
+                            if tidx == 0:
+                                D.stamp_globaltimer(trace_row + 40)
                         scale = D.fmax_f32(D.div_rn_f32(amax, cutlass.Float32(FP8_MAX)), cutlass.Float32(MIN_SCALE))
                         sx_owner = tidx  # thread 0 of the token's (first) CTA writes s_x
                         if rows_split:
@@ -269,6 +279,9 @@ if cute is not None:
                         if sx_owner == 0:
                             mSx[m] = scale
                         self._row_codes(mXg, mXq16, m, v_lo, v_hi, tidx, scale)
+                        if cutlass.const_expr(cfg.trace):
+                            if tidx == 0:
+                                D.stamp_globaltimer(trace_row + 48)
                         if rows_split:
                             # Every CTA of the cluster has read this one's maximum before it exits.
                             cute.arch.cluster_arrive()
@@ -276,6 +289,9 @@ if cute is not None:
                     # Publish: all of this CTA's stores, then one release increment (every CTA of
                     # the quantization planes, with or without a token: K2 waits for all of them).
                     cute.arch.barrier()
+                    if cutlass.const_expr(cfg.trace):
+                        if tidx == 0:
+                            D.stamp_globaltimer(trace_row + 56)
                     if tidx == 0:
                         cute.arch.fence_acq_rel_gpu()
                         D.red_release_gpu_add_s32(mSync.iterator.toint(), 1)
