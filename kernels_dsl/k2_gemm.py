@@ -407,9 +407,7 @@ if cute is not None:
                         while D.ld_acquire_gpu_s32(sync_addr) < n_quant:
                             D.nanosleep(32)
                     D.fence_proxy_async_global()
-                    if cutlass.const_expr(cfg.trace):
-                        if lane == 0:
-                            D.stamp_globaltimer(trace_row + 8)
+                    self._stamp(trace_row, 1, lane)
                     # 4. x_q of the stages already holding weights, first: the consumer's first
                     #    WGMMA waits on it (s_x is needed only after the main loop).
                     for i in cutlass.range(npre_w, unroll=1):
@@ -493,9 +491,7 @@ if cute is not None:
                     for e in cutlass.range_constexpr(cute.size(acc)):
                         acc[e] = acc[e] + acc_blk[e]
 
-                if cutlass.const_expr(cfg.trace):
-                    if ctid == 0:
-                        D.stamp_globaltimer(trace_row + 16)
+                self._stamp(trace_row, 2, ctid)
                 acc_l = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
                 acc_l.fill(0.0)
                 if cutlass.const_expr(cfg.lora):
@@ -503,9 +499,7 @@ if cute is not None:
                     # a moment earlier.
                     cute.arch.mbarrier_wait(st.meta_ready.data_ptr(), 0)
                     cute.arch.griddepcontrol_wait()
-                    if cutlass.const_expr(cfg.trace):
-                        if ctid == 0:
-                            D.stamp_globaltimer(trace_row + 24)
+                    self._stamp(trace_row, 3, ctid)
                     self._lora_epilogue(ctid, acc_l, tiled_mma_l, st, sB_layout, sH_layout, bfull, bempty,
                                         mH, sl, M, split, nsplit)
 
@@ -521,9 +515,7 @@ if cute is not None:
                             v = v + acc_l[i]
                     sRed[r, j] = v
 
-                if cutlass.const_expr(cfg.trace):
-                    if ctid == 0:
-                        D.stamp_globaltimer(trace_row + 32)
+                self._stamp(trace_row, 4, ctid)
                 # Cluster-wide: every partial is in smem (release/acquire at cluster scope).
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
@@ -558,11 +550,17 @@ if cute is not None:
                 # Keep this CTA's smem alive until every CTA of the cluster has read it.
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
-                if cutlass.const_expr(cfg.trace):
-                    if ctid == 0:
-                        D.stamp_globaltimer(trace_row + 40)
+                self._stamp(trace_row, 5, ctid)
 
         # -----------------------------------------------------------------------------------------
+        @cute.jit
+        def _stamp(self, trace_row, slot: cutlass.Constexpr, who):
+            """Trace builds only: %globaltimer into `slot` of this CTA's timeline row, by the thread
+            whose `who` is 0 (nothing in the kernels that are launched for real)."""
+            if cutlass.const_expr(self.cfg.trace):
+                if who == 0:
+                    D.stamp_globaltimer(trace_row + 8 * slot)
+
         @cute.jit
         def _adapter_producer(self, tma_bs: tuple, mBs: tuple, st, sB_layout, bfull, bempty, mTok, mSlotRanks,
                               sl, row_in_slice, n_s, split, nsplit, M):

@@ -232,9 +232,7 @@ if cute is not None:
                     # h (its own griddepcontrol.wait) only before its epilogue.
                     cute.arch.griddepcontrol_wait()
                     cute.arch.griddepcontrol_launch_dependents()
-                    if cutlass.const_expr(cfg.trace):
-                        if tidx == 0:
-                            D.stamp_globaltimer(trace_row + 8)
+                    self._stamp(trace_row, 1, tidx)
                     # Rows split over the cluster when the batch has no more tokens than a plane has
                     # clusters (decode at 1..Y tokens): token by, each of the S CTAs takes 1/S of
                     # the row and the S partial maxima meet in DSMEM (max is exact in any order,
@@ -252,9 +250,7 @@ if cute is not None:
                             v_lo = split * nvec // nsplit
                             v_hi = (split + 1) * nvec // nsplit
                         amax = self._row_amax(mXg, m, v_lo, v_hi, tidx, red)
-                        if cutlass.const_expr(cfg.trace):
-                            if tidx == 0:
-                                D.stamp_globaltimer(trace_row + 32)
+                        self._stamp(trace_row, 4, tidx)
                         if rows_split:
                             if tidx == 0:
                                 red[4] = amax
@@ -269,9 +265,7 @@ if cute is not None:
                                     parts[q] = D.ld_dsmem_f32(red_addr, q)
                             for q in cutlass.range_constexpr(MAX_CLUSTER):
                                 amax = D.fmax_f32(amax, parts[q])
-                        if cutlass.const_expr(cfg.trace):
-                            if tidx == 0:
-                                D.stamp_globaltimer(trace_row + 40)
+                        self._stamp(trace_row, 5, tidx)
                         scale = D.fmax_f32(D.div_rn_f32(amax, cutlass.Float32(FP8_MAX)), cutlass.Float32(MIN_SCALE))
                         sx_owner = tidx  # thread 0 of the token's (first) CTA writes s_x
                         if rows_split:
@@ -279,9 +273,7 @@ if cute is not None:
                         if sx_owner == 0:
                             mSx[m] = scale
                         self._row_codes(mXg, mXq16, m, v_lo, v_hi, tidx, scale)
-                        if cutlass.const_expr(cfg.trace):
-                            if tidx == 0:
-                                D.stamp_globaltimer(trace_row + 48)
+                        self._stamp(trace_row, 6, tidx)
                         if rows_split:
                             # Every CTA of the cluster has read this one's maximum before it exits.
                             cute.arch.cluster_arrive()
@@ -289,14 +281,11 @@ if cute is not None:
                     # Publish: all of this CTA's stores, then one release increment (every CTA of
                     # the quantization planes, with or without a token: K2 waits for all of them).
                     cute.arch.barrier()
-                    if cutlass.const_expr(cfg.trace):
-                        if tidx == 0:
-                            D.stamp_globaltimer(trace_row + 56)
+                    self._stamp(trace_row, 7, tidx)
                     if tidx == 0:
                         cute.arch.fence_acq_rel_gpu()
                         D.red_release_gpu_add_s32(mSync.iterator.toint(), 1)
-                        if cutlass.const_expr(cfg.trace):
-                            D.stamp_globaltimer(trace_row + 16)
+                    self._stamp(trace_row, 2, tidx)
             else:
                 # ================================ down-projection ==================================
                 g = bz - zq
@@ -359,9 +348,7 @@ if cute is not None:
                             self._load_a(i, kb_lo + i, full, stage_bytes, tma_as, mAs, sA, sAt_layout, sl, a_blk)
                     cute.arch.griddepcontrol_wait()
                     cute.arch.griddepcontrol_launch_dependents()
-                    if cutlass.const_expr(cfg.trace):
-                        if tidx == 0:
-                            D.stamp_globaltimer(trace_row + 8)
+                    self._stamp(trace_row, 1, tidx)
                     if tidx < 32:
                         for i in cutlass.range(npre, unroll=1):
                             self._load_x(i, kb_lo + i, full, tma_x, tXg, tXs)
@@ -401,9 +388,7 @@ if cute is not None:
                                 self._load(j % STAGES, kb_lo + j + STAGES, full, stage_bytes, tma_as, mAs, sA,
                                            sAt_layout, sl, a_blk, tma_x, tXg, tXs)
                     cute.nvgpu.warpgroup.wait_group(0)
-                    if cutlass.const_expr(cfg.trace):
-                        if tidx == 0:
-                            D.stamp_globaltimer(trace_row + 16)
+                    self._stamp(trace_row, 2, tidx)
 
                     for i in cutlass.range_constexpr(cute.size(acc)):
                         r, j = tCcC[i]
@@ -428,11 +413,17 @@ if cute is not None:
                         if toks[u] == lid:
                             j = e // rows
                             mH[sl, j, c * 64 + e - j * rows] = vals[u]
-                    if cutlass.const_expr(cfg.trace):
-                        if tidx == 0:
-                            D.stamp_globaltimer(trace_row + 24)
+                    self._stamp(trace_row, 3, tidx)
                     cute.arch.cluster_arrive()
                     cute.arch.cluster_wait()
+
+        @cute.jit
+        def _stamp(self, trace_row, slot: cutlass.Constexpr, who):
+            """Trace builds only: %globaltimer into `slot` of this CTA's timeline row, by the thread
+            whose `who` is 0 (nothing in the kernels that are launched for real)."""
+            if cutlass.const_expr(self.cfg.trace):
+                if who == 0:
+                    D.stamp_globaltimer(trace_row + 8 * slot)
 
         @cute.jit
         def _row_amax(self, mXg, m, v_lo, v_hi, tidx, red):
@@ -596,9 +587,9 @@ def launch(config: Config, *, x, lora_a, h, x_q, x_scale, sync, token_lora, acti
     args = [x, (M, K), x] + views + [(v.shape[0], v.shape[1]) for v in views]
     args += [h, x_q.view(torch.int16), x_scale.reshape(-1), sync, token_lora, active_lora_ids, num_active,
              slot_ranks]
-    per_plane = split * config.num_slices * config.n_chunks
+    grid = launch_grid(config, M, split, max_loras)
+    per_plane = grid[0] * grid[1]
     zq = quant_planes(M, per_plane)
-    grid = (split, config.num_slices * config.n_chunks, zq + min(M, max_loras + 1))
     if config.trace:
         n = grid[0] * grid[1] * grid[2]
         if trace is None or trace.shape != (n, TRACE_SLOTS) or trace.dtype != torch.int64:
@@ -606,6 +597,12 @@ def launch(config: Config, *, x, lora_a, h, x_q, x_scale, sync, token_lora, acti
         args.append(trace)
     return dict(args=tuple(args), grid=grid, block=config.block, cluster=(split, 1, 1),
                 smem=config.smem_bytes(), pdl=False, n_quant=zq * per_plane if config.quant else 0)
+
+
+def launch_grid(config: Config, m: int, split: int, max_loras: int) -> tuple[int, int, int]:
+    """(split, slices * rank chunks, quantization planes + groups): the grid launch() uses."""
+    y = config.num_slices * config.n_chunks
+    return (split, y, quant_planes(m, split * y) + min(m, max_loras + 1))
 
 
 def quant_planes(m: int, per_plane: int) -> int:

@@ -64,10 +64,7 @@ class Timeline:
                       num_active=c.meta.num_active, slot_ranks=_full_ranks(L, c.rank, dev))
         self.s_cfg = dataclasses.replace(lora_shrink.select(len(widths), m, c.rank), trace=True)
         split_s = lora_shrink.choose_split(k, len(widths), c.rank, min(m, L + 1))
-        probe = lora_shrink.launch(dataclasses.replace(self.s_cfg, trace=False), x=c.x, lora_a=c.lora_a, h=self.h,
-                                   x_q=x_q, x_scale=x_scale, sync=self.sync, split=split_s, **common)
-        g = probe["grid"]
-        self.s_grid = g
+        g = self.s_grid = lora_shrink.launch_grid(self.s_cfg, m, split_s, L)
         self.zq = lora_shrink.quant_planes(m, g[0] * g[1])
         self.s_trace = torch.zeros(g[0] * g[1] * g[2], lora_shrink.TRACE_SLOTS, dtype=torch.int64, device=dev)
         self.s_spec = lora_shrink.launch(self.s_cfg, x=c.x, lora_a=c.lora_a, h=self.h, x_q=x_q, x_scale=x_scale,
