@@ -7,6 +7,7 @@ taken only where the result is identical (the quantization) or explicitly reques
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -106,6 +107,10 @@ def _reference_quant_into(x, codes, scales, warn_reason: str | None):
 # The fused LoRA linear: y = quant(x) @ W_q^T * s_x * s_w + per-token adapter update.
 
 DECODE_MAX_TOKENS = 32
+# 1..8 tokens: K2 quantizes x itself (kernels_dsl/k2_gemm.py, Config.self_quant) and the shrink
+# has no quantization planes: K2 waits for no other kernel before its main loop (docs/perf.md
+# v0.29). EPILORA_SELF_QUANT=0 keeps the quantization in the shrink kernel (for comparisons).
+SELF_QUANT = os.environ.get("EPILORA_SELF_QUANT", "1") != "0"
 PATHS = ("auto", "base", "decode", "no_adapter", "hybrid", "prefill", "triton", "reference")
 # The decode and no-adapter paths' variable for "auto" (dispatch.OPT_IN_ENV): "0" keeps them out of
 # the candidates, "1" lets them in if they ever leave dispatch.VERIFIED_PATHS.
@@ -467,6 +472,13 @@ def _k2_no_adapter(x, w_q, w_scale, widths, out, pdl: bool = True, chain: bool =
 
     m, k = x.shape
     n = w_q.shape[0]
+    if SELF_QUANT and k2_gemm.self_quant_applies(m, k):
+        # One launch: K2 quantizes x itself. Chained, it is the previous kernel's PDL dependent:
+        # its weight stream starts under that kernel, and its consumer waits before reading x.
+        _, cfg = k2_gemm.select(widths, m, self_quant=True)
+        spec = k2_gemm.launch(cfg, w_q=w_q, w_scale=w_scale, x=x, y=out, split=k2_gemm.split_for(cfg, n, k))
+        _launch_spec(get_kernel(k2_gemm, cfg, "sm_90a"), spec, pdl=chain)
+        return out
     sync = _sync_buffer(x.device)  # (first call: its fill goes before the quantization kernel)
     # Chained: the quantization kernel waits for its predecessor before it touches anything, so
     # this needs no assumption about that kernel.
@@ -492,21 +504,28 @@ def _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl
         slot_ranks = _full_ranks(max_loras, rank, dev)
     elif slot_ranks.dtype != torch.int32 or slot_ranks.numel() != max_loras:
         raise ValueError(f"slot_ranks must be int32 [{max_loras}]")
-    x_q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev)
-    x_scale = torch.empty(m, dtype=torch.float32, device=dev)
     h = torch.empty(len(widths), m, rank, dtype=torch.float32, device=dev)
-    sync = _sync_buffer(dev)
     token_lora = meta.token_lora_mapping[:m]
-    s_cfg = lora_shrink.select(len(widths), m, rank)
     split_s = lora_shrink.choose_split(k, len(widths), rank, min(m, max_loras + 1))
-    s_spec = lora_shrink.launch(s_cfg, x=x, lora_a=a, h=h, x_q=x_q, x_scale=x_scale, sync=sync,
-                                token_lora=token_lora, active_lora_ids=meta.active_lora_ids,
-                                num_active=meta.num_active, slot_ranks=slot_ranks, split=split_s)
-    k_cfg, _ = k2_gemm.select(widths, m, rank)
-    k_spec = k2_gemm.launch(k_cfg, w_q=w_q, w_scale=w_scale, x_q=x_q, x_scale=x_scale, y=out, sync=sync,
-                            n_quant=s_spec["n_quant"], split=k2_gemm.split_for(k_cfg, n, k), h=h,
-                            token_lora=token_lora, active_lora_ids=meta.active_lora_ids, num_active=meta.num_active,
-                            slot_ranks=slot_ranks, slice_start=_slice_start(widths, dev), lora_b=b)
+    common = dict(token_lora=token_lora, active_lora_ids=meta.active_lora_ids, num_active=meta.num_active,
+                  slot_ranks=slot_ranks)
+    if SELF_QUANT and k2_gemm.self_quant_applies(m, k):
+        # The shrink is the down-projection alone; K2 quantizes x itself.
+        s_cfg = lora_shrink.select(len(widths), m, rank, quant=False)
+        s_spec = lora_shrink.launch(s_cfg, x=x, lora_a=a, h=h, split=split_s, **common)
+        k_cfg, _ = k2_gemm.select(widths, m, rank, self_quant=True)
+        xs = dict(x=x)
+    else:
+        x_q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev)
+        x_scale = torch.empty(m, dtype=torch.float32, device=dev)
+        sync = _sync_buffer(dev)
+        s_cfg = lora_shrink.select(len(widths), m, rank)
+        s_spec = lora_shrink.launch(s_cfg, x=x, lora_a=a, h=h, x_q=x_q, x_scale=x_scale, sync=sync,
+                                    split=split_s, **common)
+        k_cfg, _ = k2_gemm.select(widths, m, rank)
+        xs = dict(x_q=x_q, x_scale=x_scale, sync=sync, n_quant=s_spec["n_quant"])
+    k_spec = k2_gemm.launch(k_cfg, w_q=w_q, w_scale=w_scale, y=out, split=k2_gemm.split_for(k_cfg, n, k), h=h,
+                            slice_start=_slice_start(widths, dev), lora_b=b, **xs, **common)
     # Chained, the shrink reads slot_ranks before its griddepcontrol.wait: not right after the
     # fill that made it (nor any other of our tensors, to keep it simple).
     chain = chain and _persistent.made == made

@@ -121,6 +121,48 @@ def cvt_e4m3x2_f32(lo, hi, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def cvt_e4m3x4_f32(a, b, c, d, *, loc=None, ip=None):
+    """Four fp32 -> four e4m3 codes packed in a 32-bit word, `a` in the lowest byte (the byte
+    order of x_q in memory); rounding and saturation as cvt_e4m3x2_f32."""
+    return cutlass.Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)],
+            "{\n\t.reg .b16 lo, hi;\n\tcvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n\t"
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n\tmov.b32 $0, {lo, hi};\n\t}",
+            "=r,f,f,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
+def st_shared_v4_b32(smem_addr, a, b, c, d, *, loc=None, ip=None):
+    """16-byte store to shared memory (32-bit shared::cta address, 16-byte aligned)."""
+    llvm.inline_asm(
+        None,
+        [cutlass.Int32(smem_addr).ir_value(loc=loc, ip=ip)]
+        + [cutlass.Int32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)],
+        "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
+        "r,r,r,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def shfl_bfly_f32(v, lane_mask, *, loc=None, ip=None):
+    """shfl.sync.bfly over the full warp: the value of lane (lane ^ lane_mask)."""
+    return cutlass.Float32(llvm.inline_asm(
+        T.f32(), [cutlass.Float32(v).ir_value(loc=loc, ip=ip), cutlass.Int32(lane_mask).ir_value(loc=loc, ip=ip)],
+        "shfl.sync.bfly.b32 $0, $1, $2, 31, -1;", "=f,f,r", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
 def ld_acquire_gpu_s32(addr_i64, *, loc=None, ip=None):
     """ld.acquire.gpu of an int32 at a global address (spin-wait on a flag another grid sets)."""
     return cutlass.Int32(

@@ -44,6 +44,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ._abi import SM_COUNT_H100, CoordParam, ScalarParam, TensorParam, TmaParam, TmaSpec, struct_size
@@ -71,6 +72,11 @@ CONSUMER_REGS_2CTA = 216
 SMEM_PER_SM = 228 * 1024  # H100/H200; each resident CTA also reserves 1 KiB
 RED_PAD = 4  # fp32 words of padding per token column of the reduction buffer (bank spread)
 META_ROWS = 32  # the adapter table in smem: one row per token of the tile (bn <= 32)
+# self_quant builds: vLLM's per-token quantization (the constants of the shrink's planes) and the
+# largest cluster whose maxima a CTA combines.
+FP8_MAX = 448.0
+MIN_SCALE = float(np.float32(1.0) / np.float32(448.0 * 512.0))
+MAX_CLUSTER = 16
 # Trace builds (Config.trace): per CTA (row split + S * tile), %globaltimer ns at: kernel entry,
 # x_q ready (the producer past its spin / wait), main loop done, h ready (the epilogue's
 # griddepcontrol.wait passed; adapter builds), partials written, done (after the last cluster barrier).
@@ -106,6 +112,11 @@ class Config:
     # to the quantization CTAs that K2 waits for (docs/perf.md v0.27: no gain). Like `trace`, only
     # tools/bench_*.py launch such builds; the GPU tests cover the defaults.
     early: int = 0
+    # K2 quantizes x itself (bf16 x in; no x_q, s_x or sync): each CTA loads its K range of the
+    # batch's rows, the cluster's CTAs combine their per-token maxima in DSMEM (the split-K CTAs of
+    # one tile cover K), and the codes go straight into a resident smem copy of the CTA's x_q. K2
+    # then depends on no other kernel before its main loop (docs/perf.md v0.29).
+    self_quant: bool = False
 
     def __post_init__(self):
         if (self.bm + RED_PAD) * self.bn * 4 > self.bm * self.bk * self.stages:
@@ -120,11 +131,24 @@ class Config:
             raise ValueError("ctas must be 1 or 2")
         if not 0 <= self.early <= self.stages:
             raise ValueError("early must be 0..stages")
+        if self.self_quant and (self.bn not in (8, 16) or self.bk != 128 or self.early):
+            raise ValueError("self_quant builds take bn 8 or 16, bk 128 and no early stages")
         if self.lora:
             if self.rank not in (8, 16, 32, 64, 128, 256):
                 raise ValueError("rank must be 8..256, a power of two")
             if not 1 <= self.num_slices <= 4:
                 raise ValueError("num_slices must be 1..4")
+
+    @property
+    def sq_kblocks(self) -> int:
+        """self_quant: the most k-blocks a CTA may own. Its x values stay in registers between the
+        maximum and the codes: 8 chunks of 16 elements per consumer thread (64 registers)."""
+        return 128 // self.bn
+
+    @property
+    def x_kblocks(self) -> int:
+        """k-blocks of x_q in smem: the pipeline's stages, or the CTA's whole K range (self_quant)."""
+        return self.sq_kblocks if self.self_quant else self.stages
 
     @property
     def rank_chunk(self) -> int:
@@ -138,7 +162,7 @@ class Config:
         else:
             s += "_nolora"
         return (s + ("_c2" if self.ctas == 2 else "") + (f"_e{self.early}" if self.early else "")
-                + ("_trace" if self.trace else ""))
+                + ("_sq" if self.self_quant else "") + ("_trace" if self.trace else ""))
 
     @property
     def consumer_regs(self) -> int:
@@ -156,10 +180,12 @@ class Config:
         """Dynamic shared memory of a launch: the kernel's smem struct, field by field."""
         st, nb, bn = self.stages, self.b_bufs, self.bn
         f = [(8 * st, 8), (8 * st, 8), (8, 8), (4 * bn, 4), (8 * nb, 8), (8 * nb, 8),
-             (self.bm * self.bk * st, 1024), (bn * self.bk * st, 1024)]
+             (self.bm * self.bk * st, 1024), (bn * self.bk * self.x_kblocks, 1024)]
         if self.lora:
             f += [(nb * self.bm * self.rank_chunk * 2, 1024), (bn * self.rank_chunk * 2, 1024),
                   (8, 8), (4 * META_ROWS, 4), (4 * META_ROWS, 4)]
+        # self_quant: per-warp token maxima (4 x bn), then the CTA's (bn); one unused word otherwise.
+        f += [(4 * 5 * bn if self.self_quant else 4, 4)]
         return struct_size(f)
 
 
@@ -194,12 +220,16 @@ if cute is not None:
             b_layout = utils.LayoutEnum.from_tensor(xq)
             tile_mnk = (self.bm, self.bn, self.bk)
             sW_layout = sm90_utils.make_smem_layout_a(a_layout, tile_mnk, fp8, self.stages)
-            sX_layout = sm90_utils.make_smem_layout_b(b_layout, tile_mnk, xq.element_type, self.stages)
+            # self_quant: `xq` is the bf16 x, and x_q lives in smem only (all of the CTA's k-blocks).
+            sX_layout = sm90_utils.make_smem_layout_b(b_layout, tile_mnk, fp8, cfg.x_kblocks)
             op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
             tma_w, mW = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 op, w, cute.slice_(sW_layout, (None, None, 0)), (self.bm, self.bk))
-            tma_x, mX = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                op, xq, cute.slice_(sX_layout, (None, None, 0)), (self.bn, self.bk))
+            if cutlass.const_expr(cfg.self_quant):
+                tma_x, mX = None, xq
+            else:
+                tma_x, mX = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                    op, xq, cute.slice_(sX_layout, (None, None, 0)), (self.bn, self.bk))
 
             if cutlass.const_expr(cfg.lora):
                 bufs_b = tuple(b for b in (b0, b1, b2, b3) if b is not None)
@@ -230,6 +260,7 @@ if cute is not None:
             nb = self.nb
             stages = self.stages
             lora = cfg.lora
+            n_amax = 5 * bn if cfg.self_quant else 1  # self_quant: the token maxima (4 warps', the CTA's)
 
             @cute.struct
             class Storage:
@@ -241,6 +272,7 @@ if cute is not None:
                 bempty: cute.struct.MemRange[cutlass.Int64, nb]
                 sW: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sW_layout)], 1024]
                 sX: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sX_layout)], 1024]
+                sAmax: cute.struct.MemRange[cutlass.Float32, n_amax]
 
             @cute.struct
             class StorageLora:
@@ -257,6 +289,7 @@ if cute is not None:
                 meta_ready: cute.struct.MemRange[cutlass.Int64, 1]
                 sTok: cute.struct.MemRange[cutlass.Int32, META_ROWS]
                 sReff: cute.struct.MemRange[cutlass.Int32, META_ROWS]
+                sAmax: cute.struct.MemRange[cutlass.Float32, n_amax]
 
             if cutlass.const_expr(lora):
                 self.storage = StorageLora
@@ -356,12 +389,14 @@ if cute is not None:
 
             # TMA views: (tile, k-block) of W, (0, k-block) of x_q.
             gW = cute.local_tile(mW, (BM, BK), (tile, None))
-            gX = cute.local_tile(mX, (BN, BK), (0, None))
             tWs, tWg = cute.nvgpu.cpasync.tma_partition(
                 tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
-            tXs, tXg = cute.nvgpu.cpasync.tma_partition(
-                tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
-            stage_bytes = BM * BK + BN * BK
+            stage_bytes = BM * BK
+            if cutlass.const_expr(not cfg.self_quant):
+                gX = cute.local_tile(mX, (BN, BK), (0, None))
+                tXs, tXg = cute.nvgpu.cpasync.tma_partition(
+                    tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+                stage_bytes = BM * BK + BN * BK
 
             # Which slice this tile belongs to (lora only): tiles never straddle slices.
             sl = cutlass.Int32(0)
@@ -377,74 +412,81 @@ if cute is not None:
             if wg == 0:
                 # ===================================== producer ====================================
                 cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+                if cutlass.const_expr(cfg.self_quant):
+                    # The consumer's exchange of token maxima is a cluster barrier, and every
+                    # thread of the cluster takes part: arrive now, wait at the end.
+                    cute.arch.cluster_arrive()
                 if warp_idx == 0:
-                    # The whole warp runs the producer: a TMA copy picks its issuing lane with
-                    # elect.sync over the full warp, so all 32 lanes must reach it (one lane alone
-                    # waits forever: the H200 hang). Transaction setup and the one-thread steps of
-                    # the x_q protocol run on a single lane.
-                    lane = cute.arch.lane_idx()
-                    cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
-                    cute.nvgpu.cpasync.prefetch_descriptor(tma_x)
-                    npre = cutlass.min(nloc, STAGES)
-                    npre_w = npre  # stages whose weights go out before x_q is ready
-                    if cutlass.const_expr(cfg.early > 0):
-                        npre_w = cutlass.min(nloc, cfg.early)
-                    # 1. weights of the first stages: they do not depend on the previous kernel.
-                    for i in cutlass.range(npre_w, unroll=1):
-                        with cute.arch.elect_one():
-                            cute.arch.mbarrier_arrive_and_expect_tx(full + i, stage_bytes)
-                        cute.copy(tma_w, tWg[(None, kb_lo + i)], tWs[(None, i)], tma_bar_ptr=full + i)
-                    # 2. (the adapter's B chunks are warp 1's job, below)
-                    # 3. wait until the quantization CTAs have published x_q / s_x (every lane
-                    #    acquires, then orders its later async-proxy reads after it).
-                    sync_addr = mSync.iterator.toint()
-                    if n_quant == 0:
-                        # x_q from a previous kernel (the standalone quantization): as its PDL
-                        # dependent, wait for it here, after the first weight stages are requested
-                        # (a no-op when launched without PDL). The counter is not touched.
-                        cute.arch.griddepcontrol_wait()
+                    if cutlass.const_expr(cfg.self_quant):
+                        self._weight_producer(tma_w, tWg, tWs, full, empty, stage_bytes, kb_lo, nloc)
                     else:
-                        while D.ld_acquire_gpu_s32(sync_addr) < n_quant:
-                            D.nanosleep(32)
-                    D.fence_proxy_async_global()
-                    self._stamp(trace_row, 1, lane)
-                    # 4. x_q of the stages already holding weights, first: the consumer's first
-                    #    WGMMA waits on it (s_x is needed only after the main loop).
-                    for i in cutlass.range(npre_w, unroll=1):
-                        cute.copy(tma_x, tXg[(None, kb_lo + i)], tXs[(None, i)], tma_bar_ptr=full + i)
-                    if cutlass.const_expr(cfg.early > 0):
-                        # The rest of the first pass over the (still free) stages: weights and x_q.
-                        for i in cutlass.range(npre_w, npre, unroll=1):
+                        # The whole warp runs the producer: a TMA copy picks its issuing lane with
+                        # elect.sync over the full warp, so all 32 lanes must reach it (one lane alone
+                        # waits forever: the H200 hang). Transaction setup and the one-thread steps of
+                        # the x_q protocol run on a single lane.
+                        lane = cute.arch.lane_idx()
+                        cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
+                        cute.nvgpu.cpasync.prefetch_descriptor(tma_x)
+                        npre = cutlass.min(nloc, STAGES)
+                        npre_w = npre  # stages whose weights go out before x_q is ready
+                        if cutlass.const_expr(cfg.early > 0):
+                            npre_w = cutlass.min(nloc, cfg.early)
+                        # 1. weights of the first stages: they do not depend on the previous kernel.
+                        for i in cutlass.range(npre_w, unroll=1):
                             with cute.arch.elect_one():
                                 cute.arch.mbarrier_arrive_and_expect_tx(full + i, stage_bytes)
                             cute.copy(tma_w, tWg[(None, kb_lo + i)], tWs[(None, i)], tma_bar_ptr=full + i)
+                        # 2. (the adapter's B chunks are warp 1's job, below)
+                        # 3. wait until the quantization CTAs have published x_q / s_x (every lane
+                        #    acquires, then orders its later async-proxy reads after it).
+                        sync_addr = mSync.iterator.toint()
+                        if n_quant == 0:
+                            # x_q from a previous kernel (the standalone quantization): as its PDL
+                            # dependent, wait for it here, after the first weight stages are requested
+                            # (a no-op when launched without PDL). The counter is not touched.
+                            cute.arch.griddepcontrol_wait()
+                        else:
+                            while D.ld_acquire_gpu_s32(sync_addr) < n_quant:
+                                D.nanosleep(32)
+                        D.fence_proxy_async_global()
+                        self._stamp(trace_row, 1, lane)
+                        # 4. x_q of the stages already holding weights, first: the consumer's first
+                        #    WGMMA waits on it (s_x is needed only after the main loop).
+                        for i in cutlass.range(npre_w, unroll=1):
                             cute.copy(tma_x, tXg[(None, kb_lo + i)], tXs[(None, i)], tma_bar_ptr=full + i)
-                    # s_x goes to the consumer through smem + an mbarrier, so that its reads are
-                    # ordered after this acquire (the consumer never saw the flag). One token per
-                    # lane (bn <= 32): one memory round trip, not one per token (a serial loop here
-                    # cost ~0.4 us per token before the first x_q load, measured on the H200).
-                    if lane < cutlass.min(M, BN):
-                        sSx[lane] = mSx[lane]
-                    cute.arch.sync_warp()
-                    if lane == 0:
-                        cute.arch.mbarrier_arrive(sx_ready)
-                        if n_quant > 0:
-                            gdim = cute.arch.grid_dim()
-                            total = gdim[0] * gdim[1] * gdim[2]
-                            old = D.atom_add_acqrel_gpu_s32(sync_addr + 4, 1)
-                            if old == total - 1:
-                                # Every CTA of this grid is past the spin: re-arm for the next call.
-                                D.st_relaxed_gpu_s32(sync_addr, 0)
-                                D.st_relaxed_gpu_s32(sync_addr + 4, 0)
-                    cute.arch.sync_warp()
-                    # 5. the steady state: weights and x_q of each freed stage.
-                    for i in cutlass.range(npre, nloc, unroll=1):
-                        s = i % STAGES
-                        cute.arch.mbarrier_wait(empty + s, ((i // STAGES) + 1) % 2)
-                        with cute.arch.elect_one():
-                            cute.arch.mbarrier_arrive_and_expect_tx(full + s, stage_bytes)
-                        cute.copy(tma_w, tWg[(None, kb_lo + i)], tWs[(None, s)], tma_bar_ptr=full + s)
-                        cute.copy(tma_x, tXg[(None, kb_lo + i)], tXs[(None, s)], tma_bar_ptr=full + s)
+                        if cutlass.const_expr(cfg.early > 0):
+                            # The rest of the first pass over the (still free) stages: weights and x_q.
+                            for i in cutlass.range(npre_w, npre, unroll=1):
+                                with cute.arch.elect_one():
+                                    cute.arch.mbarrier_arrive_and_expect_tx(full + i, stage_bytes)
+                                cute.copy(tma_w, tWg[(None, kb_lo + i)], tWs[(None, i)], tma_bar_ptr=full + i)
+                                cute.copy(tma_x, tXg[(None, kb_lo + i)], tXs[(None, i)], tma_bar_ptr=full + i)
+                        # s_x goes to the consumer through smem + an mbarrier, so that its reads are
+                        # ordered after this acquire (the consumer never saw the flag). One token per
+                        # lane (bn <= 32): one memory round trip, not one per token (a serial loop here
+                        # cost ~0.4 us per token before the first x_q load, measured on the H200).
+                        if lane < cutlass.min(M, BN):
+                            sSx[lane] = mSx[lane]
+                        cute.arch.sync_warp()
+                        if lane == 0:
+                            cute.arch.mbarrier_arrive(sx_ready)
+                            if n_quant > 0:
+                                gdim = cute.arch.grid_dim()
+                                total = gdim[0] * gdim[1] * gdim[2]
+                                old = D.atom_add_acqrel_gpu_s32(sync_addr + 4, 1)
+                                if old == total - 1:
+                                    # Every CTA of this grid is past the spin: re-arm for the next call.
+                                    D.st_relaxed_gpu_s32(sync_addr, 0)
+                                    D.st_relaxed_gpu_s32(sync_addr + 4, 0)
+                        cute.arch.sync_warp()
+                        # 5. the steady state: weights and x_q of each freed stage.
+                        for i in cutlass.range(npre, nloc, unroll=1):
+                            s = i % STAGES
+                            cute.arch.mbarrier_wait(empty + s, ((i // STAGES) + 1) % 2)
+                            with cute.arch.elect_one():
+                                cute.arch.mbarrier_arrive_and_expect_tx(full + s, stage_bytes)
+                            cute.copy(tma_w, tWg[(None, kb_lo + i)], tWs[(None, s)], tma_bar_ptr=full + s)
+                            cute.copy(tma_x, tXg[(None, kb_lo + i)], tXs[(None, s)], tma_bar_ptr=full + s)
                 if cutlass.const_expr(cfg.lora):
                     if warp_idx == 1:
                         # The adapter side, beside the weight stream: the tile's token table, then
@@ -454,6 +496,8 @@ if cute is not None:
                                                sl, row_in_slice, n_s, split, nsplit, M)
                 # The producer warpgroup's side of the consumer's two cluster barriers (all
                 # threads of the cluster take part in each).
+                if cutlass.const_expr(cfg.self_quant):
+                    cute.arch.cluster_wait()
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
                 cute.arch.cluster_arrive()
@@ -473,14 +517,19 @@ if cute is not None:
                 acc.fill(0.0)
                 acc_blk = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
                 num_kk = cute.size(tCrW, mode=[2])
+                if cutlass.const_expr(cfg.self_quant):
+                    self._quantize_x(ctid, mX, st, sSx, kb_lo, nloc, M, nsplit, trace_row)
 
                 for i in cutlass.range(nloc, unroll=1):
                     s = i % STAGES
+                    xb = s  # x_q's k-block in smem: the stage, or (self_quant) the CTA's i-th
+                    if cutlass.const_expr(cfg.self_quant):
+                        xb = i
                     cute.arch.mbarrier_wait(full + s, (i // STAGES) % 2)
                     cute.nvgpu.warpgroup.fence()
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
                     for kk in cutlass.range_constexpr(num_kk):
-                        cute.gemm(tiled_mma, acc_blk, tCrW[(None, None, kk, s)], tCrX[(None, None, kk, s)], acc_blk)
+                        cute.gemm(tiled_mma, acc_blk, tCrW[(None, None, kk, s)], tCrX[(None, None, kk, xb)], acc_blk)
                         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                     cute.nvgpu.warpgroup.commit_group()
                     cute.nvgpu.warpgroup.wait_group(0)
@@ -505,7 +554,8 @@ if cute is not None:
 
                 # partial = acc * s_x[token] * s_w (+ adapter), into this CTA's reduction buffer.
                 s_w = mSw[0]
-                cute.arch.mbarrier_wait(sx_ready, 0)
+                if cutlass.const_expr(not cfg.self_quant):
+                    cute.arch.mbarrier_wait(sx_ready, 0)
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     r, j = tCcC[i]
                     v = cutlass.Float32(0.0)
@@ -560,6 +610,106 @@ if cute is not None:
             if cutlass.const_expr(self.cfg.trace):
                 if who == 0:
                     D.stamp_globaltimer(trace_row + 8 * slot)
+
+        @cute.jit
+        def _weight_producer(self, tma_w, tWg, tWs, full, empty, stage_bytes, kb_lo, nloc):
+            """Producer warp 0 of self_quant builds (all 32 lanes): the weights only, every stage as
+            soon as it is free; nothing to wait for."""
+            STAGES = self.stages
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
+            for i in cutlass.range(nloc, unroll=1):
+                s = i % STAGES
+                if i >= STAGES:
+                    cute.arch.mbarrier_wait(empty + s, ((i // STAGES) + 1) % 2)
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(full + s, stage_bytes)
+                cute.copy(tma_w, tWg[(None, kb_lo + i)], tWs[(None, s)], tma_bar_ptr=full + s)
+
+        @cute.jit
+        def _quantize_x(self, ctid, mX, st, sSx, kb_lo, nloc, M, nsplit, trace_row):
+            """Consumer (128 threads) of self_quant builds: x_q of this CTA's k-blocks into smem, s_x
+            of the batch's tokens into sSx, bit for bit as vLLM (the codes of the shrink's
+            quantization planes, epilora_cute.reference.quantize_fp8_per_token).
+
+            Thread t owns token t % BN and the 16-element chunks t // BN + (128 / BN) u of the CTA's K
+            range (8 chunks per 128-element k-block), u < IT: all its loads are issued before any is
+            used (one memory round trip) and the values stay in registers for the codes. Chunk
+            indices past the range are clamped to its last chunk and tokens past the batch to its
+            last token (a repeated element leaves a maximum unchanged; those codes are never read
+            into y). The row maximum: per thread, over the token's lanes (shuffles), over the 4
+            warps (smem), then over the cluster's CTAs, which cover K between them (DSMEM, behind a
+            cluster barrier). The codes go to the swizzled K-major layout the WGMMA reads (128-byte
+            rows, 16-byte chunk c of row j at c ^ (j % 8)) with 16-byte stores."""
+            cfg = self.cfg
+            BN, BK = self.bn, self.bk
+            TPT = 128 // BN  # threads per token
+            IT = cfg.sq_kblocks * 8 // TPT
+            if cutlass.const_expr(not cfg.lora):
+                # Launched with PDL behind the kernel that writes x (chained no-adapter calls): wait
+                # for it here, after the weight stages were requested. (Adapter builds are the
+                # shrink's dependent, launched only after the shrink passed its own wait: x is
+                # complete when they start.)
+                cute.arch.griddepcontrol_wait()
+            j = ctid % BN
+            c0 = ctid // BN
+            nch = nloc * 8
+            g_x = cute.zipped_divide(mX[cutlass.min(j, M - 1), None], (8,))
+            r_x = cute.make_rmem_tensor(cute.make_layout((8, 2, IT)), mX.element_type)
+            for u in cutlass.range_constexpr(IT):
+                v = (kb_lo * 8 + cutlass.min(c0 + TPT * u, nch - 1)) * 2
+                cute.autovec_copy(g_x[None, v], r_x[None, 0, u])
+                cute.autovec_copy(g_x[None, v + 1], r_x[None, 1, u])
+            amax = cutlass.Float32(0.0)
+            for u in cutlass.range_constexpr(IT):
+                for hh in cutlass.range_constexpr(2):
+                    for e in cutlass.range_constexpr(8):
+                        amax = D.fmax_f32(amax, D.abs_f32(r_x[e, hh, u].to(cutlass.Float32)))
+            for sh in cutlass.range_constexpr(5):
+                if cutlass.const_expr((1 << sh) >= BN):
+                    amax = D.fmax_f32(amax, D.shfl_bfly_f32(amax, 1 << sh))
+            sAm = st.sAmax.get_tensor(cute.make_layout(5 * BN))
+            lane = ctid % 32
+            if lane < BN:
+                sAm[(ctid // 32) * BN + lane] = amax
+            cute.arch.barrier(barrier_id=1, number_of_threads=128)
+            if ctid < BN:
+                sAm[4 * BN + ctid] = D.fmax_f32(D.fmax_f32(sAm[ctid], sAm[BN + ctid]),
+                                                D.fmax_f32(sAm[2 * BN + ctid], sAm[3 * BN + ctid]))
+            # Every CTA's maxima are in its smem (release / acquire at cluster scope).
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            parts = cute.make_rmem_tensor((MAX_CLUSTER,), cutlass.Float32)
+            part_addr = sAm.iterator.toint() + (4 * BN + j) * 4
+            for q in cutlass.range_constexpr(MAX_CLUSTER):
+                parts[q] = cutlass.Float32(0.0)
+                if q < nsplit:
+                    parts[q] = D.ld_dsmem_f32(part_addr, q)
+            amax = cutlass.Float32(0.0)
+            for q in cutlass.range_constexpr(MAX_CLUSTER):
+                amax = D.fmax_f32(amax, parts[q])
+            scale = D.fmax_f32(D.div_rn_f32(amax, cutlass.Float32(FP8_MAX)), cutlass.Float32(MIN_SCALE))
+            if ctid < BN:
+                sSx[ctid] = scale
+            x_base = st.sX.data_ptr().toint()
+            for u in cutlass.range_constexpr(IT):
+                ch = c0 + TPT * u
+                if ch < nch:
+                    kb = ch // 8
+                    c16 = ch - kb * 8
+                    w = cute.make_rmem_tensor((4,), cutlass.Int32)
+                    for q4 in cutlass.range_constexpr(4):
+                        c = cute.make_rmem_tensor((4,), cutlass.Float32)
+                        for e in cutlass.range_constexpr(4):
+                            el = q4 * 4 + e
+                            qv = D.div_rn_f32(r_x[el % 8, el // 8, u].to(cutlass.Float32), scale)
+                            c[e] = D.fmax_f32(cutlass.Float32(-FP8_MAX), D.fmin_f32(qv, cutlass.Float32(FP8_MAX)))
+                        w[q4] = D.cvt_e4m3x4_f32(c[0], c[1], c[2], c[3])
+                    off = kb * (BN * BK) + j * BK + ((c16 ^ (j % 8)) * 16)
+                    D.st_shared_v4_b32(x_base + off, w[0], w[1], w[2], w[3])
+            # The WGMMAs (async proxy) read what these generic-proxy stores wrote.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=1, number_of_threads=128)
+            self._stamp(trace_row, 1, ctid)
 
         @cute.jit
         def _adapter_producer(self, tma_bs: tuple, mBs: tuple, st, sB_layout, bfull, bempty, mTok, mSlotRanks,
@@ -690,11 +840,14 @@ def _fake_args(cfg: Config):
     f8, bf16, f32, i32 = cutlass.Float8E4M3FN, cutlass.BFloat16, cutlass.Float32, cutlass.Int32
     N, K, M = D.sym(cfg.bm), D.sym(16), D.sym(1)
     w = D.fake_rowmajor(f8, (N, K))
-    xq = D.fake_rowmajor(f8, (D.sym(1), D.sym(16)))
-    sx = D.fake_rowmajor(f32, (D.sym(1),), align=4)
     sw = D.fake_rowmajor(f32, (1,), align=4)
     y = D.fake_rowmajor(bf16, (D.sym(1), D.sym(8)))
-    sync = D.fake_rowmajor(i32, (2,), align=8)
+    if cfg.self_quant:  # bf16 x in the x_q position; no s_x, no sync
+        xq, sx, sync = D.fake_rowmajor(bf16, (D.sym(1), D.sym(128))), None, None
+    else:
+        xq = D.fake_rowmajor(f8, (D.sym(1), D.sym(16)))
+        sx = D.fake_rowmajor(f32, (D.sym(1),), align=4)
+        sync = D.fake_rowmajor(i32, (2,), align=8)
     if cfg.lora:
         bufs = tuple(D.fake_rowmajor(bf16, (D.sym(cfg.bm), cfg.rank)) for _ in range(cfg.num_slices))
         h = D.fake_rowmajor(f32, (cfg.num_slices, D.sym(1), cfg.rank))
@@ -731,14 +884,24 @@ def params(config: Config) -> list:
     p = [
         TmaParam("tma_w", TmaSpec(f8, (bk, bm)), "W_q [N, K] e4m3"),
         CoordParam("w_dims", 2),  # (N, K)
-        TmaParam("tma_xq", TmaSpec(f8, (bk, bn)), "x_q [M, K] e4m3 (M <= bn; rows >= M are never stored)"),
-        CoordParam("xq_dims", 2),  # (M, K)
-        TensorParam("s_x", f32, 1, dynamic_shape=(0,), align=4),  # [M] (x_scale.view(-1))
-        TensorParam("s_w", f32, 1, align=4),  # [1]
-        TensorParam("y", bf16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16),  # [M, N]
-        TensorParam("sync", i32, 1, align=8),  # [2], shared with the shrink kernel, zeroed once
-        ScalarParam("n_quant", "i"),
     ]
+    if config.self_quant:
+        p += [
+            TensorParam("x", bf16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16),  # [M, K]
+            TensorParam("s_w", f32, 1, align=4),  # [1]
+            TensorParam("y", bf16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16),  # [M, N]
+            ScalarParam("n_quant", "i"),  # unused (always 0)
+        ]
+    else:
+        p += [
+            TmaParam("tma_xq", TmaSpec(f8, (bk, bn)), "x_q [M, K] e4m3 (M <= bn; rows >= M are never stored)"),
+            CoordParam("xq_dims", 2),  # (M, K)
+            TensorParam("s_x", f32, 1, dynamic_shape=(0,), align=4),  # [M] (x_scale.view(-1))
+            TensorParam("s_w", f32, 1, align=4),  # [1]
+            TensorParam("y", bf16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16),  # [M, N]
+            TensorParam("sync", i32, 1, align=8),  # [2], shared with the shrink kernel, zeroed once
+            ScalarParam("n_quant", "i"),
+        ]
     if config.lora:
         sw = {16: "32B", 32: "64B", 64: "128B"}[rc]
         # (tma atoms..., coordinate tensors...) flatten atoms first, then coordinates.
@@ -760,16 +923,26 @@ def params(config: Config) -> list:
     return p
 
 
-def launch(config: Config, *, w_q, w_scale, x_q, x_scale, y, sync, n_quant: int, split: int,
-           h=None, token_lora=None, active_lora_ids=None, num_active=None, slot_ranks=None,
+def launch(config: Config, *, w_q, w_scale, y, split: int, x_q=None, x_scale=None, sync=None, n_quant: int = 0,
+           x=None, h=None, token_lora=None, active_lora_ids=None, num_active=None, slot_ranks=None,
            slice_start=None, lora_b=None, trace=None) -> dict:
     """Arguments (in params() order) and launch geometry for one K2 call.
 
+    x_q, x_scale, sync, n_quant: the activations quantized by another kernel (see the module
+    docstring); x instead (bf16 [M, K], K a multiple of 128) for self_quant builds, which need
+    split >= min_split(config, K) so that no CTA owns more than sq_kblocks k-blocks.
     Returns dict(args, grid, block, cluster, smem, pdl). Launch with cluster dims (split, 1, 1)
     and, for the adapter variant, PDL (programmatic stream serialization) as the dependent of the
     shrink kernel.
     """
-    M, K = x_q.shape
+    if config.self_quant:
+        if x is None or x_q is not None:
+            raise ValueError("a self_quant build takes x (bf16), not x_q")
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1 or x.data_ptr() % 16:
+            raise ValueError("x must be a bf16 [M, K] tensor with contiguous, 16-byte aligned rows")
+    elif x_q is None or x_scale is None or sync is None:
+        raise ValueError("this build takes x_q, x_scale and sync (x only with self_quant)")
+    M, K = (x if config.self_quant else x_q).shape
     N = w_q.shape[0]
     if M > config.bn:
         raise ValueError(f"{M} tokens exceed the token tile {config.bn}")
@@ -777,7 +950,14 @@ def launch(config: Config, *, w_q, w_scale, x_q, x_scale, y, sync, n_quant: int,
         raise ValueError(f"N={N} is not a multiple of bm={config.bm}")
     if not 1 <= split <= 16:
         raise ValueError("split must be 1..16 (cluster size; > 8 needs the non-portable attribute)")
-    args = [w_q, (N, K), x_q, (M, K), x_scale.reshape(-1), w_scale.reshape(-1), y, sync, int(n_quant)]
+    if config.self_quant:
+        if K % 128 or x.stride(0) % 8:
+            raise ValueError(f"K = {K} must be a multiple of 128 (and x's row stride of 8)")
+        if split < min_split(config, K):
+            raise ValueError(f"split {split} leaves a CTA more than {config.sq_kblocks} k-blocks of K = {K}")
+        args = [w_q, (N, K), x, w_scale.reshape(-1), y, 0]
+    else:
+        args = [w_q, (N, K), x_q, (M, K), x_scale.reshape(-1), w_scale.reshape(-1), y, sync, int(n_quant)]
     if config.lora:
         bufs = list(lora_b)
         if len(bufs) != config.num_slices:
@@ -827,8 +1007,17 @@ def choose_split(n_out: int, k: int, bm: int = 128, bk: int = 128, sms: int = SM
 
 
 def split_for(cfg: "Config", n_out: int, k: int) -> int:
-    """choose_split for a built configuration (its bm, bk and CTAs per SM)."""
-    return choose_split(n_out, k, cfg.bm, cfg.bk, ctas_per_sm=cfg.ctas)
+    """choose_split for a built configuration (its bm, bk and CTAs per SM), raised for self_quant
+    builds to min_split."""
+    return max(choose_split(n_out, k, cfg.bm, cfg.bk, ctas_per_sm=cfg.ctas), min_split(cfg, k))
+
+
+def min_split(cfg: "Config", k: int) -> int:
+    """The smallest split a build can run K with: 1, or for self_quant builds the one that leaves
+    no CTA more than sq_kblocks k-blocks (> 16 means the build cannot take this K)."""
+    if not cfg.self_quant:
+        return 1
+    return -(-(-(-k // cfg.bk)) // cfg.sq_kblocks)
 
 
 def token_tile(m: int) -> int:
@@ -841,21 +1030,29 @@ def default_config(bn: int, bm: int, **kw) -> Config:
     """The decode path's build for a token tile: two CTAs per SM (measured on the H200: the
     second CTA's stream covers the first one's prologue and epilogue, and clusters of up to 8
     stay in one wave), with 4 weight stages, or 3 where 4 don't fit twice (bn = 32 with an
-    adapter); one CTA per SM only if neither fits."""
+    adapter); one CTA per SM only if neither fits. Self-quantizing adapter builds (x_q resident
+    in smem) first give up the second B buffer (one rank-64 adapter: one item per CTA)."""
+    bufs = (2, 1) if kw.get("self_quant") and kw.get("lora", True) else (2,)
     for stages in (4, 3):
-        c = Config(bn=bn, bm=bm, stages=stages, ctas=2, **kw)
-        if c.fits_ctas():
-            return c
+        for nb in bufs:
+            c = Config(bn=bn, bm=bm, stages=stages, ctas=2, b_bufs=nb, **kw)
+            if c.fits_ctas():
+                return c
     return Config(bn=bn, bm=bm, stages=4, ctas=1, **kw)
 
 
-def select(widths, m: int, rank: int | None = None, ctas: int | None = None, stages: int | None = None):
+def select(widths, m: int, rank: int | None = None, ctas: int | None = None, stages: int | None = None,
+           self_quant: bool = False):
     """(adapter config or None, no-adapter config) for a projection with these slice widths.
 
     ctas / stages ask for an experimental build that tools/bench_stages.py times against the
     default (prebuilt for rank 64 and no adapter: the former default, one CTA per SM with 4
-    stages, and one CTA per SM with 8 stages); without such a build the default is returned."""
+    stages, and one CTA per SM with 8 stages); without such a build the default is returned.
+    self_quant: the builds that quantize x themselves (see self_quant_applies)."""
     bm, bn = bm_for(widths), token_tile(m)
+    if self_quant:
+        return ((default_config(bn, bm, lora=True, num_slices=len(widths), rank=rank, self_quant=True)
+                 if rank else None), default_config(bn, bm, lora=False, self_quant=True))
 
     def pick(**kw):
         default = default_config(bn, bm, **kw)
@@ -908,6 +1105,15 @@ def projection_shapes(tp_values=(1, 2)):
 
 RANKS = (8, 16, 32, 64, 128, 256)
 TOKEN_TILES = (8, 16, 32)
+SELF_QUANT_TILES = (8,)  # token tiles with self-quantizing builds (1..8 tokens)
+
+
+def self_quant_applies(m: int, k: int) -> bool:
+    """Whether the self-quantizing K2 takes m tokens of K: a token tile it is built for, K a
+    multiple of 128 and split <= 16 enough for sq_kblocks k-blocks per CTA."""
+    if not 1 <= m <= max(SELF_QUANT_TILES) or k % 128 or token_tile(m) not in SELF_QUANT_TILES:
+        return False
+    return min_split(Config(bn=token_tile(m), lora=False, self_quant=True), k) <= 16
 
 
 def bm_for(widths) -> int:
@@ -931,6 +1137,11 @@ def prebuild_configs() -> list[Config]:
                           Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=64, **kw)):
                     if c.fits_ctas() and c.smem_bytes() <= 227 * 1024:
                         cfgs.add(c)
+        # The self-quantizing builds (1..8 tokens).
+        for bn in SELF_QUANT_TILES:
+            cfgs.add(default_config(bn, bm, lora=False, self_quant=True))
+            for r in RANKS:
+                cfgs.add(default_config(bn, bm, lora=True, num_slices=len(widths), rank=r, self_quant=True))
     cfgs.update(sweep_configs())
     cfgs.update(trace_configs())
     cfgs.update(early_configs())

@@ -52,8 +52,6 @@ try:  # the DSL is needed to compile, not to launch a cached build
     import cutlass.cute as cute
     import cutlass.utils as utils
     import cutlass.utils.hopper_helpers as sm90_utils
-    from cutlass._mlir.dialects import llvm
-    from cutlass.cutlass_dsl import T, dsl_user_op
 
     from . import _dsl as D
 except ImportError:  # pragma: no cover - GPU machines without nvidia-cutlass-dsl
@@ -85,8 +83,9 @@ DEBUG_PRINT = False
 class Config:
     """bn: token tile (8/16/32). rank: buffer rank R. num_slices: A buffers (one per output slice).
     bk: bf16 K per stage (64 = one 128-byte swizzle row). stages: pipeline depth.
-    quant: include the quantization (False: the quantization planes' CTAs do nothing and sync is
-    untouched; for timing the down-projection alone)."""
+    quant: include the quantization (False: no quantization planes, no x_q / s_x / sync arguments;
+    the down-projection alone, beside a K2 that quantizes x itself (k2_gemm.Config.self_quant),
+    or timed alone by tools/bench_stages.py)."""
 
     bn: int = 16
     rank: int = 64
@@ -128,14 +127,6 @@ class Config:
 
 
 if cute is not None:
-
-    @dsl_user_op
-    def shfl_bfly_f32(v, lane_mask, *, loc=None, ip=None):
-        return cutlass.Float32(llvm.inline_asm(
-            T.f32(), [cutlass.Float32(v).ir_value(loc=loc, ip=ip), cutlass.Int32(lane_mask).ir_value(loc=loc, ip=ip)],
-            "shfl.sync.bfly.b32 $0, $1, $2, 31, -1;", "=f,f,r", has_side_effects=True, is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT))
-
 
     class _ShrinkKernel:
         def __init__(self, cfg: Config):
@@ -223,6 +214,8 @@ if cute is not None:
             gd = cute.arch.grid_dim()
             per_plane = gd[0] * gd[1]
             zq = (M + per_plane - 1) // per_plane
+            if cutlass.const_expr(not cfg.quant):
+                zq = cutlass.Int32(0)
             if bz < zq:
                 # ============================ FP8 per-token quantization ============================
                 if cutlass.const_expr(cfg.quant):
@@ -302,6 +295,13 @@ if cute is not None:
                 if lid >= 0:
                     reff = cutlass.max(cutlass.min(mSlotRanks[lid], R), 0)
                 # Uniform over the cluster (same y, z): whole clusters leave together.
+                if c * 64 >= reff:
+                    if cutlass.const_expr(not cfg.quant):
+                        # Without quantization planes, CTAs with no work wait too before they exit
+                        # (an exit triggers the dependent): the self-quantizing K2 reads x when it
+                        # starts, so it may start only once the kernel that wrote x has completed,
+                        # which some CTA of ours must have waited for, even if no token has an adapter.
+                        cute.arch.griddepcontrol_wait()
                 if c * 64 < reff:
                     full = st.full.data_ptr()
                     sA = st.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
@@ -443,7 +443,7 @@ if cute is not None:
                     for e in cutlass.range_constexpr(8):
                         amax = D.fmax_f32(amax, D.abs_f32(r_x[e, u].to(cutlass.Float32)))
             for sh in cutlass.range_constexpr(5):
-                amax = D.fmax_f32(amax, shfl_bfly_f32(amax, 1 << (4 - sh)))
+                amax = D.fmax_f32(amax, D.shfl_bfly_f32(amax, 1 << (4 - sh)))
             if tidx % 32 == 0:
                 red[tidx // 32] = amax
             cute.arch.barrier()
@@ -512,9 +512,9 @@ def _fake_args(cfg: Config):
     x = D.fake_rowmajor(bf16, (D.sym(1), D.sym(16)))
     a_bufs = tuple(D.fake_rowmajor(bf16, (D.sym(cfg.rows_box), D.sym(16))) for _ in range(cfg.num_slices))
     h = D.fake_rowmajor(f32, (cfg.num_slices, D.sym(1), cfg.rank))
-    xq16 = D.fake_rowmajor(i16, (D.sym(1), D.sym(8)))
-    sx = D.fake_rowmajor(f32, (D.sym(1),), align=4)
-    sync = D.fake_rowmajor(i32, (2,), align=8)
+    xq16 = D.fake_rowmajor(i16, (D.sym(1), D.sym(8))) if cfg.quant else None
+    sx = D.fake_rowmajor(f32, (D.sym(1),), align=4) if cfg.quant else None
+    sync = D.fake_rowmajor(i32, (2,), align=8) if cfg.quant else None
     tok = D.fake_rowmajor(i32, (D.sym(1),), align=4)
     active = D.fake_rowmajor(i32, (D.sym(1),), align=4)
     num_active = D.fake_rowmajor(i32, (1,), align=4)
@@ -544,11 +544,14 @@ def params(config: Config) -> list:
                           f"A_{s} [max_loras, 1, R, K] viewed as [max_loras*R, K]"))
     for s in range(config.num_slices):
         p.append(CoordParam(f"a{s}_dims", 2))  # (max_loras*R, K)
+    p.append(TensorParam("h", f32, 3, dynamic_shape=(1,), dynamic_stride=(0,), align=16))  # [slices, M, R]
+    if config.quant:
+        p += [
+            TensorParam("xq16", i16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16),  # x_q.view(int16)
+            TensorParam("s_x", f32, 1, dynamic_shape=(0,), align=4),  # [M]
+            TensorParam("sync", i32, 1, align=8),  # [2], shared with K2
+        ]
     p += [
-        TensorParam("h", f32, 3, dynamic_shape=(1,), dynamic_stride=(0,), align=16),  # [slices, M, R]
-        TensorParam("xq16", i16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16),  # x_q.view(int16)
-        TensorParam("s_x", f32, 1, dynamic_shape=(0,), align=4),  # [M]
-        TensorParam("sync", i32, 1, align=8),  # [2], shared with K2
         TensorParam("token_lora", i32, 1, dynamic_shape=(0,), align=4),  # [M]
         TensorParam("active_lora_ids", i32, 1, dynamic_shape=(0,), align=4),  # [max_loras+1]
         TensorParam("num_active", i32, 1, align=4),  # [1]
@@ -559,8 +562,8 @@ def params(config: Config) -> list:
     return p
 
 
-def launch(config: Config, *, x, lora_a, h, x_q, x_scale, sync, token_lora, active_lora_ids, num_active,
-           slot_ranks, split: int, trace=None) -> dict:
+def launch(config: Config, *, x, lora_a, h, token_lora, active_lora_ids, num_active, slot_ranks, split: int,
+           x_q=None, x_scale=None, sync=None, trace=None) -> dict:
     """Arguments (params() order) and geometry; n_quant (for K2) is returned. The spec says
     pdl=False: launch with PDL only when chained behind the previous projection (see the module
     docstring for what that assumes).
@@ -585,11 +588,15 @@ def launch(config: Config, *, x, lora_a, h, x_q, x_scale, sync, token_lora, acti
         raise ValueError(f"{config.num_slices} A buffers expected")
     max_loras = views[0].shape[0] // config.rank
     args = [x, (M, K), x] + views + [(v.shape[0], v.shape[1]) for v in views]
-    args += [h, x_q.view(torch.int16), x_scale.reshape(-1), sync, token_lora, active_lora_ids, num_active,
-             slot_ranks]
+    args.append(h)
+    if config.quant:
+        if x_q is None or x_scale is None or sync is None:
+            raise ValueError("a quantizing build takes x_q, x_scale and sync")
+        args += [x_q.view(torch.int16), x_scale.reshape(-1), sync]
+    args += [token_lora, active_lora_ids, num_active, slot_ranks]
     grid = launch_grid(config, M, split, max_loras)
     per_plane = grid[0] * grid[1]
-    zq = quant_planes(M, per_plane)
+    zq = grid[2] - min(M, max_loras + 1)
     if config.trace:
         n = grid[0] * grid[1] * grid[2]
         if trace is None or trace.shape != (n, TRACE_SLOTS) or trace.dtype != torch.int64:
@@ -602,7 +609,8 @@ def launch(config: Config, *, x, lora_a, h, x_q, x_scale, sync, token_lora, acti
 def launch_grid(config: Config, m: int, split: int, max_loras: int) -> tuple[int, int, int]:
     """(split, slices * rank chunks, quantization planes + groups): the grid launch() uses."""
     y = config.num_slices * config.n_chunks
-    return (split, y, quant_planes(m, split * y) + min(m, max_loras + 1))
+    zq = quant_planes(m, split * y) if config.quant else 0
+    return (split, y, zq + min(m, max_loras + 1))
 
 
 def quant_planes(m: int, per_plane: int) -> int:
@@ -620,10 +628,11 @@ def quant_planes(m: int, per_plane: int) -> int:
 STAGES = 8
 
 
-def select(num_slices: int, m: int, rank: int, stages: int = STAGES) -> Config:
+def select(num_slices: int, m: int, rank: int, stages: int = STAGES, quant: bool = True) -> Config:
+    """The decode path's build; quant=False beside a self-quantizing K2."""
     from .k2_gemm import token_tile
 
-    return Config(bn=token_tile(m), rank=rank, num_slices=num_slices, stages=stages)
+    return Config(bn=token_tile(m), rank=rank, num_slices=num_slices, stages=stages, quant=quant)
 
 
 def choose_split(k: int, num_slices: int, rank: int, groups: int, bk: int = 64, sms: int = 132,
@@ -640,14 +649,18 @@ def choose_split(k: int, num_slices: int, rank: int, groups: int, bk: int = 64, 
 
 
 def prebuild_configs() -> list[Config]:
-    from .k2_gemm import RANKS, TOKEN_TILES
+    from .k2_gemm import RANKS, SELF_QUANT_TILES, TOKEN_TILES
 
     cfgs = [Config(bn=bn, rank=r, num_slices=ns, stages=STAGES) for ns in (1, 2, 3) for bn in TOKEN_TILES
             for r in RANKS]
+    # Beside the self-quantizing K2 (its token tiles): the down-projection alone.
+    cfgs += [Config(bn=bn, rank=r, num_slices=ns, stages=STAGES, quant=False) for ns in (1, 2, 3)
+             for bn in SELF_QUANT_TILES for r in RANKS]
     # For tools/bench_stages.py (rank 64, the bench's rank): the down-projection alone, and the
     # former 4-stage build.
-    return cfgs + [Config(bn=bn, rank=64, num_slices=ns, stages=st, quant=q) for ns in (1, 2, 3)
-                   for bn in TOKEN_TILES for st, q in ((STAGES, False), (4, True))] + trace_configs()
+    cfgs += [Config(bn=bn, rank=64, num_slices=ns, stages=st, quant=q) for ns in (1, 2, 3)
+             for bn in TOKEN_TILES for st, q in ((STAGES, False), (4, True))]
+    return list(dict.fromkeys(cfgs + trace_configs()))
 
 
 def trace_configs() -> list[Config]:

@@ -109,3 +109,50 @@ def test_prebuild_geometry():
         # at least 80 CTAs (an SM streams at most ~1.6x its fair share of the bandwidth)
         assert tiles * s >= 80 or s == 8
         assert k2_gemm.choose_split(sum(widths), k, bm, ctas_per_sm=1) <= 2
+
+
+@pytest.mark.parametrize("M,widths,K,rank", [(1, (4096, 1024, 1024), 4096, 64), (8, (4096,), 12288, 16),
+                                             (3, (7168, 7168), 4096, 256)])
+def test_self_quant_pairing_arguments(M, widths, K, rank):
+    """1..8 tokens: the shrink without quantization planes (no x_q / s_x / sync) and the
+    self-quantizing K2 (bf16 x, no counter), every CTA with at most sq_kblocks k-blocks."""
+    assert k2_gemm.self_quant_applies(M, K)
+    L, N = 4, sum(widths)
+    tok = torch.tensor([(i % (L + 1)) - 1 for i in range(M)], dtype=torch.int32)
+    meta = build_meta(tok, L)
+    lora_a = [torch.zeros(L, 1, rank, K, dtype=torch.bfloat16) for _ in widths]
+    lora_b = [torch.zeros(L, 1, wd, rank, dtype=torch.bfloat16) for wd in widths]
+    h = torch.zeros(len(widths), M, rank)
+    x = torch.zeros(M, K, dtype=torch.bfloat16)
+    sr = torch.full((L,), rank, dtype=torch.int32)
+    common = dict(token_lora=meta.token_lora_mapping[:M], active_lora_ids=meta.active_lora_ids,
+                  num_active=meta.num_active, slot_ranks=sr)
+    s_cfg = lora_shrink.select(len(widths), M, rank, quant=False)
+    sspec = lora_shrink.launch(s_cfg, x=x, lora_a=lora_a, h=h, split=4, **common)
+    assert len(sspec["args"]) == len(lora_shrink.params(s_cfg))
+    _pack_non_tma(lora_shrink.params(s_cfg), sspec["args"])
+    assert sspec["grid"] == (4, len(widths) * -(-rank // 64), min(M, L + 1)) and sspec["n_quant"] == 0
+
+    k_cfg, n_cfg = k2_gemm.select(widths, M, rank, self_quant=True)
+    assert k_cfg.self_quant and n_cfg.self_quant and k_cfg.fits_ctas() and n_cfg.fits_ctas()
+    w = torch.zeros(N, K, dtype=torch.float8_e4m3fn)
+    y = torch.zeros(M, N, dtype=torch.bfloat16)
+    ss = torch.tensor([0] + torch.tensor(widths).cumsum(0).tolist(), dtype=torch.int32)
+    for cfg, kw in ((k_cfg, dict(h=h, slice_start=ss, lora_b=lora_b, **common)), (n_cfg, {})):
+        split = k2_gemm.split_for(cfg, N, K)
+        assert -(-(-(-K // 128)) // split) <= cfg.sq_kblocks and split <= 16
+        spec = k2_gemm.launch(cfg, w_q=w, w_scale=torch.ones(1), x=x, y=y, split=split, **kw)
+        assert len(spec["args"]) == len(k2_gemm.params(cfg))
+        _pack_non_tma(k2_gemm.params(cfg), spec["args"])
+        assert spec["grid"] == (split, N // cfg.bm, 1) and spec["pdl"] == cfg.lora
+        with pytest.raises(ValueError, match="k-blocks"):
+            k2_gemm.launch(cfg, w_q=w, w_scale=torch.ones(1), x=x, y=y, split=k2_gemm.min_split(cfg, K) - 1, **kw)
+        with pytest.raises(ValueError, match="takes x"):
+            k2_gemm.launch(cfg, w_q=w, w_scale=torch.ones(1), x_q=x.to(torch.float8_e4m3fn), y=y, split=split, **kw)
+
+
+def test_self_quant_applies():
+    assert k2_gemm.self_quant_applies(1, 4096) and k2_gemm.self_quant_applies(8, 29568 // 128 * 128)
+    assert not k2_gemm.self_quant_applies(9, 4096)  # 16-token tiles: the quantization planes
+    assert not k2_gemm.self_quant_applies(1, 14784)  # K not a multiple of 128
+    assert not k2_gemm.self_quant_applies(1, 128 * 16 * 16 + 128)  # more than 16 x 16 k-blocks

@@ -39,12 +39,17 @@ FAST_K2 = [
     k2_gemm.Config(bm=64, bn=8, lora=True, num_slices=2, rank=8),
     k2_gemm.Config(bn=8, lora=True, num_slices=3, rank=64, ctas=2),
     k2_gemm.Config(bn=32, lora=True, num_slices=3, rank=64, stages=8),
+    # The self-quantizing builds (1..8 tokens): no adapter, and an adapter build of each B ring.
+    k2_gemm.default_config(8, 128, lora=False, self_quant=True),
+    k2_gemm.default_config(8, 128, lora=True, num_slices=3, rank=64, self_quant=True),
+    k2_gemm.default_config(8, 64, lora=True, num_slices=2, rank=16, self_quant=True),
 ]
 FAST_SHRINK = [
     lora_shrink.select(3, 16, 64),  # the decode path's build (8 stages)
     lora_shrink.Config(bn=16, rank=64, num_slices=3),
     lora_shrink.Config(bn=8, rank=8, num_slices=1),
     lora_shrink.Config(bn=32, rank=256, num_slices=2),
+    lora_shrink.select(2, 4, 128, quant=False),  # beside the self-quantizing K2
 ]
 
 
@@ -83,17 +88,39 @@ def k2_ptx_problems(cfg: k2_gemm.Config, ptx: str) -> list[str]:
         bad.append("missing setmaxnreg.dec (producer)")
     if not re.search(rf"setmaxnreg.inc.sync.aligned.u32\s+{cfg.consumer_regs};", ptx):
         bad.append("missing setmaxnreg.inc (consumer)")
-    for ins in (
-                "cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes",
-                "ld.acquire.gpu.global.s32", "fence.proxy.async.global", "atom.acq_rel.gpu.global.add.s32",
+    # The x_q protocol (spin on the quantization CTAs' counter), or for self_quant builds the
+    # quantization itself: 16-byte code stores into smem, made visible to the WGMMA's async proxy.
+    protocol = (("st.shared.v4.b32", "cvt.rn.satfinite.e4m3x2.f32", "div.rn.f32", "fence.proxy.async.shared::cta")
+                if cfg.self_quant else
+                ("ld.acquire.gpu.global.s32", "fence.proxy.async.global", "atom.acq_rel.gpu.global.add.s32"))
+    for ins in ("cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes",
                 "barrier.cluster.arrive", "barrier.cluster.wait", "mapa.shared::cluster.u32",
-                "ld.shared::cluster.f32"):
+                "ld.shared::cluster.f32") + protocol:
         if ins not in ptx:
             bad.append(f"missing {ins}")
+    if cfg.self_quant:
+        for ins in ("ld.acquire.gpu", "atom.acq_rel.gpu", "red.release.gpu"):
+            if ins in ptx:
+                bad.append(f"{ins} in a self_quant build (it depends on no counter)")
+        # The quantization's loads of x come before the first WGMMA; an adapter build has only the
+        # epilogue's griddepcontrol.wait (checked below), a no-adapter one waits before loading x.
+        ldx = _lines_index(ptx, r"ld\.global\.(nc\.)?v4")
+        if not ldx or (fp8 and not max(ldx[:1]) < min(fp8)):
+            bad.append("no 16-byte loads of x before the main loop")
     # The producer's griddepcontrol.wait (taken only when n_quant = 0: x_q from the standalone
     # quantization kernel, whose PDL dependent this K2 then is) precedes the main loop's WGMMAs in
     # the code; an adapter build's consumer waits once more, after the main loop, before the
     # epilogue's WGMMA (h comes from the shrink kernel).
+    if cfg.self_quant and cfg.lora:
+        if len(wait) != 1:
+            bad.append(f"{len(wait)} griddepcontrol.wait (expected the epilogue's only)")
+        elif fp8 and not (wait[0] > max(fp8)):
+            bad.append("the epilogue's griddepcontrol.wait is not after the main loop")
+        if not bf:
+            bad.append("no bf16 epilogue WGMMA")
+        elif wait and not (wait[0] < min(bf)):
+            bad.append("griddepcontrol.wait is not before the epilogue WGMMA")
+        return bad + _trigger_problems(ptx, fp8)
     if not wait or (fp8 and not wait[0] < min(fp8)):
         bad.append("no griddepcontrol.wait before the main loop (the producer's, for n_quant = 0)")
     if cfg.lora:
@@ -111,8 +138,13 @@ def k2_ptx_problems(cfg: k2_gemm.Config, ptx: str) -> list[str]:
             bad.append(f"{len(wait)} griddepcontrol.wait in the no-adapter variant (expected the producer's)")
         if bf:
             bad.append("epilogue WGMMA in the no-adapter variant")
+    return bad + _trigger_problems(ptx, fp8)
+
+
+def _trigger_problems(ptx: str, fp8: list[int]) -> list[str]:
     # One trigger, right after the prologue (barrier init), before any TMA or WGMMA: the next
     # projection's first kernel (chained) is scheduled under this K2 and waits for it.
+    bad = []
     trig = _lines_index(ptx, r"griddepcontrol\.launch_dependents")
     init = _lines_index(ptx, r"mbarrier\.init")
     tma = _lines_index(ptx, r"cp\.async\.bulk\.tensor")
@@ -176,16 +208,24 @@ def shrink_pdl_problems(cfg: lora_shrink.Config, ptx: str) -> list[str]:
     bad = []
     wait = _lines_index(ptx, r"griddepcontrol\.wait")
     trig = _lines_index(ptx, r"griddepcontrol\.launch_dependents")
-    parts = 2 if cfg.quant else 1  # without quantization, the quantization CTAs touch nothing
-    if len(wait) != parts or len(trig) != parts:
-        return [f"{len(wait)} griddepcontrol.wait / {len(trig)} launch_dependents (expected {parts} each)"]
-    seq = sorted([(i, "w") for i in wait] + [(i, "t") for i in trig])
-    if [k for _, k in seq] != ["w", "t"] * parts:
-        bad.append("griddepcontrol.launch_dependents does not follow each griddepcontrol.wait")
+    if cfg.quant:
+        if len(wait) != 2 or len(trig) != 2:
+            return [f"{len(wait)} griddepcontrol.wait / {len(trig)} launch_dependents (expected 2 each)"]
+        seq = sorted([(i, "w") for i in wait] + [(i, "t") for i in trig])
+        if [k for _, k in seq] != ["w", "t"] * 2:
+            bad.append("griddepcontrol.launch_dependents does not follow each griddepcontrol.wait")
+    else:
+        # No quantization planes: the down-projection's wait + trigger, and the wait of the CTAs
+        # with no work, which exit (an implicit trigger) only after it: the self-quantizing K2
+        # reads x when it starts.
+        if len(wait) != 2 or len(trig) != 1:
+            return [f"{len(wait)} griddepcontrol.wait / {len(trig)} launch_dependents (expected 2 / 1)"]
+        if not any(w < trig[0] for w in wait):
+            bad.append("griddepcontrol.launch_dependents does not follow a griddepcontrol.wait")
     init = _lines_index(ptx, r"mbarrier\.init")
     if not init:
         return bad + ["no mbarrier.init (down-projection)"]
-    down_wait = wait[-1]
+    down_wait = max(w for w in wait if w < trig[-1])  # the one the down-projection's trigger follows
     if down_wait < min(init):
         bad.append("the down-projection's griddepcontrol.wait is before its barrier init")
     lines = ptx.splitlines()

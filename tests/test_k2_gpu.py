@@ -4,7 +4,11 @@ Needs an sm_90 GPU. Launches through epilora_cute.kernels / epilora_cute.launche
 no DSL needed at run time). Cluster launches (split-K > 1) need the launcher's `cluster=` support;
 without it only split 1 runs and the rest is skipped with that reason.
 
-What is checked: x_q/s_x bit-exact against reference.quantize_fp8_per_token; h against
+At 1..8 tokens the decode path's default pairs the shrink without quantization planes with the
+self-quantizing K2 (x_q only in K2's smem); the quantization-planes pairing is tested there too.
+
+What is checked: x_q/s_x bit-exact against reference.quantize_fp8_per_token (the shrink's planes;
+the self-quantizing K2's codes through an identity weight, where y = bf16(code * s_x) exactly); h against
 reference.lora_shrink for tokens with an adapter; y against reference.lora_linear (bf16 output,
 bf16 h in the epilogue WGMMA); outputs are poisoned (NaN) before each call and must be fully
 written; 10 repeated calls give identical bits; the sync counters are back to zero after a call;
@@ -75,10 +79,16 @@ def init_projection(obj, widths, K, rank, max_loras, M, seed, slot_ranks, dev) -
 
 
 class DecodePath:
-    """Buffers + the two launches of one projection."""
+    """Buffers + the two launches of one projection. self_quant None: as lora_linear_fp8 pairs
+    them (ops.SELF_QUANT and k2_gemm.self_quant_applies)."""
 
-    def __init__(self, widths, K, rank, max_loras, M, seed=0, slot_ranks=None, dev="cuda"):
+    def __init__(self, widths, K, rank, max_loras, M, seed=0, slot_ranks=None, dev="cuda", self_quant=None):
+        from epilora_cute import ops
+
         init_projection(self, widths, K, rank, max_loras, M, seed, slot_ranks, dev)
+        if self_quant is None:
+            self_quant = ops.SELF_QUANT
+        self.self_quant = self_quant and k2_gemm.self_quant_applies(M, K)
         N = sum(widths)
         self.h = torch.empty(len(widths), M, rank, dtype=torch.float32, device=dev)
         self.x_q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=dev)
@@ -95,20 +105,22 @@ class DecodePath:
             self.h.fill_(float("nan"))
             self.x_q.view(torch.uint8).fill_(0x7F)
             self.x_scale.fill_(float("nan"))
-        s_cfg = shrink_mod.select(len(self.widths), M, self.rank)
+        sq = self.self_quant
+        s_cfg = shrink_mod.select(len(self.widths), M, self.rank, quant=not sq)
         groups = min(M, self.L + 1)
         ss = split_shrink or shrink_mod.choose_split(K, len(self.widths), self.rank, groups)
-        sspec = shrink_mod.launch(s_cfg, x=x, lora_a=self.lora_a, h=self.h, x_q=self.x_q, x_scale=self.x_scale,
-                                  sync=self.sync, token_lora=meta.token_lora_mapping[:M],
-                                  active_lora_ids=meta.active_lora_ids, num_active=meta.num_active,
-                                  slot_ranks=self.slot_ranks, split=ss)
-        k_cfg, _ = k2_gemm.select(self.widths, M, self.rank)
+        common = dict(token_lora=meta.token_lora_mapping[:M], active_lora_ids=meta.active_lora_ids,
+                      num_active=meta.num_active, slot_ranks=self.slot_ranks)
+        xs = {} if sq else dict(x_q=self.x_q, x_scale=self.x_scale, sync=self.sync)
+        sspec = shrink_mod.launch(s_cfg, x=x, lora_a=self.lora_a, h=self.h, split=ss, **xs, **common)
+        k_cfg, _ = k2_gemm.select(self.widths, M, self.rank, self_quant=sq)
         sk = split_k2 or k2_gemm.split_for(k_cfg, N, K)
-        kspec = k2_gemm.launch(k_cfg, w_q=self.w_codes, w_scale=self.w_scale, x_q=self.x_q, x_scale=self.x_scale,
-                               y=self.y, sync=self.sync, n_quant=sspec["n_quant"], split=sk, h=self.h,
-                               token_lora=meta.token_lora_mapping[:M], active_lora_ids=meta.active_lora_ids,
-                               num_active=meta.num_active, slot_ranks=self.slot_ranks,
-                               slice_start=self.slice_start, lora_b=self.lora_b)
+        if sq:
+            xs = dict(x=x)
+        else:
+            xs = dict(xs, n_quant=sspec["n_quant"])
+        kspec = k2_gemm.launch(k_cfg, w_q=self.w_codes, w_scale=self.w_scale, y=self.y, split=sk, h=self.h,
+                               slice_start=self.slice_start, lora_b=self.lora_b, **xs, **common)
         _launch(_kernel(shrink_mod, s_cfg), sspec)
         _launch(_kernel(k2_gemm, k_cfg), kspec, pdl=pdl)
         return self.y
@@ -118,9 +130,10 @@ class DecodePath:
         # references of the 72B shapes dominated this file's time on the H200 host.
         assert not torch.backends.cuda.matmul.allow_tf32
         ref = lora_linear(x, self.w_codes, self.w_scale, self.lora_a, self.lora_b, tok.to(x.device))
-        xq_ref, sx_ref = quantize_fp8_per_token(x.cpu())
-        assert torch.equal(self.x_q.cpu().view(torch.uint8), xq_ref.view(torch.uint8)), "x_q differs"
-        assert torch.equal(self.x_scale.cpu(), sx_ref.reshape(-1)), "s_x differs"
+        if not self.self_quant:  # (the self-quantizing K2 keeps x_q in smem: test_self_quant_codes)
+            xq_ref, sx_ref = quantize_fp8_per_token(x.cpu())
+            assert torch.equal(self.x_q.cpu().view(torch.uint8), xq_ref.view(torch.uint8)), "x_q differs"
+            assert torch.equal(self.x_scale.cpu(), sx_ref.reshape(-1)), "s_x differs"
         href = lora_shrink(x.cpu(), [a.cpu() for a in self.lora_a], tok.cpu())
         # h is the decode path's own buffer: the shrink writes, for a token's slot, the 64-row rank
         # chunks below the slot's effective rank (K2 reads nothing else); the rest stays as it was.
@@ -171,6 +184,69 @@ def test_decode_path_tokens_ranks(M, rank, pdl):
     dp.check(x, tok, dp.run(x, tok, pdl=pdl))
 
 
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("pdl", [True, False])
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[0] == "qwen3-8b" and s[1] == 1], ids=lambda s: s[2])
+def test_quant_planes_pairing_small_batches(shape, M, pdl):
+    """1..8 tokens with the quantization in the shrink kernel (EPILORA_SELF_QUANT=0)."""
+    _hopper()
+    _, _, _, widths, K = shape
+    dp = DecodePath(widths, K, 64, 4, M, seed=M + 40, self_quant=False)
+    x, tok = _x(M, K, M + 40), _tokens(M, 3, M + 40)
+    dp.check(x, tok, dp.run(x, tok, pdl=pdl))
+
+
+def _special_rows(M, K, seed):
+    """Random rows, plus (when M allows) a zero row, one with a single huge value among tiny
+    ones, and one of values far below the scale floor."""
+    x = _x(M, K, seed).float()
+    if M > 1:
+        x[1] = 0
+    if M > 2:
+        x[2] = torch.randn(K, device=x.device) * 1e-3
+        x[2, K // 3] = 3.0e4
+    if M > 3:
+        x[3] = torch.randn(K, device=x.device) * 1e-9
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("K", [4096, 12288])
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("split", [None, 16])
+def test_self_quant_codes_bit_exact(K, M, lora, split):
+    """The self-quantizing K2's codes and scales, read back through an identity weight (e4m3 1.0
+    on the diagonal, s_w = 1): y[j, n] = bf16(code[j, n] * s_x[j]), bit for bit against the
+    reference quantization (every code of every token; the scale to bf16 resolution, any error in
+    the row maximum changes codes). Tokens without adapter: the epilogue adds nothing."""
+    _hopper()
+    dev = "cuda"
+    x = _special_rows(M, K, K + M)
+    xq_ref, sx_ref = quantize_fp8_per_token(x.cpu())
+    want = (xq_ref.float() * sx_ref.reshape(-1, 1)).to(torch.bfloat16)
+    w = torch.eye(K, dtype=torch.float32).to(torch.float8_e4m3fn).to(dev)
+    one = torch.ones(1, dtype=torch.float32, device=dev)
+    y = torch.full((M, K), float("nan"), dtype=torch.bfloat16, device=dev)
+    lcfg, ncfg = k2_gemm.select((K,), M, 64, self_quant=True)
+    cfg = lcfg if lora else ncfg
+    sk = split or k2_gemm.split_for(cfg, K, K)
+    if lora:
+        dp = DecodePath((K,), K, 64, 2, M, seed=1, self_quant=True)
+        tok = torch.full((M,), -1, dtype=torch.int32)
+        meta = build_meta(tok.to(dev), 2)
+        dp.h.zero_()
+        spec = k2_gemm.launch(cfg, w_q=w, w_scale=one, x=x, y=y, split=sk, h=dp.h,
+                              token_lora=meta.token_lora_mapping[:M], active_lora_ids=meta.active_lora_ids,
+                              num_active=meta.num_active, slot_ranks=dp.slot_ranks, slice_start=dp.slice_start,
+                              lora_b=dp.lora_b)
+    else:
+        spec = k2_gemm.launch(cfg, w_q=w, w_scale=one, x=x, y=y, split=sk)
+    _launch(_kernel(k2_gemm, cfg), spec, pdl=False)
+    got = y.cpu()
+    bad = (got.view(torch.int16) != want.view(torch.int16)).nonzero()
+    assert bad.numel() == 0, f"{bad.shape[0]} codes differ, first at {bad[:4].tolist()}"
+
+
 @pytest.mark.parametrize("split", [1, 2, 3, 5, 8])
 def test_split_k_values(split):
     _hopper()
@@ -190,10 +266,11 @@ def test_mixed_effective_ranks_and_no_adapter_tokens():
     dp.check(x, tok, dp.run(x, tok))
 
 
-def test_all_tokens_without_adapter():
+@pytest.mark.parametrize("self_quant", [True, False])
+def test_all_tokens_without_adapter(self_quant):
     _hopper()
     widths, K = (4096,), 4096
-    dp = DecodePath(widths, K, 64, 4, 5, seed=9)
+    dp = DecodePath(widths, K, 64, 4, 5, seed=9, self_quant=self_quant)
     x, tok = _x(5, K, 9), torch.full((5,), -1, dtype=torch.int32)
     dp.check(x, tok, dp.run(x, tok))
 

@@ -8,7 +8,10 @@ Columns, all from one run (CUDA-graph replays, L2 flushed before each, median):
                  columns launch each projection's first kernel with PDL behind the previous
                  projection's K2 (lora_linear_fp8(chain_pdl=True)): in the layer rows that hides
                  a launch and prologue per projection boundary, in the per-projection rows (one
-                 projection per graph) they should equal their unchained columns
+                 projection per graph) they should equal their unchained columns; the *_q
+                 columns keep the quantization out of K2 at 1..8 tokens (ops.SELF_QUANT off: the
+                 shrink's quantization planes, or the standalone quantization kernel), for the
+                 comparison with the self-quantizing K2 in the same run (docs/perf.md v0.29)
 """
 
 from __future__ import annotations
@@ -101,10 +104,12 @@ OUR_PATHS: dict[str, object] = {}
 
 
 # Which of our paths to time (EPILORA_BENCH_OURS, comma-separated; default all of them):
-# name -> (path, pdl, chain_pdl).
+# name -> (path, pdl, chain_pdl[, self_quant]).
 OUR_PATH_ARGS = {"no_adapter": ("no_adapter", True, False), "decode": ("decode", True, False),
                  "decode_nopdl": ("decode", False, False), "triton": ("triton", True, False),
-                 "decode_chain": ("decode", True, True), "no_adapter_chain": ("no_adapter", True, True)}
+                 "decode_chain": ("decode", True, True), "no_adapter_chain": ("no_adapter", True, True),
+                 "decode_chain_q": ("decode", True, True, False),
+                 "no_adapter_chain_q": ("no_adapter", True, True, False)}
 
 
 def _register_our_paths() -> None:
@@ -114,10 +119,16 @@ def _register_our_paths() -> None:
         return
     wanted = os.environ.get("EPILORA_BENCH_OURS", ",".join(OUR_PATH_ARGS)).split(",")
 
-    def make(path: str, pdl: bool, chain: bool):
+    def make(path: str, pdl: bool, chain: bool, self_quant: bool = True):
         def build(c: LayerCase):
-            return lambda: ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=c.y,
+            def call():
+                prev, ops.SELF_QUANT = ops.SELF_QUANT, self_quant and ops.SELF_QUANT
+                try:
+                    return ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=c.y,
                                                path=path, pdl=pdl, chain_pdl=chain)
+                finally:
+                    ops.SELF_QUANT = prev
+            return call
         return build
     for name in wanted:
         if name in OUR_PATH_ARGS:

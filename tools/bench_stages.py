@@ -25,6 +25,10 @@ CUDA-graph replays with the L2 flushed (median), all in one run:
   decode_c1_us, decode_c1st8_us   the decode path with the one-CTA-per-SM K2 builds
   decode_e1_us      the decode path with K2 requesting one weight stage (not all) before x_q is
                     ready (1..8 tokens, rank 64 builds)
+  k2_sq_us, k2_epilogue_sq_us, decode_sq_us   1..8 tokens: the self-quantizing K2 (bf16 x in;
+                    the shrink without quantization planes beside it), alone, with the epilogue (h
+                    given) and as the decode pair (docs/perf.md v0.29): the decode path's default
+                    there, while the rows above keep the quantization in the shrink kernel
   k2_fixed_us, k2_epilogue_fixed_us   the k2 / k2_epilogue rows' build, grid and cluster on one
                     k-block per CTA (K = bk x split): launch, prologue, pipeline fill, the cluster
                     reduction and the stores without the weight stream, i.e. K2's fixed cost
@@ -132,6 +136,16 @@ class DecodeStages:
             sspec = lora_shrink.launch(s_cfg, sync=sync_v, **shrink_args)
             kspec = k2_gemm.launch(le, sync=sync_v, n_quant=sspec["n_quant"], **k2_common, **lora_args)
             self.pairs["decode_e1"] = (s_cfg, sspec, le, kspec)
+        # The self-quantizing K2 (1..8 tokens): alone, with the epilogue, and beside the shrink
+        # without quantization planes (what lora_linear_fp8 runs there).
+        if k2_gemm.self_quant_applies(m, k):
+            lq, nq = k2_gemm.select(widths, m, c.rank, self_quant=True)
+            sq_common = dict(w_q=c.w_q, w_scale=c.w_s, x=c.x, y=c.y, split=k2_gemm.split_for(lq, n, k))
+            nq_common = dict(sq_common, split=k2_gemm.split_for(nq, n, k))
+            self.fixed["k2_sq"] = (nq, k2_gemm.launch(nq, **nq_common))
+            self.fixed["k2_epilogue_sq"] = (lq, k2_gemm.launch(lq, **sq_common, **lora_args))
+            sspec = lora_shrink.launch(self.s_cfg_nq, **shrink_args)
+            self.pairs["decode_sq"] = (self.s_cfg_nq, sspec, lq, k2_gemm.launch(lq, **sq_common, **lora_args))
         # The same two K2 runs with the experimental builds (k2_gemm.select: ctas / stages).
         self.variants = {}
         for tag, kw in (("c1", dict(ctas=1, stages=4)), ("c1st8", dict(ctas=1, stages=8))):
