@@ -953,6 +953,8 @@ def launch(config: Config, *, w_q, w_scale, y, split: int, x_q=None, x_scale=Non
     if config.self_quant:
         if K % 128 or x.stride(0) % 8:
             raise ValueError(f"K = {K} must be a multiple of 128 (and x's row stride of 8)")
+        if split > K // 128:
+            raise ValueError(f"split {split} leaves a CTA without k-blocks (K = {K})")
         if split < min_split(config, K):
             raise ValueError(f"split {split} leaves a CTA more than {config.sq_kblocks} k-blocks of K = {K}")
         args = [w_q, (N, K), x, w_scale.reshape(-1), y, 0]

@@ -114,7 +114,8 @@ class DecodePath:
         xs = {} if sq else dict(x_q=self.x_q, x_scale=self.x_scale, sync=self.sync)
         sspec = shrink_mod.launch(s_cfg, x=x, lora_a=self.lora_a, h=self.h, split=ss, **xs, **common)
         k_cfg, _ = k2_gemm.select(self.widths, M, self.rank, self_quant=sq)
-        sk = split_k2 or k2_gemm.split_for(k_cfg, N, K)
+        # (a self-quantizing K2 needs split >= min_split: a forced smaller one is raised to it)
+        sk = max(split_k2, k2_gemm.min_split(k_cfg, K)) if split_k2 else k2_gemm.split_for(k_cfg, N, K)
         if sq:
             xs = dict(x=x)
         else:
