@@ -301,9 +301,11 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     FP8 path, so base-model traffic gets stock vLLM's results bit for bit; any CUDA GPU), "hybrid"
     (K1 + the vendor FP8 GEMM + our expand-add; any batch size on sm_90a), "prefill" (33..8192
     tokens, sm_90a: K1, the activations gathered into adapter-sorted order, the prefill K2 with the grouped epilogue; compiled but not yet run on a
-    GPU: explicit only), "decode" (≤ 32 tokens, sm_90a: the shrink kernel with the quantization CTAs, then K2
-    as its PDL dependent — two launches; ``pdl=False`` serializes them), "no_adapter" (quantize +
-    K2 without the epilogue add: for batches where no token has an adapter), "triton" (the
+    GPU: explicit only), "decode" (≤ 32 tokens, sm_90a: the shrink kernel, then K2
+    as its PDL dependent — two launches; ``pdl=False`` serializes them; at 1..8 tokens K2
+    quantizes x itself, above that the shrink's extra CTAs do), "no_adapter" (K2 without the
+    epilogue add, quantizing x itself at 1..8 tokens, behind the quantization kernel above: for
+    batches where no token has an adapter), "triton" (the
     portable two-kernel path), "reference" (torch, any device). "auto" takes the reference off
     CUDA; on a GPU the timed dispatch (``dispatch.py``) takes the fastest applicable path per
     (shape, token bucket, adapter bucket, graph/eager), measured once and remembered across starts.
