@@ -57,6 +57,63 @@ def div_rn_f32(a, b, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def rcp_rn_f32(a, *, loc=None, ip=None):
+    """IEEE round-to-nearest fp32 reciprocal (rcp.rn.f32: correctly rounded, not the approximation)."""
+    return cutlass.Float32(
+        llvm.inline_asm(
+            T.f32(), [cutlass.Float32(a).ir_value(loc=loc, ip=ip)], "rcp.rn.f32 $0, $1;", "=f,f",
+            has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
+def quot_rn_f32(a, b, rb, *, loc=None, ip=None):
+    """a / b rounded to nearest (bit-identical to div.rn.f32) from rb = rcp_rn_f32(b), for finite
+    b > 0 and a finite or NaN with |a / b| far from overflow: q = a * rb is within one ulp, the
+    remainder a - q b is exact (fma), and one correction q + (a - q b) rb rounds to the correctly
+    rounded quotient (Markstein's theorem); where the remainder is 0 (a = +-0 in particular) q is
+    kept, so the sign of zero survives. Four instructions instead of div.rn's call sequence: the
+    self-quantizing K2 divides every element of its K range by the token's scale."""
+    return cutlass.Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, rb)],
+            "{\n\t.reg .f32 q, e, c;\n\t.reg .pred z;\n\tmul.rn.f32 q, $1, $3;\n\t"
+            "neg.f32 c, q;\n\tfma.rn.f32 e, c, $2, $1;\n\tfma.rn.f32 c, e, $3, q;\n\t"
+            "setp.eq.f32 z, e, 0f00000000;\n\tselp.f32 $0, q, c, z;\n\t}",
+            "=f,f,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
+def f32_bits(a, *, loc=None, ip=None):
+    """The bit pattern of an fp32 value as an int32."""
+    return cutlass.Int32(
+        llvm.inline_asm(T.i32(), [cutlass.Float32(a).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,f",
+                        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    )
+
+
+@dsl_user_op
+def red_shared_max_u32(smem_addr, val, *, loc=None, ip=None):
+    """red.shared.max.u32: the maximum of non-negative fp32 values compares like their bit patterns."""
+    llvm.inline_asm(
+        None,
+        [cutlass.Int32(smem_addr).ir_value(loc=loc, ip=ip), cutlass.Int32(val).ir_value(loc=loc, ip=ip)],
+        "red.shared.max.u32 [$0], $1;",
+        "r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
 def fmax_f32(a, b, *, loc=None, ip=None):
     """max.f32 (no ftz): returns the non-NaN operand, like CUDA's fmaxf."""
     return cutlass.Float32(

@@ -81,7 +81,9 @@ MAX_CLUSTER = 16
 # x_q ready (the producer past its spin / wait), main loop done, h ready (the epilogue's
 # griddepcontrol.wait passed; adapter builds), partials written, done (after the last cluster barrier).
 TRACE_SLOTS = 8
-TRACE_K2 = ("start", "xq_ready", "mainloop_done", "h_ready", "partials_written", "end")
+# Self-quantizing builds also: the CTA's token maxima in smem (6), the scales after the cluster's
+# exchange (7); xq_ready (1) is then its codes stored.
+TRACE_K2 = ("start", "xq_ready", "mainloop_done", "h_ready", "partials_written", "end", "sq_cta_max", "sq_scales")
 
 
 @dataclass(frozen=True)
@@ -631,78 +633,89 @@ if cute is not None:
             of the batch's tokens into sSx, bit for bit as vLLM (the codes of the shrink's
             quantization planes, epilora_cute.reference.quantize_fp8_per_token).
 
-            Thread t owns token t % BN and the 16-element chunks t // BN + (128 / BN) u of the CTA's K
-            range (8 chunks per 128-element k-block), u < IT: all its loads are issued before any is
-            used (one memory round trip) and the values stay in registers for the codes. Chunk
-            indices past the range are clamped to its last chunk and tokens past the batch to its
-            last token (a repeated element leaves a maximum unchanged; those codes are never read
-            into y). The row maximum: per thread, over the token's lanes (shuffles), over the 4
-            warps (smem), then over the cluster's CTAs, which cover K between them (DSMEM, behind a
-            cluster barrier). The codes go to the swizzled K-major layout the WGMMA reads (128-byte
-            rows, 16-byte chunk c of row j at c ^ (j % 8)) with 16-byte stores."""
+            Work units are (token, 16-element chunk) pairs of the batch's M tokens over the CTA's K
+            range (8 chunks per 128-element k-block), unit ctid + 128 u for u < IT: every load is
+            issued before any is used (one memory round trip; past the last unit the index is
+            clamped, a repeated element leaves a maximum unchanged) and the values stay in
+            registers for the codes. Rows past the batch are neither loaded nor written: their
+            WGMMA columns are never stored. Token maxima: per unit, into smem (red.max on the bit
+            patterns, NaN never wins), then over the cluster's CTAs, which cover K between them
+            (DSMEM behind a cluster barrier); one thread per token turns it into the scale and its
+            correctly rounded reciprocal, with which each quotient x / s costs four instructions
+            (D.quot_rn_f32, bit-identical to div.rn; div.rn itself where the scale is infinite). The
+            codes go to the swizzled K-major layout the WGMMA reads (128-byte rows, 16-byte chunk c
+            of row j at c ^ (j % 8)) with 16-byte stores."""
             cfg = self.cfg
             BN, BK = self.bn, self.bk
-            TPT = 128 // BN  # threads per token
-            IT = cfg.sq_kblocks * 8 // TPT
+            IT = BN * cfg.sq_kblocks * 8 // 128  # units per thread at most
             if cutlass.const_expr(not cfg.lora):
                 # Launched with PDL behind the kernel that writes x (chained no-adapter calls): wait
                 # for it here, after the weight stages were requested. (Adapter builds are the
                 # shrink's dependent, launched only after the shrink passed its own wait: x is
                 # complete when they start.)
                 cute.arch.griddepcontrol_wait()
-            j = ctid % BN
-            c0 = ctid // BN
+            mv = cutlass.min(M, BN)
             nch = nloc * 8
-            g_x = cute.zipped_divide(mX[cutlass.min(j, M - 1), None], (8,))
+            nunits = mv * nch
+            sAm = st.sAmax.get_tensor(cute.make_layout(5 * BN))
+            am_addr = sAm.iterator.toint()  # [0, BN): this CTA's token maxima; [BN, 2 BN): reciprocals
+            if ctid < BN:
+                sAm[ctid] = cutlass.Float32(0.0)
             r_x = cute.make_rmem_tensor(cute.make_layout((8, 2, IT)), mX.element_type)
             for u in cutlass.range_constexpr(IT):
-                v = (kb_lo * 8 + cutlass.min(c0 + TPT * u, nch - 1)) * 2
+                e = cutlass.min(ctid + 128 * u, nunits - 1)
+                j = e // nch
+                v = (kb_lo * 8 + e - j * nch) * 2
+                g_x = cute.zipped_divide(mX[j, None], (8,))
                 cute.autovec_copy(g_x[None, v], r_x[None, 0, u])
                 cute.autovec_copy(g_x[None, v + 1], r_x[None, 1, u])
-            amax = cutlass.Float32(0.0)
+            cute.arch.barrier(barrier_id=1, number_of_threads=128)  # the maxima are zeroed
             for u in cutlass.range_constexpr(IT):
-                for hh in cutlass.range_constexpr(2):
-                    for e in cutlass.range_constexpr(8):
-                        amax = D.fmax_f32(amax, D.abs_f32(r_x[e, hh, u].to(cutlass.Float32)))
-            for sh in cutlass.range_constexpr(5):
-                if cutlass.const_expr((1 << sh) >= BN):
-                    amax = D.fmax_f32(amax, D.shfl_bfly_f32(amax, 1 << sh))
-            sAm = st.sAmax.get_tensor(cute.make_layout(5 * BN))
-            lane = ctid % 32
-            if lane < BN:
-                sAm[(ctid // 32) * BN + lane] = amax
-            cute.arch.barrier(barrier_id=1, number_of_threads=128)
-            if ctid < BN:
-                sAm[4 * BN + ctid] = D.fmax_f32(D.fmax_f32(sAm[ctid], sAm[BN + ctid]),
-                                                D.fmax_f32(sAm[2 * BN + ctid], sAm[3 * BN + ctid]))
+                e = ctid + 128 * u
+                if e < nunits:
+                    amax = cutlass.Float32(0.0)
+                    for hh in cutlass.range_constexpr(2):
+                        for i in cutlass.range_constexpr(8):
+                            amax = D.fmax_f32(amax, D.abs_f32(r_x[i, hh, u].to(cutlass.Float32)))
+                    D.red_shared_max_u32(am_addr + (e // nch) * 4, D.f32_bits(amax))
+            self._stamp(trace_row, 6, ctid)
             # Every CTA's maxima are in its smem (release / acquire at cluster scope).
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
-            parts = cute.make_rmem_tensor((MAX_CLUSTER,), cutlass.Float32)
-            part_addr = sAm.iterator.toint() + (4 * BN + j) * 4
-            for q in cutlass.range_constexpr(MAX_CLUSTER):
-                parts[q] = cutlass.Float32(0.0)
-                if q < nsplit:
-                    parts[q] = D.ld_dsmem_f32(part_addr, q)
-            amax = cutlass.Float32(0.0)
-            for q in cutlass.range_constexpr(MAX_CLUSTER):
-                amax = D.fmax_f32(amax, parts[q])
-            scale = D.fmax_f32(D.div_rn_f32(amax, cutlass.Float32(FP8_MAX)), cutlass.Float32(MIN_SCALE))
-            if ctid < BN:
+            if ctid < mv:
+                parts = cute.make_rmem_tensor((MAX_CLUSTER,), cutlass.Float32)
+                for q in cutlass.range_constexpr(MAX_CLUSTER):
+                    parts[q] = cutlass.Float32(0.0)
+                    if q < nsplit:
+                        parts[q] = D.ld_dsmem_f32(am_addr + ctid * 4, q)
+                amax = cutlass.Float32(0.0)
+                for q in cutlass.range_constexpr(MAX_CLUSTER):
+                    amax = D.fmax_f32(amax, parts[q])
+                scale = D.fmax_f32(D.div_rn_f32(amax, cutlass.Float32(FP8_MAX)), cutlass.Float32(MIN_SCALE))
                 sSx[ctid] = scale
+                sAm[BN + ctid] = D.rcp_rn_f32(scale)
+            cute.arch.barrier(barrier_id=1, number_of_threads=128)  # scales and reciprocals
+            self._stamp(trace_row, 7, ctid)
             x_base = st.sX.data_ptr().toint()
             for u in cutlass.range_constexpr(IT):
-                ch = c0 + TPT * u
-                if ch < nch:
+                e = ctid + 128 * u
+                if e < nunits:
+                    j = e // nch
+                    ch = e - j * nch
                     kb = ch // 8
                     c16 = ch - kb * 8
+                    scale = sSx[j]
+                    rcp = sAm[BN + j]
                     w = cute.make_rmem_tensor((4,), cutlass.Int32)
                     for q4 in cutlass.range_constexpr(4):
                         c = cute.make_rmem_tensor((4,), cutlass.Float32)
-                        for e in cutlass.range_constexpr(4):
-                            el = q4 * 4 + e
-                            qv = D.div_rn_f32(r_x[el % 8, el // 8, u].to(cutlass.Float32), scale)
-                            c[e] = D.fmax_f32(cutlass.Float32(-FP8_MAX), D.fmin_f32(qv, cutlass.Float32(FP8_MAX)))
+                        for i in cutlass.range_constexpr(4):
+                            el = q4 * 4 + i
+                            xv = r_x[el % 8, el // 8, u].to(cutlass.Float32)
+                            qv = D.quot_rn_f32(xv, scale, rcp)
+                            if scale >= cutlass.Float32(float("inf")):  # an infinite maximum: vLLM's x / inf
+                                qv = D.div_rn_f32(xv, scale)
+                            c[i] = D.fmax_f32(cutlass.Float32(-FP8_MAX), D.fmin_f32(qv, cutlass.Float32(FP8_MAX)))
                         w[q4] = D.cvt_e4m3x4_f32(c[0], c[1], c[2], c[3])
                     off = kb * (BN * BK) + j * BK + ((c16 ^ (j % 8)) * 16)
                     D.st_shared_v4_b32(x_base + off, w[0], w[1], w[2], w[3])
@@ -1158,8 +1171,10 @@ def early_configs() -> list[Config]:
 
 def trace_configs() -> list[Config]:
     """The timeline builds tools/bench_timeline.py launches: the decode path's rank-64 adapter builds
-    of bn 8 (1..8 tokens) for 1, 2 and 3 slices (bm 128: the Qwen3-8B projections)."""
-    return [default_config(8, 128, lora=True, num_slices=ns, rank=64, trace=True) for ns in (1, 2, 3)]
+    of bn 8 (1..8 tokens) for 1, 2 and 3 slices (bm 128: the Qwen3-8B projections), x_q given and
+    self-quantizing."""
+    return [default_config(8, 128, lora=True, num_slices=ns, rank=64, trace=True, self_quant=sq)
+            for ns in (1, 2, 3) for sq in (False, True)]
 
 
 def sweep_configs() -> list[Config]:

@@ -264,9 +264,16 @@ def test_stages_decode_pairs_keep_the_counter_protocol():
     assert st.split_s == 8
     assert {"decode_s2", "decode_s4", "decode_s16", "decode_st4", "shrink_s16", "decode_e1"} <= set(st.pairs)
     assert st.pairs["decode_e1"][2].early == 1
+    assert st.pairs["decode_sq"][2].self_quant and not st.pairs["decode_sq"][0].quant
     syncs = set()
     for name, (s_cfg, s_spec, k_cfg, k_spec) in st.pairs.items():
         if k_cfg is None:
+            continue
+        if k_cfg.self_quant:  # the self-quantizing pair: no counter, no quantization planes
+            assert not s_cfg.quant and s_spec["n_quant"] == 0, name
+            counters = {st.sync.data_ptr(), st.sync_alone.data_ptr()}
+            assert not any(isinstance(a, torch.Tensor) and a.data_ptr() in counters
+                           for a in list(s_spec["args"]) + list(k_spec["args"])), name
             continue
         k_sync, n_quant = k_spec["args"][7], k_spec["args"][8]
         s_sync = [a for a in s_spec["args"] if isinstance(a, torch.Tensor) and a.dtype == torch.int32
@@ -275,7 +282,7 @@ def test_stages_decode_pairs_keep_the_counter_protocol():
         assert [t.data_ptr() for t in s_sync] == [k_sync.data_ptr()], name  # the pair's own counter
         assert s_spec["cluster"][0] == s_spec["grid"][0]
         syncs.add(k_sync.data_ptr())
-    assert len(syncs) == len([v for v in st.pairs.values() if v[2] is not None])  # one counter each
+    assert len(syncs) == len([v for v in st.pairs.values() if v[2] is not None and not v[2].self_quant])
 
 
 def test_timeline_specs_and_summary_on_the_cpu():
@@ -305,6 +312,15 @@ def test_timeline_specs_and_summary_on_the_cpu():
     assert ("k2", "h_ready") not in ev  # never stamped: absent, not zero
     alone = tl.summarize(s_tr, None)  # the shrink alone: no K2 rows
     assert alone["shrink-quant", "published_or_mainloop_done"][0] == 3.0 and not any(k == "k2" for k, _ in alone)
+    # The self-quantizing pair: prebuilt trace builds, no counter, every shrink CTA a down-projection one.
+    assert tl.sq and tl.kq_cfg.self_quant and tl.kq_cfg in k2_gemm.prebuild_configs()
+    assert tl.s_cfg_nq in lora_shrink.prebuild_configs() and tl.s_spec_nq["n_quant"] == 0
+    assert tl.kq_spec["args"][-1] is tl.kq_trace and {"pair_sq", "k2_sq_alone"} <= set(tl.cases())
+    q_tr = tl.s_trace_nq.clone()
+    q_tr[:, 0] = 1_000_000
+    q_tr[:, 2] = 1_005_000
+    ev = tl.summarize(q_tr, None, planes=0)
+    assert ev["shrink-down", "published_or_mainloop_done"][3] == q_tr.shape[0] and ("shrink-quant", "start") not in ev
 
 
 def test_timeline_section_is_registered_and_skips_without_a_hopper_gpu():

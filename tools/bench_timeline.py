@@ -10,7 +10,10 @@ its PDL dependent) captured in a CUDA graph, the L2 flushed before each replay, 
 x_q and h given. Each step is reported as first / median / last CTA in µs after the first
 shrink CTA started (K2 alone: after its own first CTA), medians over the replays. The
 stamps show what `stages` can only infer: how late K2's CTAs start, how long they wait for x_q,
-and whether the epilogue waits for h.
+and whether the epilogue waits for h. `pair_sq` / `k2_sq_alone`: the same for the self-quantizing
+K2 beside the shrink without quantization planes (the decode path's default at 1..8 tokens), with
+K2's own quantization steps (its CTA's token maxima, the scales after the cluster's exchange, the
+codes stored = x_q ready).
 """
 
 from __future__ import annotations
@@ -85,6 +88,25 @@ class Timeline:
                                      trace=self.k_trace, **k2_common)
         self.k_spec_alone = k2_gemm.launch(self.k_cfg, sync=self.sync_alone, n_quant=0, trace=self.k_trace_alone,
                                            **k2_common)
+        # The self-quantizing pair (no quantization planes in the shrink, x given to K2).
+        self.sq = k2_gemm.self_quant_applies(m, k)
+        if self.sq:
+            self.s_cfg_nq = dataclasses.replace(self.s_cfg, quant=False)
+            gq = lora_shrink.launch_grid(self.s_cfg_nq, m, split_s, L)
+            self.s_trace_nq = torch.zeros(gq[0] * gq[1] * gq[2], lora_shrink.TRACE_SLOTS, dtype=torch.int64,
+                                          device=dev)
+            self.s_spec_nq = lora_shrink.launch(self.s_cfg_nq, x=c.x, lora_a=c.lora_a, h=self.h, split=split_s,
+                                                trace=self.s_trace_nq, **common)
+            self.kq_cfg = k2_gemm.default_config(8, bm, lora=True, num_slices=len(widths), rank=c.rank, trace=True,
+                                                 self_quant=True)
+            kq_common = dict(k2_common, split=k2_gemm.split_for(self.kq_cfg, n, k), x=c.x)
+            for drop in ("x_q", "x_scale"):
+                kq_common.pop(drop)
+            nq = kq_common["split"] * (n // bm)
+            self.kq_trace = torch.zeros(nq, k2_gemm.TRACE_SLOTS, dtype=torch.int64, device=dev)
+            self.kq_trace_alone = torch.zeros_like(self.kq_trace)
+            self.kq_spec = k2_gemm.launch(self.kq_cfg, trace=self.kq_trace, **kq_common)
+            self.kq_spec_alone = k2_gemm.launch(self.kq_cfg, trace=self.kq_trace_alone, **kq_common)
 
     def _run(self, mod, cfg, spec, pdl=False):
         from epilora_cute.kernels import get_kernel
@@ -95,18 +117,26 @@ class Timeline:
     def cases(self) -> dict:
         shrink = self._run(self.shrink, self.s_cfg, self.s_spec)
         k2_pdl = self._run(self.k2, self.k_cfg, self.k_spec, pdl=True)
-        return {"pair": (lambda: (shrink(), k2_pdl()), (self.s_trace, self.k_trace)),
-                "k2_alone": (self._run(self.k2, self.k_cfg, self.k_spec_alone), (None, self.k_trace_alone)),
-                "shrink_alone": (self._run(self.shrink, self.s_cfg, self.s_spec_alone), (self.s_trace_alone, None))}
+        out = {"pair": (lambda: (shrink(), k2_pdl()), (self.s_trace, self.k_trace)),
+               "k2_alone": (self._run(self.k2, self.k_cfg, self.k_spec_alone), (None, self.k_trace_alone)),
+               "shrink_alone": (self._run(self.shrink, self.s_cfg, self.s_spec_alone), (self.s_trace_alone, None))}
+        if self.sq:
+            shrink_nq = self._run(self.shrink, self.s_cfg_nq, self.s_spec_nq)
+            kq_pdl = self._run(self.k2, self.kq_cfg, self.kq_spec, pdl=True)
+            out["pair_sq"] = (lambda: (shrink_nq(), kq_pdl()), (self.s_trace_nq, self.kq_trace))
+            out["k2_sq_alone"] = (self._run(self.k2, self.kq_cfg, self.kq_spec_alone), (None, self.kq_trace_alone))
+        return out
 
-    def summarize(self, s_trace, k_trace) -> dict:
+    def summarize(self, s_trace, k_trace, planes: int | None = None) -> dict:
+        """planes: the shrink's quantization planes (default: the quantizing build's; 0 for pair_sq)."""
         per = self.s_grid[0] * self.s_grid[1]
+        zq = self.zq if planes is None else planes
         starts = [t for t in ((s_trace[:, 0].tolist() if s_trace is not None else [])
                               + (k_trace[:, 0].tolist() if k_trace is not None else [])) if t > 0]
         t0 = min(starts)
         ev = {}
         if s_trace is not None:
-            kinds = ["shrink-quant" if i // per < self.zq else "shrink-down" for i in range(s_trace.shape[0])]
+            kinds = ["shrink-quant" if i // per < zq else "shrink-down" for i in range(s_trace.shape[0])]
             ev.update(_events(s_trace, self.shrink.TRACE_SHRINK, t0, kinds))
         if k_trace is not None:
             ev.update({("k2", e): v for (_, e), v in _events(k_trace, self.k2.TRACE_K2, t0).items()})
@@ -142,7 +172,7 @@ def bench_timeline(quick: bool) -> list[dict]:
                         _flush()
                         g.replay()
                         torch.cuda.synchronize()
-                        samples.append(tl.summarize(s_tr, k_tr))
+                        samples.append(tl.summarize(s_tr, k_tr, planes=0 if case.endswith("_sq") else None))
                 except Exception as e:  # noqa: BLE001
                     rows.append(base | {"case": case, "error": f"{type(e).__name__}: {e}"[:200]})
                     continue
