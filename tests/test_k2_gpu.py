@@ -208,6 +208,11 @@ def _special_rows(M, K, seed):
         x[2, K // 3] = 3.0e4
     if M > 3:
         x[3] = torch.randn(K, device=x.device) * 1e-9
+    if M > 4:  # every finite bf16 magnitude, random signs, the largest last (exercises every quotient)
+        mags = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+        idx = torch.linspace(0, mags.numel() - 1, K).long()
+        sign = torch.where(torch.rand(K) < 0.5, -1.0, 1.0)
+        x[4] = (mags[idx] * sign).to(x.device)
     return x.to(torch.bfloat16)
 
 
@@ -224,7 +229,9 @@ def test_self_quant_codes_bit_exact(K, M, lora, split):
     dev = "cuda"
     x = _special_rows(M, K, K + M)
     xq_ref, sx_ref = quantize_fp8_per_token(x.cpu())
-    want = (xq_ref.float() * sx_ref.reshape(-1, 1)).to(torch.bfloat16)
+    # A code of -0 (0x80) comes out as +0: the tensor cores' sum of -0 with the +0 products of the
+    # other weights is +0 (so no GEMM result ever depends on the sign of a zero code).
+    want = (xq_ref.float() * sx_ref.reshape(-1, 1)).to(torch.bfloat16) + 0.0
     w = torch.eye(K, dtype=torch.float32).to(torch.float8_e4m3fn).to(dev)
     one = torch.ones(1, dtype=torch.float32, device=dev)
     y = torch.full((M, K), float("nan"), dtype=torch.bfloat16, device=dev)
