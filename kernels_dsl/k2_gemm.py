@@ -617,9 +617,14 @@ if cute is not None:
         @cute.jit
         def _weight_producer(self, tma_w, tWg, tWs, full, empty, stage_bytes, kb_lo, nloc):
             """Producer warp 0 of self_quant builds (all 32 lanes): the weights only, every stage as
-            soon as it is free; nothing to wait for."""
+            soon as it is free. Adapter builds first let the consumer issue its loads of x
+            (_quantize_x): queued behind this CTA's first weight stages they returned ~1.5 us after
+            K2's start on the H200 (docs/perf.md v0.29); the no-adapter builds start the weights at
+            once (chained, they stream under the previous kernel while the consumer waits for x)."""
             STAGES = self.stages
             cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
+            if cutlass.const_expr(self.cfg.lora):
+                cute.arch.barrier(barrier_id=2, number_of_threads=160)
             for i in cutlass.range(nloc, unroll=1):
                 s = i % STAGES
                 if i >= STAGES:
@@ -673,6 +678,8 @@ if cute is not None:
                     g_x = cute.zipped_divide(mX[j, None], (8,))
                     cute.autovec_copy(g_x[None, v], r_x[None, 0, u])
                     cute.autovec_copy(g_x[None, v + 1], r_x[None, 1, u])
+            if cutlass.const_expr(cfg.lora):
+                cute.arch.barrier_arrive(barrier_id=2, number_of_threads=160)  # the weights may go now
             cute.arch.barrier(barrier_id=1, number_of_threads=128)  # the maxima are zeroed
             for u in cutlass.range_constexpr(IT):
                 e = ctid + 128 * u
