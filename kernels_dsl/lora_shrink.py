@@ -281,6 +281,14 @@ if cute is not None:
                     self._stamp(trace_row, 2, tidx)
             else:
                 # ================================ down-projection ==================================
+                if cutlass.const_expr(not cfg.quant):
+                    # Beside the self-quantizing K2 there is no x_q protocol to keep safe: every CTA
+                    # waits (a no-op unless launched with PDL) and triggers first thing, before its
+                    # barrier init and A loads (~1.3 us on the H200): K2's launch was the pair's
+                    # exposed cost (docs/perf.md v0.29), and K2 still starts only once the kernel
+                    # that wrote x has completed (K2 reads x when it starts).
+                    cute.arch.griddepcontrol_wait()
+                    cute.arch.griddepcontrol_launch_dependents()
                 g = bz - zq
                 # The count and the group's slot are loaded together (one round trip, not two):
                 # the slot load is clamped into the table and discarded past the count.
@@ -295,13 +303,6 @@ if cute is not None:
                 if lid >= 0:
                     reff = cutlass.max(cutlass.min(mSlotRanks[lid], R), 0)
                 # Uniform over the cluster (same y, z): whole clusters leave together.
-                if c * 64 >= reff:
-                    if cutlass.const_expr(not cfg.quant):
-                        # Without quantization planes, CTAs with no work wait too before they exit
-                        # (an exit triggers the dependent): the self-quantizing K2 reads x when it
-                        # starts, so it may start only once the kernel that wrote x has completed,
-                        # which some CTA of ours must have waited for, even if no token has an adapter.
-                        cute.arch.griddepcontrol_wait()
                 if c * 64 < reff:
                     full = st.full.data_ptr()
                     sA = st.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
@@ -346,8 +347,9 @@ if cute is not None:
                         cute.nvgpu.cpasync.prefetch_descriptor(tma_x)
                         for i in cutlass.range(npre, unroll=1):
                             self._load_a(i, kb_lo + i, full, stage_bytes, tma_as, mAs, sA, sAt_layout, sl, a_blk)
-                    cute.arch.griddepcontrol_wait()
-                    cute.arch.griddepcontrol_launch_dependents()
+                    if cutlass.const_expr(cfg.quant):
+                        cute.arch.griddepcontrol_wait()
+                        cute.arch.griddepcontrol_launch_dependents()
                     self._stamp(trace_row, 1, tidx)
                     if tidx < 32:
                         for i in cutlass.range(npre, unroll=1):

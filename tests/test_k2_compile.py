@@ -215,13 +215,18 @@ def shrink_pdl_problems(cfg: lora_shrink.Config, ptx: str) -> list[str]:
         if [k for _, k in seq] != ["w", "t"] * 2:
             bad.append("griddepcontrol.launch_dependents does not follow each griddepcontrol.wait")
     else:
-        # No quantization planes: the down-projection's wait + trigger, and the wait of the CTAs
-        # with no work, which exit (an implicit trigger) only after it: the self-quantizing K2
-        # reads x when it starts.
-        if len(wait) != 2 or len(trig) != 1:
-            return [f"{len(wait)} griddepcontrol.wait / {len(trig)} launch_dependents (expected 2 / 1)"]
-        if not any(w < trig[0] for w in wait):
-            bad.append("griddepcontrol.launch_dependents does not follow a griddepcontrol.wait")
+        # No quantization planes: every CTA waits and triggers first thing (before its barrier
+        # init, A loads and any store): the self-quantizing K2 reads x when it starts.
+        if len(wait) != 1 or len(trig) != 1:
+            return [f"{len(wait)} griddepcontrol.wait / {len(trig)} launch_dependents (expected 1 each)"]
+        init = _lines_index(ptx, r"mbarrier\.init")
+        tma = _lines_index(ptx, r"cp\.async\.bulk\.tensor")
+        stores = _lines_index(ptx, r"^\s*(?:@!?%p\d+\s+)?(?:st\.global|red\.|atom\.)")
+        if not (wait[0] < trig[0] < min(init + tma + [10**9])):
+            bad.append("the wait and the trigger are not first (before the barrier init and the TMA loads)")
+        if any(i < wait[0] for i in stores if not (cfg.trace and "%globaltimer" in ptx.splitlines()[i - 1])):
+            bad.append("a global store before griddepcontrol.wait")
+        return bad
     init = _lines_index(ptx, r"mbarrier\.init")
     if not init:
         return bad + ["no mbarrier.init (down-projection)"]
