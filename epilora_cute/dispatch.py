@@ -55,14 +55,15 @@ MODES = ("graph", "eager")
 # Which applicable paths "auto" may time and choose without an opt-in: those with a passing GPU
 # record (docs/gpu_record/). A path joins by adding it here (one line). run6 (65540fc): the op-level
 # tests of decode / no_adapter / hybrid and their kernels' files all passed on the H200.
-VERIFIED_PATHS = frozenset({"triton", "decode", "no_adapter", "hybrid", "base"})
+# decode_sq: run12 (docs/gpu_record/run12), its K2 tests (codes bit-exact) and op-level tests.
+VERIFIED_PATHS = frozenset({"triton", "decode", "decode_sq", "no_adapter", "hybrid", "base"})
 # A path's variable overrides VERIFIED_PATHS when set: "1" lets an unverified path join the
 # candidates, "0" keeps a verified one out. "no_adapter" runs K2, so it follows the decode path's.
-OPT_IN_ENV = {"decode": "EPILORA_DECODE_PATH", "no_adapter": "EPILORA_DECODE_PATH",
+OPT_IN_ENV = {"decode": "EPILORA_DECODE_PATH", "decode_sq": "EPILORA_DECODE_PATH", "no_adapter": "EPILORA_DECODE_PATH",
               "hybrid": "EPILORA_HYBRID_PATH"}
 # What a key gets when it cannot be timed (under capture, or every candidate failed): the first of
 # these among the candidates — what "auto" took before the timed dispatch existed.
-DEFAULT_ORDER = ("base", "decode", "triton", "hybrid", "no_adapter", "reference")
+DEFAULT_ORDER = ("base", "decode", "decode_sq", "triton", "hybrid", "no_adapter", "reference")
 # Batches the host knows to have no adapter (vLLM's no-LoRA flag): "base" (default) computes them
 # with vLLM's own FP8 linear path only (same codes, same CUTLASS GEMM), so a projection of
 # base-model traffic returns exactly what stock vLLM's returns; in the engine that was no slower than
@@ -226,14 +227,19 @@ def applicable_paths(call: Call) -> tuple[str, ...]:
     """Every path that can compute ``call`` (before the opt-in filter), in a fixed order.
 
     "base" (vLLM's FP8 path): the host knows no token has an adapter (it drops the adapters);
-    "decode": ≤ 32 tokens on sm_90a with shapes its kernels take; "no_adapter": the same, and the
+    "decode": ≤ 32 tokens on sm_90a with shapes its kernels take; "decode_sq": the same at 1..8
+    tokens where the self-quantizing K2 takes K; "no_adapter": the same as "decode", and the
     host knows no token has an adapter; "hybrid": sm_90a; "triton": any CUDA GPU. "reference" is
     never a candidate on a GPU. Whether a kernel can be loaded (cached or compiled here) shows when
     it is timed: a candidate that fails is dropped.
     """
     paths = ["base"] if call.host_adapters == 0 else []
     if call.decode_reason is None:
+        from kernels_dsl.k2_gemm import self_quant_applies
+
         paths.append("decode")
+        if self_quant_applies(call.tokens, call.k):
+            paths.append("decode_sq")
         if call.host_adapters == 0:
             paths.append("no_adapter")
     if call.arch == "sm_90a":

@@ -7,7 +7,6 @@ taken only where the result is identical (the quantization) or explicitly reques
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -107,11 +106,7 @@ def _reference_quant_into(x, codes, scales, warn_reason: str | None):
 # The fused LoRA linear: y = quant(x) @ W_q^T * s_x * s_w + per-token adapter update.
 
 DECODE_MAX_TOKENS = 32
-# 1..8 tokens: K2 quantizes x itself (kernels_dsl/k2_gemm.py, Config.self_quant) and the shrink
-# has no quantization planes: K2 waits for no other kernel before its main loop (docs/perf.md
-# v0.29). EPILORA_SELF_QUANT=0 keeps the quantization in the shrink kernel (for comparisons).
-SELF_QUANT = os.environ.get("EPILORA_SELF_QUANT", "1") != "0"
-PATHS = ("auto", "base", "decode", "no_adapter", "hybrid", "prefill", "triton", "reference")
+PATHS = ("auto", "base", "decode", "decode_sq", "no_adapter", "hybrid", "prefill", "triton", "reference")
 # The decode and no-adapter paths' variable for "auto" (dispatch.OPT_IN_ENV): "0" keeps them out of
 # the candidates, "1" lets them in if they ever leave dispatch.VERIFIED_PATHS.
 DECODE_PATH_ENV = "EPILORA_DECODE_PATH"
@@ -302,10 +297,11 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     (K1 + the vendor FP8 GEMM + our expand-add; any batch size on sm_90a), "prefill" (33..8192
     tokens, sm_90a: K1, the activations gathered into adapter-sorted order, the prefill K2 with the grouped epilogue; compiled but not yet run on a
     GPU: explicit only), "decode" (≤ 32 tokens, sm_90a: the shrink kernel, then K2
-    as its PDL dependent — two launches; ``pdl=False`` serializes them; at 1..8 tokens K2
-    quantizes x itself, above that the shrink's extra CTAs do), "no_adapter" (K2 without the
-    epilogue add, quantizing x itself at 1..8 tokens, behind the quantization kernel above: for
-    batches where no token has an adapter), "triton" (the
+    as its PDL dependent — two launches; ``pdl=False`` serializes them; the shrink's extra CTAs
+    quantize x), "decode_sq" (the same at 1..8 tokens with K2 quantizing x itself and the shrink
+    without quantization CTAs: docs/perf.md v0.29; the timed dispatch picks between the two per
+    projection), "no_adapter" (the quantization kernel + K2 without the epilogue add: for batches
+    where no token has an adapter), "triton" (the
     portable two-kernel path), "reference" (torch, any device). "auto" takes the reference off
     CUDA; on a GPU the timed dispatch (``dispatch.py``) takes the fastest applicable path per
     (shape, token bucket, adapter bucket, graph/eager), measured once and remembered across starts.
@@ -364,7 +360,14 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     chain = pdl and chain_pdl  # pdl=False serializes every launch
     if path == "no_adapter":
         return _k2_no_adapter(x, w_q, w_scale, widths, out, pdl, chain)
-    return _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl, chain)
+    self_quant = path == "decode_sq"
+    if self_quant:
+        from kernels_dsl import k2_gemm
+
+        if not k2_gemm.self_quant_applies(m, k):
+            raise ValueError(f"path='decode_sq' does not apply: {m} tokens of K = {k} (it takes 1..8 tokens, "
+                             "K a multiple of 128 up to 32768)")
+    return _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl, chain, self_quant)
 
 
 def _cutlass_into(out, x_q, w_q):
@@ -474,13 +477,6 @@ def _k2_no_adapter(x, w_q, w_scale, widths, out, pdl: bool = True, chain: bool =
 
     m, k = x.shape
     n = w_q.shape[0]
-    if SELF_QUANT and k2_gemm.self_quant_applies(m, k):
-        # One launch: K2 quantizes x itself. Chained, it is the previous kernel's PDL dependent:
-        # its weight stream starts under that kernel, and its consumer waits before reading x.
-        _, cfg = k2_gemm.select(widths, m, self_quant=True)
-        spec = k2_gemm.launch(cfg, w_q=w_q, w_scale=w_scale, x=x, y=out, split=k2_gemm.split_for(cfg, n, k))
-        _launch_spec(get_kernel(k2_gemm, cfg, "sm_90a"), spec, pdl=chain)
-        return out
     sync = _sync_buffer(x.device)  # (first call: its fill goes before the quantization kernel)
     # Chained: the quantization kernel waits for its predecessor before it touches anything, so
     # this needs no assumption about that kernel.
@@ -494,7 +490,7 @@ def _k2_no_adapter(x, w_q, w_scale, widths, out, pdl: bool = True, chain: bool =
     return out
 
 
-def _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl, chain=False):
+def _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl, chain=False, self_quant=False):
     from kernels_dsl import k2_gemm, lora_shrink
 
     made = _persistent.made
@@ -511,7 +507,7 @@ def _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl
     split_s = lora_shrink.choose_split(k, len(widths), rank, min(m, max_loras + 1))
     common = dict(token_lora=token_lora, active_lora_ids=meta.active_lora_ids, num_active=meta.num_active,
                   slot_ranks=slot_ranks)
-    if SELF_QUANT and k2_gemm.self_quant_applies(m, k):
+    if self_quant:
         # The shrink is the down-projection alone; K2 quantizes x itself.
         s_cfg = lora_shrink.select(len(widths), m, rank, quant=False)
         s_spec = lora_shrink.launch(s_cfg, x=x, lora_a=a, h=h, split=split_s, **common)

@@ -93,7 +93,7 @@ def _clean_env(monkeypatch):
 
 
 def call(**kw):
-    base = dict(device="H200", arch="sm_90a", k=4096, slices=(4096, 1024, 1024), rank=64, tokens=7,
+    base = dict(device="H200", arch="sm_90a", k=4096, slices=(4096, 1024, 1024), rank=64, tokens=12,
                 max_loras=8, host_adapters=None, decode_reason=None)
     base.update(kw)
     return d.Call(**base)
@@ -120,20 +120,25 @@ def run(path):  # a candidate run: returns its name so the fake timer knows it
 
 
 def test_candidates_follow_applicability_and_opt_in(monkeypatch):
+    # decode_sq: the decode path's 1..8-token variant (the default call has 12 tokens).
+    assert d.applicable_paths(call(tokens=7)) == ("decode", "decode_sq", "hybrid", "triton")
     assert d.applicable_paths(call()) == ("decode", "hybrid", "triton")
-    assert d.applicable_paths(call(host_adapters=0)) == ("base", "decode", "no_adapter", "hybrid", "triton")
+    assert d.applicable_paths(call(tokens=7, k=4096 + 64)) == ("decode", "hybrid", "triton")  # K % 128
+    assert d.applicable_paths(call(tokens=7, host_adapters=0)) == ("base", "decode", "decode_sq", "no_adapter",
+                                                                   "hybrid", "triton")
     assert d.applicable_paths(call(tokens=64, decode_reason="64 tokens")) == ("hybrid", "triton")
     assert d.applicable_paths(call(arch=None, decode_reason="needs sm_90a")) == ("triton",)
     assert d.applicable_paths(call(arch=None, decode_reason="needs sm_90a", host_adapters=0)) == ("base", "triton")
-    # Verified on the H200 (run6; base: run9): every applicable path is a candidate without a variable.
-    assert SHIPPED_VERIFIED == {"triton", "decode", "no_adapter", "hybrid", "base"}
+    # Verified on the H200 (run6; base: run9; decode_sq: run12): every applicable path is a
+    # candidate without a variable.
+    assert SHIPPED_VERIFIED == {"triton", "decode", "decode_sq", "no_adapter", "hybrid", "base"}
     monkeypatch.setattr(d, "VERIFIED_PATHS", SHIPPED_VERIFIED)
     allowed = lambda c: [p for p in d.applicable_paths(c) if d.path_allowed(p)]  # noqa: E731
-    assert allowed(call(host_adapters=0)) == ["base", "decode", "no_adapter", "hybrid", "triton"]
+    assert allowed(call(tokens=7, host_adapters=0)) == ["base", "decode", "decode_sq", "no_adapter", "hybrid", "triton"]
     assert list(d._allowed(d.applicable_paths(call(host_adapters=0)))) == allowed(call(host_adapters=0))
-    # A variable set to "0" keeps its paths out ("no_adapter" follows the decode path's).
+    # A variable set to "0" keeps its paths out ("decode_sq" and "no_adapter" follow the decode path's).
     monkeypatch.setenv("EPILORA_DECODE_PATH", "0")
-    assert allowed(call(host_adapters=0)) == ["base", "hybrid", "triton"]
+    assert allowed(call(tokens=7, host_adapters=0)) == ["base", "hybrid", "triton"]
     monkeypatch.setenv("EPILORA_HYBRID_PATH", "0")
     assert allowed(call()) == ["triton"]
     assert list(d._allowed(d.applicable_paths(call()))) == ["triton"]
@@ -141,11 +146,11 @@ def test_candidates_follow_applicability_and_opt_in(monkeypatch):
     monkeypatch.setattr(d, "VERIFIED_PATHS", frozenset({"triton"}))
     monkeypatch.delenv("EPILORA_HYBRID_PATH")
     monkeypatch.setenv("EPILORA_DECODE_PATH", "1")
-    assert allowed(call(host_adapters=0)) == ["decode", "no_adapter", "triton"]
+    assert allowed(call(tokens=7, host_adapters=0)) == ["decode", "decode_sq", "no_adapter", "triton"]
     monkeypatch.setenv("EPILORA_HYBRID_PATH", "1")
     assert allowed(call()) == ["decode", "hybrid", "triton"]
     assert "reference" not in d.applicable_paths(call())
-    assert d.OPT_IN_ENV["decode"] == ops.DECODE_PATH_ENV
+    assert d.OPT_IN_ENV["decode"] == d.OPT_IN_ENV["decode_sq"] == ops.DECODE_PATH_ENV
 
 
 def test_batches_without_adapters_take_vllms_path(tmp_path, monkeypatch, caplog):
@@ -165,7 +170,7 @@ def test_batches_without_adapters_take_vllms_path(tmp_path, monkeypatch, caplog)
         assert "base" not in d.candidates_for(call(host_adapters=host))
     monkeypatch.setenv(d.NO_LORA_ENV, "timed")
     assert d.candidates_for(call(host_adapters=0)) == ("base", "decode", "no_adapter", "hybrid", "triton")
-    assert disp.path_for(call(host_adapters=0, tokens=3), run, mode="graph", capturing=False) == "no_adapter"
+    assert disp.path_for(call(host_adapters=0, tokens=24), run, mode="graph", capturing=False) == "no_adapter"
     assert {p for p, _ in timer.calls} == {"base", "decode", "no_adapter", "hybrid", "triton"}
     monkeypatch.setenv(d.NO_LORA_ENV, "fastest")
     with pytest.raises(ValueError, match="EPILORA_NO_LORA_PATH"):
@@ -206,11 +211,11 @@ def test_one_timing_per_key_both_modes_then_lookups(tmp_path, monkeypatch, caplo
     assert any("-> triton (µs: triton 35.0, decode 40.0, hybrid 60.0)" in r.getMessage() for r in caplog.records)
     assert any("|graph -> decode" in r.getMessage() for r in caplog.records)
     n = len(timer.calls)
-    for tokens in (5, 6, 8):  # same bucket
+    for tokens in (10, 13, 16):  # same bucket
         assert disp.path_for(call(tokens=tokens), run, mode="eager", capturing=False) == "triton"
         assert disp.path_for(call(tokens=tokens), run, mode="graph", capturing=True) == "decode"
     assert len(timer.calls) == n
-    disp.path_for(call(tokens=9), run, mode="graph", capturing=False)  # a new bucket: timed
+    disp.path_for(call(tokens=17), run, mode="graph", capturing=False)  # a new bucket: timed
     assert len(timer.calls) == 2 * n
 
 

@@ -79,15 +79,11 @@ def init_projection(obj, widths, K, rank, max_loras, M, seed, slot_ranks, dev) -
 
 
 class DecodePath:
-    """Buffers + the two launches of one projection. self_quant None: as lora_linear_fp8 pairs
-    them (ops.SELF_QUANT and k2_gemm.self_quant_applies)."""
+    """Buffers + the two launches of one projection. self_quant (default): at 1..8 tokens the
+    decode_sq pairing (k2_gemm.self_quant_applies), else the quantization planes (path "decode")."""
 
-    def __init__(self, widths, K, rank, max_loras, M, seed=0, slot_ranks=None, dev="cuda", self_quant=None):
-        from epilora_cute import ops
-
+    def __init__(self, widths, K, rank, max_loras, M, seed=0, slot_ranks=None, dev="cuda", self_quant=True):
         init_projection(self, widths, K, rank, max_loras, M, seed, slot_ranks, dev)
-        if self_quant is None:
-            self_quant = ops.SELF_QUANT
         self.self_quant = self_quant and k2_gemm.self_quant_applies(M, K)
         N = sum(widths)
         self.h = torch.empty(len(widths), M, rank, dtype=torch.float32, device=dev)
@@ -189,7 +185,7 @@ def test_decode_path_tokens_ranks(M, rank, pdl):
 @pytest.mark.parametrize("pdl", [True, False])
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s[0] == "qwen3-8b" and s[1] == 1], ids=lambda s: s[2])
 def test_quant_planes_pairing_small_batches(shape, M, pdl):
-    """1..8 tokens with the quantization in the shrink kernel (EPILORA_SELF_QUANT=0)."""
+    """1..8 tokens with the quantization in the shrink kernel (path "decode")."""
     _hopper()
     _, _, _, widths, K = shape
     dp = DecodePath(widths, K, 64, 4, M, seed=M + 40, self_quant=False)

@@ -32,9 +32,12 @@ def _reference(x, wq, ws, a, b, mapping):
 
 @pytest.mark.parametrize("proj", list(QWEN3_8B))
 @pytest.mark.parametrize("m", [1, 3, 8, 16, 31, 32])
-@pytest.mark.parametrize("path,chain", [("decode", False), ("decode", True), ("auto", False), ("auto", True)])
+@pytest.mark.parametrize("path,chain", [("decode", False), ("decode", True), ("decode_sq", False), ("decode_sq", True),
+                                        ("auto", False), ("auto", True)])
 def test_decode_path_matches_reference(proj, m, path, chain, monkeypatch):
     monkeypatch.setenv("EPILORA_DECODE_PATH", "1")
+    if path == "decode_sq" and m > 8:
+        pytest.skip("decode_sq takes 1..8 tokens")
     widths, k = QWEN3_8B[proj]
     x, wq, ws, a, b, mapping = _case(widths, k, m, seed=m)
     meta = build_meta(mapping, 4)
@@ -46,17 +49,17 @@ def test_decode_path_matches_reference(proj, m, path, chain, monkeypatch):
     assert _rel_err(y, _reference(x, wq, ws, a, b, mapping)) < 1e-2
 
 
-@pytest.mark.parametrize("m", [1, 16, 32])
-def test_pdl_off_is_identical_and_runs_are_bitwise_reproducible(m):
+@pytest.mark.parametrize("m,path", [(1, "decode"), (16, "decode"), (32, "decode"), (1, "decode_sq"), (8, "decode_sq")])
+def test_pdl_off_is_identical_and_runs_are_bitwise_reproducible(m, path):
     widths, k = QWEN3_8B["qkv"]
     x, wq, ws, a, b, mapping = _case(widths, k, m, seed=100 + m)
     meta = build_meta(mapping, 4)
-    y0 = ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="decode", pdl=True).clone()
+    y0 = ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path, pdl=True).clone()
     for _ in range(10):
-        assert torch.equal(ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="decode", pdl=True), y0)
-    assert torch.equal(ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="decode", pdl=False), y0)
+        assert torch.equal(ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path, pdl=True), y0)
+    assert torch.equal(ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path, pdl=False), y0)
     for _ in range(10):  # back to back, each chained onto the previous K2 (one sync buffer)
-        assert torch.equal(ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="decode", chain_pdl=True), y0)
+        assert torch.equal(ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path, chain_pdl=True), y0)
 
 
 @pytest.mark.parametrize("chain", [False, True])
@@ -74,16 +77,17 @@ def test_no_adapter_path_is_the_base_gemm(chain):
                        ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="decode"))
 
 
-def test_decode_path_in_a_cuda_graph_with_new_inputs():
+@pytest.mark.parametrize("path", ["decode", "decode_sq"])
+def test_decode_path_in_a_cuda_graph_with_new_inputs(path):
     widths, k = QWEN3_8B["gate_up"]
     x, wq, ws, a, b, mapping = _case(widths, k, 8, seed=9)
     meta = build_meta(mapping, 4, 8)
     out = torch.empty(8, sum(widths), dtype=torch.bfloat16, device="cuda")
-    ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path="decode")  # load modules eagerly
+    ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path=path)  # load modules eagerly
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path="decode")
+        ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path=path)
     for seed in (10, 11):
         x2, _, _, _, _, mapping2 = _case(widths, k, 8, seed=seed)
         x.copy_(x2)
@@ -96,8 +100,11 @@ def test_decode_path_in_a_cuda_graph_with_new_inputs():
 
 # Back-to-back projections (a decoder layer and a bit), each input the previous output where the
 # shapes allow it: (projection, path, index of the step whose output is x, or None for a fresh x).
+# decode_sq (1..8 tokens; "decode" at more) after decode, after itself and before decode.
 CHAIN = [("o", "decode", None), ("qkv", "decode", 0), ("gate_up", "decode", 0), ("down", "decode", None),
-         ("o", "no_adapter", 3), ("qkv", "decode", 4), ("o", "no_adapter", 4), ("o", "decode", 6)]
+         ("o", "no_adapter", 3), ("qkv", "decode", 4), ("o", "no_adapter", 4), ("o", "decode", 6),
+         ("o", "decode_sq", 7), ("qkv", "decode_sq", 8), ("o", "decode", 8), ("gate_up", "decode_sq", 10),
+         ("o", "decode_sq", 10), ("down", "decode_sq", None)]
 
 
 class _Chain:
@@ -124,6 +131,8 @@ class _Chain:
             x = outs[src]
         if path == "no_adapter":
             mapping, meta = self.none
+        if path == "decode_sq" and self.m > 8:
+            path = "decode"
         y = ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=outs[i], path=path, chain_pdl=chain)
         return x, mapping, y
 

@@ -8,10 +8,8 @@ Columns, all from one run (CUDA-graph replays, L2 flushed before each, median):
                  columns launch each projection's first kernel with PDL behind the previous
                  projection's K2 (lora_linear_fp8(chain_pdl=True)): in the layer rows that hides
                  a launch and prologue per projection boundary, in the per-projection rows (one
-                 projection per graph) they should equal their unchained columns; the *_q
-                 columns keep the quantization out of K2 at 1..8 tokens (ops.SELF_QUANT off: the
-                 shrink's quantization planes, or the standalone quantization kernel), for the
-                 comparison with the self-quantizing K2 in the same run (docs/perf.md v0.29)
+                 projection per graph) they should equal their unchained columns; the decode_sq
+                 columns: 1..8 tokens with K2 quantizing x itself (docs/perf.md v0.29)
 """
 
 from __future__ import annotations
@@ -108,8 +106,7 @@ OUR_PATHS: dict[str, object] = {}
 OUR_PATH_ARGS = {"no_adapter": ("no_adapter", True, False), "decode": ("decode", True, False),
                  "decode_nopdl": ("decode", False, False), "triton": ("triton", True, False),
                  "decode_chain": ("decode", True, True), "no_adapter_chain": ("no_adapter", True, True),
-                 "decode_chain_q": ("decode", True, True, False),
-                 "no_adapter_chain_q": ("no_adapter", True, True, False)}
+                 "decode_sq": ("decode_sq", True, False), "decode_sq_chain": ("decode_sq", True, True)}
 
 
 def _register_our_paths() -> None:
@@ -119,16 +116,10 @@ def _register_our_paths() -> None:
         return
     wanted = os.environ.get("EPILORA_BENCH_OURS", ",".join(OUR_PATH_ARGS)).split(",")
 
-    def make(path: str, pdl: bool, chain: bool, self_quant: bool = True):
+    def make(path: str, pdl: bool, chain: bool):
         def build(c: LayerCase):
-            def call():
-                prev, ops.SELF_QUANT = ops.SELF_QUANT, self_quant and ops.SELF_QUANT
-                try:
-                    return ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=c.y,
+            return lambda: ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=c.y,
                                                path=path, pdl=pdl, chain_pdl=chain)
-                finally:
-                    ops.SELF_QUANT = prev
-            return call
         return build
     for name in wanted:
         if name in OUR_PATH_ARGS:
