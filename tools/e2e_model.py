@@ -406,6 +406,6 @@ class WorkerProbe:
         if out["kernel_path"] == "cute":  # epilora_cute.ops.lora_linear_fp8, path="auto"
             from epilora_cute import dispatch
 
-            paths = ("base", "decode", "no_adapter", "hybrid", "triton")
+            paths = [p for p in dispatch.DEFAULT_ORDER if p != "reference"]
             out["ops_auto_path"] = "timed dispatch among " + ", ".join(p for p in paths if dispatch.path_allowed(p))
         return out
