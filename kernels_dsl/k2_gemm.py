@@ -13,6 +13,11 @@ streams the weights and x_q, warp 1 (adapter builds) builds the tile's adapter t
 the B chunks; warpgroup 1 is the WGMMA consumer (setmaxnreg 232, or 216 for builds with two CTAs
 per SM - the decode path's default, see default_config).
 
+Self-quantizing builds (Config.self_quant, 1..8 tokens, the path "decode_sq"): K2 loads bf16 x and
+quantizes it itself (_quantize_x: each CTA its K range, the token maxima combined over the cluster
+in DSMEM, the codes written into a resident smem copy of its x_q that the WGMMAs read); no x_q,
+s_x or counter, and the shrink beside it has no quantization CTAs (docs/perf.md v0.29).
+
 Activations: x_q/s_x are written by the quantization CTAs of the shrink kernel, launched just
 before K2 (K2 is its PDL dependent). K2 cannot use griddepcontrol.wait for them without giving
 up the overlap, so the producer spins (ld.acquire.gpu) on a counter those CTAs increment
@@ -77,6 +82,8 @@ META_ROWS = 32  # the adapter table in smem: one row per token of the tile (bn <
 FP8_MAX = 448.0
 MIN_SCALE = float(np.float32(1.0) / np.float32(448.0 * 512.0))
 FLT_MAX = float(np.finfo(np.float32).max)
+ROWMAX_VECS = 12  # sq_rowmax: 16-byte vectors of x per consumer thread for the whole rows
+ROWMAX_ELEMS = 128 * ROWMAX_VECS * 8  # M * K up to which sq_rowmax builds skip the exchange
 MAX_CLUSTER = 16
 # Trace builds (Config.trace): per CTA (row split + S * tile), %globaltimer ns at: kernel entry,
 # x_q ready (the producer past its spin / wait), main loop done, h ready (the epilogue's
@@ -120,6 +127,10 @@ class Config:
     # one tile cover K), and the codes go straight into a resident smem copy of the CTA's x_q. K2
     # then depends on no other kernel before its main loop (docs/perf.md v0.29).
     self_quant: bool = False
+    # self_quant experiment (bench-only builds, like `early`): when the batch's rows hold at most
+    # ROWMAX_ELEMS elements, every CTA takes its token maxima over the whole rows itself (no
+    # cluster exchange, no DSMEM); larger batches exchange as the default builds do.
+    sq_rowmax: bool = False
 
     def __post_init__(self):
         if (self.bm + RED_PAD) * self.bn * 4 > self.bm * self.bk * self.stages:
@@ -136,6 +147,8 @@ class Config:
             raise ValueError("early must be 0..stages")
         if self.self_quant and (self.bn not in (8, 16) or self.bk != 128 or self.early):
             raise ValueError("self_quant builds take bn 8 or 16, bk 128 and no early stages")
+        if self.sq_rowmax and not self.self_quant:
+            raise ValueError("sq_rowmax is a variant of the self_quant builds")
         if self.lora:
             if self.rank not in (8, 16, 32, 64, 128, 256):
                 raise ValueError("rank must be 8..256, a power of two")
@@ -165,7 +178,8 @@ class Config:
         else:
             s += "_nolora"
         return (s + ("_c2" if self.ctas == 2 else "") + (f"_e{self.early}" if self.early else "")
-                + ("_sq" if self.self_quant else "") + ("_trace" if self.trace else ""))
+                + ("_sq" if self.self_quant else "") + ("_rowmax" if self.sq_rowmax else "")
+                + ("_trace" if self.trace else ""))
 
     @property
     def consumer_regs(self) -> int:
@@ -520,8 +534,11 @@ if cute is not None:
                 acc.fill(0.0)
                 acc_blk = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
                 num_kk = cute.size(tCrW, mode=[2])
+                rowmax = False  # sq_rowmax builds: this batch's maxima without the cluster exchange
+                if cutlass.const_expr(cfg.sq_rowmax):
+                    rowmax = M * K <= ROWMAX_ELEMS
                 if cutlass.const_expr(cfg.self_quant):
-                    self._quantize_x(ctid, mX, st, sSx, kb_lo, nloc, M, nsplit, trace_row)
+                    self._quantize_x(ctid, mX, st, sSx, kb_lo, nloc, M, nsplit, trace_row, rowmax)
 
                 for i in cutlass.range(nloc, unroll=1):
                     s = i % STAGES
@@ -569,6 +586,9 @@ if cute is not None:
                     sRed[r, j] = v
 
                 self._stamp(trace_row, 4, ctid)
+                if cutlass.const_expr(cfg.sq_rowmax):
+                    if rowmax:  # the first phase, arrived at in _quantize_x
+                        cute.arch.cluster_wait()
                 # Cluster-wide: every partial is in smem (release/acquire at cluster scope).
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
@@ -634,7 +654,7 @@ if cute is not None:
                 cute.copy(tma_w, tWg[(None, kb_lo + i)], tWs[(None, s)], tma_bar_ptr=full + s)
 
         @cute.jit
-        def _quantize_x(self, ctid, mX, st, sSx, kb_lo, nloc, M, nsplit, trace_row):
+        def _quantize_x(self, ctid, mX, st, sSx, kb_lo, nloc, M, nsplit, trace_row, rowmax):
             """Consumer (128 threads) of self_quant builds: x_q of this CTA's k-blocks into smem, s_x
             of the batch's tokens into sSx, bit for bit as vLLM (the codes of the shrink's
             quantization planes, epilora_cute.reference.quantize_fp8_per_token).
@@ -651,7 +671,11 @@ if cute is not None:
             and no branch (D.quot_rn_f32, bit-identical to div.rn: a branch per element to div.rn
             for infinite scales serialized the elements, 10 us at 8 tokens on the H200). The
             codes go to the swizzled K-major layout the WGMMA reads (128-byte rows, 16-byte chunk c
-            of row j at c ^ (j % 8)) with 16-byte stores."""
+            of row j at c ^ (j % 8)) with 16-byte stores.
+
+            rowmax (sq_rowmax builds, M * K <= ROWMAX_ELEMS): the maxima come from the whole rows,
+            loaded by this CTA (ROWMAX_VECS vectors per thread); the cluster barrier's first phase
+            is then arrived at here and waited for only before the partials' phase."""
             cfg = self.cfg
             BN, BK = self.bn, self.bk
             IT = BN * cfg.sq_kblocks * 8 // 128  # units per thread at most
@@ -678,30 +702,53 @@ if cute is not None:
                     g_x = cute.zipped_divide(mX[j, None], (8,))
                     cute.autovec_copy(g_x[None, v], r_x[None, 0, u])
                     cute.autovec_copy(g_x[None, v + 1], r_x[None, 1, u])
+            if cutlass.const_expr(cfg.sq_rowmax):
+                r_f = cute.make_rmem_tensor(cute.make_layout((8, ROWMAX_VECS)), mX.element_type)
+                nvr = cute.size(mX, mode=[1]) // 8  # vectors per row
+                if rowmax:
+                    cute.arch.cluster_arrive()  # nothing to publish: waited before the partials' phase
+                    for i in cutlass.range_constexpr(ROWMAX_VECS):
+                        v = ctid + 128 * i
+                        if v < mv * nvr:
+                            j = v // nvr
+                            g_r = cute.zipped_divide(mX[j, None], (8,))
+                            cute.autovec_copy(g_r[None, v - j * nvr], r_f[None, i])
             if cutlass.const_expr(cfg.lora):
                 cute.arch.barrier_arrive(barrier_id=2, number_of_threads=160)  # the weights may go now
             cute.arch.barrier(barrier_id=1, number_of_threads=128)  # the maxima are zeroed
-            for u in cutlass.range_constexpr(IT):
-                e = ctid + 128 * u
-                if e < nunits:
-                    amax = cutlass.Float32(0.0)
-                    for hh in cutlass.range_constexpr(2):
-                        for i in cutlass.range_constexpr(8):
-                            amax = D.fmax_f32(amax, D.abs_f32(r_x[i, hh, u].to(cutlass.Float32)))
-                    D.red_shared_max_u32(am_addr + (e // nch) * 4, D.f32_bits(amax))
+            if cutlass.const_expr(cfg.sq_rowmax):
+                if rowmax:
+                    for i in cutlass.range_constexpr(ROWMAX_VECS):
+                        v = ctid + 128 * i
+                        if v < mv * nvr:
+                            amax = cutlass.Float32(0.0)
+                            for e8 in cutlass.range_constexpr(8):
+                                amax = D.fmax_f32(amax, D.abs_f32(r_f[e8, i].to(cutlass.Float32)))
+                            D.red_shared_max_u32(am_addr + (v // nvr) * 4, D.f32_bits(amax))
+                else:
+                    self._unit_maxima(r_x, ctid, nunits, nch, am_addr)
+            else:
+                self._unit_maxima(r_x, ctid, nunits, nch, am_addr)
             self._stamp(trace_row, 6, ctid)
-            # Every CTA's maxima are in its smem (release / acquire at cluster scope).
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
+            if cutlass.const_expr(cfg.sq_rowmax):
+                if rowmax:
+                    cute.arch.barrier(barrier_id=1, number_of_threads=128)  # the CTA's maxima are the rows'
+                else:
+                    cute.arch.cluster_arrive()
+                    cute.arch.cluster_wait()
+            else:
+                # Every CTA's maxima are in its smem (release / acquire at cluster scope).
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
             if ctid < mv:
-                parts = cute.make_rmem_tensor((MAX_CLUSTER,), cutlass.Float32)
-                for q in cutlass.range_constexpr(MAX_CLUSTER):
-                    parts[q] = cutlass.Float32(0.0)
-                    if q < nsplit:
-                        parts[q] = D.ld_dsmem_f32(am_addr + ctid * 4, q)
                 amax = cutlass.Float32(0.0)
-                for q in cutlass.range_constexpr(MAX_CLUSTER):
-                    amax = D.fmax_f32(amax, parts[q])
+                if cutlass.const_expr(cfg.sq_rowmax):
+                    if rowmax:
+                        amax = sAm[ctid]
+                    else:
+                        amax = self._cluster_max(am_addr + ctid * 4, nsplit)
+                else:
+                    amax = self._cluster_max(am_addr + ctid * 4, nsplit)
                 scale = D.fmax_f32(D.div_rn_f32(amax, cutlass.Float32(FP8_MAX)), cutlass.Float32(MIN_SCALE))
                 sSx[ctid] = scale
                 # The quotients' operands: (scale, its reciprocal), or for an infinite scale (an
@@ -741,6 +788,33 @@ if cute is not None:
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=1, number_of_threads=128)
             self._stamp(trace_row, 1, ctid)
+
+        @cute.jit
+        def _unit_maxima(self, r_x, ctid, nunits, nch, am_addr):
+            """Each of this thread's work units' |x| maximum into its token's smem word (red.max)."""
+            IT = self.bn * self.cfg.sq_kblocks * 8 // 128
+            for u in cutlass.range_constexpr(IT):
+                e = ctid + 128 * u
+                if e < nunits:
+                    amax = cutlass.Float32(0.0)
+                    for hh in cutlass.range_constexpr(2):
+                        for i in cutlass.range_constexpr(8):
+                            amax = D.fmax_f32(amax, D.abs_f32(r_x[i, hh, u].to(cutlass.Float32)))
+                    D.red_shared_max_u32(am_addr + (e // nch) * 4, D.f32_bits(amax))
+
+        @cute.jit
+        def _cluster_max(self, addr, nsplit):
+            """The maximum of the word at smem address `addr` over the cluster's CTAs (all requested
+            at once: one DSMEM round trip)."""
+            parts = cute.make_rmem_tensor((MAX_CLUSTER,), cutlass.Float32)
+            for q in cutlass.range_constexpr(MAX_CLUSTER):
+                parts[q] = cutlass.Float32(0.0)
+                if q < nsplit:
+                    parts[q] = D.ld_dsmem_f32(addr, q)
+            amax = cutlass.Float32(0.0)
+            for q in cutlass.range_constexpr(MAX_CLUSTER):
+                amax = D.fmax_f32(amax, parts[q])
+            return amax
 
         @cute.jit
         def _adapter_producer(self, tma_bs: tuple, mBs: tuple, st, sB_layout, bfull, bempty, mTok, mSlotRanks,
@@ -1178,6 +1252,7 @@ def prebuild_configs() -> list[Config]:
     cfgs.update(sweep_configs())
     cfgs.update(trace_configs())
     cfgs.update(early_configs())
+    cfgs.update(rowmax_configs())
     return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank, c.ctas, c.stages, c.trace))
 
 
@@ -1185,6 +1260,14 @@ def early_configs() -> list[Config]:
     """tools/bench_stages.py's `decode_e1` builds: the decode path's rank-64 builds of bn 8 with one
     weight stage requested before x_q (Config.early) instead of all four."""
     return [default_config(8, 128, lora=True, num_slices=ns, rank=64, early=1) for ns in (1, 2, 3)]
+
+
+def rowmax_configs() -> list[Config]:
+    """tools/bench_stages.py's `decode_sqr` / `k2_sqr` builds: the self-quantizing rank-64 builds of
+    bn 8 (bm 128, 1..3 slices) and the no-adapter one with Config.sq_rowmax (the maxima over the
+    whole rows, no cluster exchange, at M * K <= ROWMAX_ELEMS)."""
+    return ([default_config(8, 128, lora=True, num_slices=ns, rank=64, self_quant=True, sq_rowmax=True)
+             for ns in (1, 2, 3)] + [default_config(8, 128, lora=False, self_quant=True, sq_rowmax=True)])
 
 
 def trace_configs() -> list[Config]:

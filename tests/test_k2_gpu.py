@@ -17,6 +17,7 @@ the TMA descriptors our specs encode equal the bytes the DSL's own host code bui
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 from pathlib import Path
@@ -216,11 +217,13 @@ def _special_rows(M, K, seed):
 @pytest.mark.parametrize("M", [1, 3, 8])
 @pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("split", [None, 16])
-def test_self_quant_codes_bit_exact(K, M, lora, split):
+@pytest.mark.parametrize("rowmax", [False, True])
+def test_self_quant_codes_bit_exact(K, M, lora, split, rowmax):
     """The self-quantizing K2's codes and scales, read back through an identity weight (e4m3 1.0
     on the diagonal, s_w = 1): y[j, n] = bf16(code[j, n] * s_x[j]), bit for bit against the
     reference quantization (every code of every token; the scale to bf16 resolution, any error in
-    the row maximum changes codes). Tokens without adapter: the epilogue adds nothing."""
+    the row maximum changes codes). Tokens without adapter: the epilogue adds nothing. rowmax: the
+    sq_rowmax builds (maxima over the whole rows where M * K <= ROWMAX_ELEMS, else the exchange)."""
     _hopper()
     dev = "cuda"
     x = _special_rows(M, K, K + M)
@@ -233,6 +236,9 @@ def test_self_quant_codes_bit_exact(K, M, lora, split):
     y = torch.full((M, K), float("nan"), dtype=torch.bfloat16, device=dev)
     lcfg, ncfg = k2_gemm.select((K,), M, 64, self_quant=True)
     cfg = lcfg if lora else ncfg
+    if rowmax:
+        cfg = dataclasses.replace(cfg, sq_rowmax=True)
+        assert cfg in k2_gemm.rowmax_configs()
     sk = split or k2_gemm.split_for(cfg, K, K)
     if lora:
         dp = DecodePath((K,), K, 64, 2, M, seed=1, self_quant=True)

@@ -265,6 +265,7 @@ def test_stages_decode_pairs_keep_the_counter_protocol():
     assert {"decode_s2", "decode_s4", "decode_s16", "decode_st4", "shrink_s16", "decode_e1"} <= set(st.pairs)
     assert st.pairs["decode_e1"][2].early == 1
     assert st.pairs["decode_sq"][2].self_quant and not st.pairs["decode_sq"][0].quant
+    assert st.pairs["decode_sqr"][2].sq_rowmax and st.fixed["k2_sqr"][0].sq_rowmax
     syncs = set()
     for name, (s_cfg, s_spec, k_cfg, k_spec) in st.pairs.items():
         if k_cfg is None:
