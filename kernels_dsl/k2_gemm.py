@@ -661,9 +661,8 @@ if cute is not None:
 
             Work units are (token, 16-element chunk) pairs of the batch's M tokens over the CTA's K
             range (8 chunks per 128-element k-block), unit ctid + 128 u for u < IT: every load is
-            issued before any is used (one memory round trip; past the last unit the index is
-            clamped, a repeated element leaves a maximum unchanged) and the values stay in
-            registers for the codes. Rows past the batch are neither loaded nor written: their
+            issued before any is used (one memory round trip; units past the last are not loaded)
+            and the values stay in registers for the codes. Rows past the batch are neither loaded nor written: their
             WGMMA columns are never stored. Token maxima: per unit, into smem (red.max on the bit
             patterns, NaN never wins), then over the cluster's CTAs, which cover K between them
             (DSMEM behind a cluster barrier); one thread per token turns it into the scale and its
@@ -1058,7 +1057,7 @@ def launch(config: Config, *, w_q, w_scale, y, split: int, x_q=None, x_scale=Non
     if config.self_quant:
         if K % 128 or x.stride(0) % 8:
             raise ValueError(f"K = {K} must be a multiple of 128 (and x's row stride of 8)")
-        if split > K // 128:
+        if split > K // config.bk:
             raise ValueError(f"split {split} leaves a CTA without k-blocks (K = {K})")
         if split < min_split(config, K):
             raise ValueError(f"split {split} leaves a CTA more than {config.sq_kblocks} k-blocks of K = {K}")
@@ -1124,7 +1123,8 @@ def min_split(cfg: "Config", k: int) -> int:
     no CTA more than sq_kblocks k-blocks (> 16 means the build cannot take this K)."""
     if not cfg.self_quant:
         return 1
-    return -(-(-(-k // cfg.bk)) // cfg.sq_kblocks)
+    nk = -(-k // cfg.bk)  # k-blocks
+    return -(-nk // cfg.sq_kblocks)
 
 
 def token_tile(m: int) -> int:

@@ -51,21 +51,28 @@ def _pack_non_tma(params, args):
     return out
 
 
-@pytest.mark.parametrize("M,widths,K,rank", [(1, (4096, 1024, 1024), 4096, 64), (17, (14784, 14784), 8192, 16),
-                                             (32, (8192,), 29568, 256)])
-def test_launch_builds_packable_arguments(M, widths, K, rank):
-    L = 4
-    N = sum(widths)
+def _batch(M, widths, K, rank, L=4):
+    """CPU stand-ins of one projection's decode-path inputs: metadata (tokens dealt over L slots
+    and "no adapter"), A/B buffers, h, x and full slot ranks."""
     tok = torch.tensor([(i % (L + 1)) - 1 for i in range(M)], dtype=torch.int32)
     meta = build_meta(tok, L)
     lora_a = [torch.zeros(L, 1, rank, K, dtype=torch.bfloat16) for _ in widths]
     lora_b = [torch.zeros(L, 1, wd, rank, dtype=torch.bfloat16) for wd in widths]
     h = torch.zeros(len(widths), M, rank)
     x = torch.zeros(M, K, dtype=torch.bfloat16)
+    sr = torch.full((L,), rank, dtype=torch.int32)
+    return meta, lora_a, lora_b, h, x, sr
+
+
+@pytest.mark.parametrize("M,widths,K,rank", [(1, (4096, 1024, 1024), 4096, 64), (17, (14784, 14784), 8192, 16),
+                                             (32, (8192,), 29568, 256)])
+def test_launch_builds_packable_arguments(M, widths, K, rank):
+    L = 4
+    N = sum(widths)
+    meta, lora_a, lora_b, h, x, sr = _batch(M, widths, K, rank, L)
     x_q = torch.zeros(M, K, dtype=torch.float8_e4m3fn)
     sx = torch.zeros(M)
     sync = torch.zeros(2, dtype=torch.int32)
-    sr = torch.full((L,), rank, dtype=torch.int32)
     s_cfg = lora_shrink.select(len(widths), M, rank)
     sspec = lora_shrink.launch(s_cfg, x=x, lora_a=lora_a, h=h, x_q=x_q, x_scale=sx, sync=sync,
                                token_lora=meta.token_lora_mapping[:M], active_lora_ids=meta.active_lora_ids,
@@ -118,13 +125,7 @@ def test_self_quant_pairing_arguments(M, widths, K, rank):
     self-quantizing K2 (bf16 x, no counter), every CTA with at most sq_kblocks k-blocks."""
     assert k2_gemm.self_quant_applies(M, K)
     L, N = 4, sum(widths)
-    tok = torch.tensor([(i % (L + 1)) - 1 for i in range(M)], dtype=torch.int32)
-    meta = build_meta(tok, L)
-    lora_a = [torch.zeros(L, 1, rank, K, dtype=torch.bfloat16) for _ in widths]
-    lora_b = [torch.zeros(L, 1, wd, rank, dtype=torch.bfloat16) for wd in widths]
-    h = torch.zeros(len(widths), M, rank)
-    x = torch.zeros(M, K, dtype=torch.bfloat16)
-    sr = torch.full((L,), rank, dtype=torch.int32)
+    meta, lora_a, lora_b, h, x, sr = _batch(M, widths, K, rank, L)
     common = dict(token_lora=meta.token_lora_mapping[:M], active_lora_ids=meta.active_lora_ids,
                   num_active=meta.num_active, slot_ranks=sr)
     s_cfg = lora_shrink.select(len(widths), M, rank, quant=False)

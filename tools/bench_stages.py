@@ -27,8 +27,9 @@ CUDA-graph replays with the L2 flushed (median), all in one run:
                     ready (1..8 tokens, rank 64 builds)
   k2_sq_us, k2_epilogue_sq_us, decode_sq_us   1..8 tokens: the self-quantizing K2 (bf16 x in;
                     the shrink without quantization planes beside it), alone, with the epilogue (h
-                    given) and as the decode pair (docs/perf.md v0.29): the decode path's default
-                    there, while the rows above keep the quantization in the shrink kernel
+                    given) and as the decode pair (docs/perf.md v0.29): the path "decode_sq", which
+                    the timed dispatch weighs against "decode" (the rows above: the quantization in
+                    the shrink kernel)
   k2_sqr_us, decode_sqr_us   the same with the sq_rowmax builds (each CTA takes the token maxima
                     over the whole rows where M * K <= k2_gemm.ROWMAX_ELEMS: no cluster exchange)
   k2_fixed_us, k2_epilogue_fixed_us   the k2 / k2_epilogue rows' build, grid and cluster on one
@@ -146,13 +147,13 @@ class DecodeStages:
             nq_common = dict(sq_common, split=k2_gemm.split_for(nq, n, k))
             self.fixed["k2_sq"] = (nq, k2_gemm.launch(nq, **nq_common))
             self.fixed["k2_epilogue_sq"] = (lq, k2_gemm.launch(lq, **sq_common, **lora_args))
+            # (one shrink spec for both pairs: without quantization planes it has no counter)
             sspec = lora_shrink.launch(self.s_cfg_nq, **shrink_args)
             self.pairs["decode_sq"] = (self.s_cfg_nq, sspec, lq, k2_gemm.launch(lq, **sq_common, **lora_args))
             lr, nr = (dataclasses.replace(cf, sq_rowmax=True) for cf in (lq, nq))
             if lr in k2_gemm.rowmax_configs() and nr in k2_gemm.rowmax_configs():
                 self.fixed["k2_sqr"] = (nr, k2_gemm.launch(nr, **nq_common))
-                self.pairs["decode_sqr"] = (self.s_cfg_nq, lora_shrink.launch(self.s_cfg_nq, **shrink_args), lr,
-                                            k2_gemm.launch(lr, **sq_common, **lora_args))
+                self.pairs["decode_sqr"] = (self.s_cfg_nq, sspec, lr, k2_gemm.launch(lr, **sq_common, **lora_args))
         # The same two K2 runs with the experimental builds (k2_gemm.select: ctas / stages).
         self.variants = {}
         for tag, kw in (("c1", dict(ctas=1, stages=4)), ("c1st8", dict(ctas=1, stages=8))):

@@ -11,7 +11,7 @@ x_q and h given. Each step is reported as first / median / last CTA in µs after
 shrink CTA started (K2 alone: after its own first CTA), medians over the replays. The
 stamps show what `stages` can only infer: how late K2's CTAs start, how long they wait for x_q,
 and whether the epilogue waits for h. `pair_sq` / `k2_sq_alone`: the same for the self-quantizing
-K2 beside the shrink without quantization planes (the decode path's default at 1..8 tokens), with
+K2 beside the shrink without quantization planes (the path "decode_sq" at 1..8 tokens), with
 K2's own quantization steps (its CTA's token maxima, the scales after the cluster's exchange, the
 codes stored = x_q ready).
 """
