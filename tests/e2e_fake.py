@@ -28,6 +28,10 @@ from types import SimpleNamespace
 
 OURS_LP_SHIFT = 1e-3
 FLIP_ADAPTER_ID = 8
+# Wall time of one decode step (every request of a generate call advances together): a real engine's
+# n-token run outlasts its 1-token run, so the profile / TPOT phases' per-token differences are
+# positive by construction, not by the luck of a loaded CI machine's scheduler (seen negative).
+STEP_S = 5e-4
 FLIP_AT = 20
 PROJS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
@@ -105,6 +109,7 @@ class FakeLLM:
             print("(EngineCore pid=1) ERROR 00:00:00 vllm.v1.engine.core: EngineCore encountered a fatal error.\n"
                   "(EngineCore pid=1) RuntimeError: CUDA error: an illegal memory access was encountered", flush=True)
             self._hang()
+        time.sleep(STEP_S * sp.max_tokens)
         outs = []
         for k, p in enumerate(prompts):
             ids = list(p["prompt_token_ids"])
