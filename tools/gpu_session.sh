@@ -17,7 +17,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf or out-variant}
+mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant or profile}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -125,6 +125,29 @@ case $mode in
       --file-timeout 180 --time-limit 285 2>&1 | tail -40
     # The device returns at most 8 files: the logs travel as one archive.
     (cd "$OUT" && tar czf record_logs.tgz diag.log bench.log gpu_tests.log 2> /dev/null && rm -f diag.log bench.log gpu_tests.log)
+    ;;
+  profile)
+    # Nsight Compute on the large-batch kernels (K1, expand-add; tools/profile_kernels.py launches
+    # them once per case): the details page of every launch (stall reasons, memory throughput,
+    # occupancy) and each launch's SASS with its sampled stalls, as text. Carry the cache only.
+    # Cases and stages: PROFILE_CASES (default below), PROFILE_PATHS (default k1,expand_add).
+    cases=${PROFILE_CASES:-"qkv:2048:1 down:2048:1 qkv:256:32 down:256:32 gate_up:64:8"}
+    paths=${PROFILE_PATHS:-k1,expand_add}
+    mkdir -p "$OUT/prof"
+    timeout -s KILL 420 ncu --clock-control none --set full --import-source no \
+      --kernel-name regex:'K1Kernel|ExpandAdd|gemm_lora|quant_shrink' -f -o "$OUT/prof/prof" \
+      python3 tools/profile_kernels.py --launches 1 --paths "$paths" $cases 2>&1 | tail -25
+    if [[ -f $OUT/prof/prof.ncu-rep ]]; then
+      ncu -i "$OUT/prof/prof.ncu-rep" --page details > "$OUT/prof/details.txt" 2>&1
+      n=$(grep -c '^  [A-Za-z_].*(.*)x(.*)' "$OUT/prof/details.txt" || true)
+      for ((i = 0; i < ${n:-0}; i++)); do
+        ncu -i "$OUT/prof/prof.ncu-rep" --page source --csv --print-source sass --launch-skip $i \
+          --launch-count 1 > "$OUT/prof/sass_$i.csv" 2>&1
+      done
+      ncu -i "$OUT/prof/prof.ncu-rep" --page source --csv --print-source sass > "$OUT/prof/sass_all.csv" 2>&1
+      ls -la "$OUT/prof" | head -20
+    fi
+    (cd "$OUT" && tar czf prof.tgz prof && rm -rf prof)
     ;;
   *) echo "unknown mode $mode"; exit 2 ;;
 esac

@@ -1,0 +1,101 @@
+"""Launch the large-batch kernels of given cases a few times each, for a profiler (Nsight Compute).
+
+    python tools/profile_kernels.py [--launches N] [--paths k1,gemm,expand_add,triton] CASE [CASE ...]
+
+CASE is ``proj:M:adapters`` with proj one of Qwen3-8B's qkv / o / gate_up / down (rank 64, tokens
+assigned round-robin, max_loras = max(8, adapters) as in the `hybrid_stages` bench section), e.g.
+``qkv:2048:1 down:256:32``. Each selected stage runs ``--launches`` times (default 2: the first
+pays the module load) on the same preallocated buffers, eagerly, with a device synchronize after
+each case. Timing is not this tool's job (tools/bench.py is); it gives a profiler the launches:
+
+    ncu --clock-control none --set full --kernel-name regex:'K1Kernel|ExpandAdd' --launch-skip 1 \
+        -o prof python3 tools/profile_kernels.py qkv:2048:1
+
+Stages: k1 (kernels_dsl/k1_shrink), gemm (the vendor FP8 GEMM on K1's codes), expand_add
+(kernels_dsl/expand_add on K1's h), triton (the whole Triton path: its quant+shrink and gemm_lora
+kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tools.bench_decode import QWEN3_8B, LayerCase  # noqa: E402
+from tools.bench_prefill import max_loras_for  # noqa: E402
+
+RANK = 64
+STAGES = ("k1", "gemm", "expand_add", "triton")
+
+
+def parse_case(text: str) -> tuple[str, int, int]:
+    """'qkv:2048:1' -> ('qkv', 2048, 1), with the projection name checked."""
+    parts = text.split(":")
+    if len(parts) != 3:
+        raise ValueError(f"case {text!r}: expected proj:M:adapters")
+    proj, m, a = parts[0], int(parts[1]), int(parts[2])
+    names = [p.name for p in QWEN3_8B]
+    if proj not in names:
+        raise ValueError(f"case {text!r}: projection must be one of {names}")
+    if m < 1 or a < 1:
+        raise ValueError(f"case {text!r}: M and adapters must be >= 1")
+    return proj, m, a
+
+
+def launchers(case: LayerCase, stages) -> dict:
+    """stage -> zero-argument launch on buffers allocated once here."""
+    from epilora_cute import ops
+    from kernels_dsl.expand_add import expand_add
+    from kernels_dsl.k1_shrink import k1_quant_shrink
+
+    c, dev = case, case.x.device
+    m, s = c.m, len(c.proj.slices)
+    codes = torch.empty(m, c.proj.k, dtype=torch.float8_e4m3fn, device=dev)
+    scales = torch.empty(m, 1, dtype=torch.float32, device=dev)
+    h = torch.empty(s, m, c.rank, dtype=torch.float32, device=dev)
+    y = torch.empty(m, c.proj.n, dtype=torch.bfloat16, device=dev)
+    k1_quant_shrink(c.x, c.lora_a, c.meta, codes, scales, h)  # codes/h for the later stages
+    fns = {"k1": lambda: k1_quant_shrink(c.x, c.lora_a, c.meta, codes, scales, h),
+           "gemm": lambda: ops.vendor_fp8_gemm(codes, scales, c.w_q, c.w_s, out=y),
+           "expand_add": lambda: expand_add(y, h, c.lora_b, c.meta),
+           "triton": lambda: ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=y,
+                                                 path="triton")}
+    return {k: fns[k] for k in stages}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("cases", nargs="+")
+    ap.add_argument("--launches", type=int, default=2)
+    ap.add_argument("--paths", default="k1,expand_add")
+    args = ap.parse_args(argv)
+    stages = [s for s in args.paths.split(",") if s]
+    bad = [s for s in stages if s not in STAGES]
+    if bad:
+        ap.error(f"unknown stages {bad}; choose from {STAGES}")
+    cases = [parse_case(t) for t in args.cases]
+    if not torch.cuda.is_available():
+        print("profile_kernels: needs a CUDA GPU")
+        return 1
+    byname = {p.name: p for p in QWEN3_8B}
+    for proj, m, a in cases:
+        case = LayerCase(byname[proj], m, RANK, num_adapters=a, max_loras=max_loras_for(a))
+        fns = launchers(case, stages)
+        torch.cuda.synchronize()
+        for name, fn in fns.items():
+            for _ in range(args.launches):
+                fn()
+            torch.cuda.synchronize()
+            print(f"{proj}:{m}:{a} {name} x{args.launches}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
