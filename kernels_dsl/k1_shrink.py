@@ -64,6 +64,7 @@ RUNTIME_CONTRACT = True
 
 FP8_MAX = 448.0
 MIN_SCALE = float(np.float32(1.0) / np.float32(448.0 * 512.0))
+FLT_MAX = float(np.finfo(np.float32).max)
 BK = 64  # K elements per k-block (one 128-byte swizzle row of bf16)
 P_PAD = 4  # fp32 words of padding per row of the partial tile
 MAX_SPLITS = 8  # portable cluster size
@@ -306,9 +307,18 @@ if cute is not None:
             wm = warp_i % self.WM
             w_lo = wm * 16
 
+            # ---- what every issue needs, loaded once (profile, run13: the prologue's issues each
+            # re-loaded the rows' token indices and the group's slot and rank, a chain of dependent
+            # global loads per issue that took ~40 % of a CTA's time at 2048 tokens) ------------------
+            toks = self._row_tokens(mTok, r0, rows, tXcX, tXsX)
+            lid0 = cutlass.Int32(-1)
+            if n_groups > 0:
+                lid0 = mActive[g_first]
+            keff0 = cutlass.min(self._k_eff(lid0, mRanks, has_ranks), self.R)
+
             # ---- prologue: items 0 .. ST-2 ---------------------------------------------------------
             for p in cutlass.range_constexpr(ST - 1):
-                self._issue(p, n_items, sl, nkb, g_first, k0, K, r0, rows, mX, mTok, mActive, mRanks,
+                self._issue(p, n_items, sl, nkb, g_first, k0, K, mX, toks, lid0, keff0, mActive, mRanks,
                             has_ranks, mAs, tiled_copy, tXsX, tXcX, tWsW, tWcW)
                 cute.arch.cp_async_commit_group()
 
@@ -324,7 +334,7 @@ if cute is not None:
                     cute.arch.cp_async_wait_group(ST - 2)
                     cute.arch.barrier()
                     # The stage consumed in the previous iteration is free for everyone now.
-                    self._issue(i + ST - 1, n_items, sl, nkb, g_first, k0, K, r0, rows, mX, mTok,
+                    self._issue(i + ST - 1, n_items, sl, nkb, g_first, k0, K, mX, toks, lid0, keff0,
                                 mActive, mRanks, has_ranks, mAs, tiled_copy, tXsX, tXcX, tWsW, tWcW)
                     cute.arch.cp_async_commit_group()
                     st = i % ST
@@ -371,41 +381,47 @@ if cute is not None:
             return k
 
         @cute.jit
-        def _issue(self, i, total, s, nkb, g_first, k0, K, r0, rows, mX, mTok, mActive, mRanks,
+        def _row_tokens(self, mTok, r0, rows, tXcX, tXsX):
+            """The token index of every x row this thread copies (the same rows for each k-block),
+            loaded together; -1 for rows past the tile's end (never copied)."""
+            toks = []
+            for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+                for c in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
+                    r = tXcX[0, m, c][0]
+                    t = cutlass.Int32(-1)
+                    if r < rows:
+                        t = mTok[r0 + r]
+                    toks.append(t)
+            return toks
+
+        @cute.jit
+        def _issue(self, i, total, s, nkb, g_first, k0, K, mX, toks, lid0, keff0, mActive, mRanks,
                    has_ranks, mAs: tuple, tiled_copy, tXsX, tXcX, tWsW, tWcW):
             """cp.async of item i (group, k-block) of this CTA's slice s: the A k-block of that
             slot into ring stage i % ST and, during the first group, x's k-block j into its resident
-            place. K-tail chunks are zero-filled (0 * stale smem could be NaN)."""
+            place. K-tail chunks are zero-filled (0 * stale smem could be NaN). toks: _row_tokens;
+            lid0 / keff0: the first group's slot and rank (later groups load theirs)."""
             if i < total:
                 gi = i // nkb
                 j = i - gi * nkb
                 kb = k0 + j * BK  # first global column of the k-block
                 if i < nkb:  # first pass: bring x's k-block j
-                    # The rows' token indices are loaded first, all together (one round trip, not
-                    # one per row before each copy).
-                    toks = []
                     for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
                         for c in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
-                            r = tXcX[0, m, c][0]
-                            t = cutlass.Int32(0)
-                            if r < rows:
-                                t = mTok[r0 + r]
-                            toks.append(t)
-                    for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
-                        for c in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
-                            crd = tXcX[0, m, c]
-                            r, col = crd[0], crd[1]
-                            if r < rows:
+                            col = tXcX[0, m, c][1]
+                            t = toks[m * cute.size(tXsX, mode=[2]) + c]
+                            if t >= 0:
                                 dst = tXsX[None, m, c, j]
                                 if kb + col < K:
-                                    t = toks[m * cute.size(tXsX, mode=[2]) + c]
                                     src = cute.zipped_divide(mX[t, None], (8,))[None, (kb + col) // 8]
                                     cute.copy(tiled_copy, src, dst)
                                 else:
                                     dst.fill(0)
-                g = g_first + gi
-                lid = mActive[g]
-                keff = cutlass.min(self._k_eff(lid, mRanks, has_ranks), self.R)
+                lid = lid0
+                keff = keff0
+                if gi > 0:
+                    lid = mActive[g_first + gi]
+                    keff = cutlass.min(self._k_eff(lid, mRanks, has_ranks), self.R)
                 st = i % self.ST
                 for m in cutlass.range_constexpr(cute.size(tWsW, mode=[1])):
                     for c in cutlass.range_constexpr(cute.size(tWsW, mode=[2])):
@@ -468,6 +484,16 @@ if cute is not None:
                 t = mTok[r0 + r]
                 if split == 0 and sub == 0:
                     mScale[t] = scale
+                # x / scale as (x, div, rcp) quotients, bit-identical to div.rn (D.quot_rn_f32; the
+                # profile put div.rn's call sequence at ~12 % of a CTA): the row's reciprocal once,
+                # and for an infinite scale (an infinite element) the operands (FLT_MAX, 0), with
+                # which the quotient is vLLM's x / inf (+-0 for finite x, NaN otherwise).
+                div = scale
+                rcp = cutlass.Float32(0.0)
+                if scale < cutlass.Float32(float("inf")):
+                    rcp = D.rcp_rn_f32(scale)
+                else:
+                    div = cutlass.Float32(FLT_MAX)
                 units = nkb * (BK // 8)
                 g_q = cute.zipped_divide(mQ16[t, None], (4,))  # 8 codes = 4 x int16
                 for u in cutlass.range(sub, units, TPR, unroll=1):
@@ -477,8 +503,8 @@ if cute is not None:
                         v = cute.zipped_divide(sX[r, None, jb], (8,))[None, cu].load()
                         r_q = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Int16)
                         for e in cutlass.range_constexpr(4):
-                            q0 = D.div_rn_f32(v[2 * e].to(cutlass.Float32), scale)
-                            q1 = D.div_rn_f32(v[2 * e + 1].to(cutlass.Float32), scale)
+                            q0 = D.quot_rn_f32(v[2 * e].to(cutlass.Float32), div, rcp)
+                            q1 = D.quot_rn_f32(v[2 * e + 1].to(cutlass.Float32), div, rcp)
                             q0 = D.fmax_f32(cutlass.Float32(-FP8_MAX), D.fmin_f32(q0, cutlass.Float32(FP8_MAX)))
                             q1 = D.fmax_f32(cutlass.Float32(-FP8_MAX), D.fmin_f32(q1, cutlass.Float32(FP8_MAX)))
                             r_q[e] = D.cvt_e4m3x2_f32(q0, q1)
@@ -605,7 +631,29 @@ def prebuild_configs() -> list[Config]:
     # down's configuration before v0.13 (K 12288 / 14336, rank 64), which tests/test_k1_shrink.py's
     # GPU check compares against (still selected for K 14784 as well; the GPU machine has no DSL).
     cfgs.add(Config(rank=64, num_slices=1, bm=32, kc=2048, stages=8))
-    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.kc, c.bm))
+    for s, k in SWEEP_SHAPES:
+        cfgs.update(sweep_configs(s, k, 64).values())
+    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.kc, c.bm, c.stages))
+
+
+# The bench's K1 sweep (`hybrid_stages` with EPILORA_BENCH_K1SWEEP=1): Qwen3-8B's (slices, K) at
+# rank 64. run13's profile: at the selected depth (106-110 KiB) two CTAs of 4 warps share an SM,
+# and the CTA's chain of round trips is what the time is; shallower rings / fewer rows fit 3-4.
+SWEEP_SHAPES = ((3, 4096), (1, 4096), (2, 4096), (1, 12288))
+
+
+def sweep_configs(num_slices: int, k: int, rank: int) -> dict[str, Config]:
+    """name -> an alternative to select()'s configuration for the bench's sweep (same capacity)."""
+    base = select(num_slices, k, rank)
+    out = {}
+    for bm, stages in ((base.bm, 4), (16, 4), (16, 8), (base.bm, 3)):
+        try:
+            cfg = Config(rank=rank, num_slices=num_slices, bm=bm, kc=base.kc, stages=stages)
+        except ValueError:
+            continue
+        if cfg != base and cfg.smem_bytes <= SMEM_LIMIT:
+            out[f"bm{bm}_st{stages}"] = cfg
+    return out
 
 
 def choose_splits(k: int, m: int, cfg: Config, target_ctas: int = TARGET_CTAS) -> int:

@@ -17,7 +17,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant or profile}
+mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile or k1}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -125,6 +125,17 @@ case $mode in
       --file-timeout 180 --time-limit 285 2>&1 | tail -40
     # The device returns at most 8 files: the logs travel as one archive.
     (cd "$OUT" && tar czf record_logs.tgz diag.log bench.log gpu_tests.log 2> /dev/null && rm -f diag.log bench.log gpu_tests.log)
+    ;;
+  k1)
+    # After K1 changes (carry the cache only; ~5 min): K1's GPU test file and the hybrid op tests,
+    # hybrid_stages at 64 / 256 / 2048 tokens x 1 / 8 / 32 adapters with the K1 configuration sweep
+    # (no vLLM here: the vendor GEMM is cuBLAS's), then the profile of two cases.
+    timeout -s KILL 240 python3 -m pytest -q -m gpu tests/test_k1_shrink.py 2>&1 | tail -4 | tee "$OUT/k1_tests.log"
+    timeout -s KILL 90 python3 -m pytest -q -m gpu tests/test_lora_linear_gpu.py -k hybrid 2>&1 | tail -3 | tee -a "$OUT/k1_tests.log"
+    EPILORA_BENCH_K1SWEEP=1 EPILORA_BENCH_TOKENS=${K1_TOKENS:-64,256,2048} EPILORA_BENCH_ADAPTERS=${K1_ADAPTERS:-1,8,32} \
+      timeout -s KILL 200 python3 tools/bench.py --quick --sections hybrid_stages --out "$OUT/hs" 2>&1 | tail -45
+    (cd "$OUT" && [[ -d hs ]] && tar czf hs.tgz hs && rm -rf hs)
+    PROFILE_CASES=${PROFILE_CASES:-"qkv:2048:1 qkv:256:32"} bash "$0" profile "$EPILORA_GIT_COMMIT"
     ;;
   profile)
     # Nsight Compute on the large-batch kernels (K1, expand-add; tools/profile_kernels.py launches
