@@ -581,13 +581,35 @@ SLICE_COUNTS = (1, 2, 3, 4)
 KC_OPTIONS = (512, 1024, 1536, 1792, 2048, 4096)
 SMEM_LIMIT = 227 * 1024
 SMEM_TWO_PER_SM = 113 * 1024  # two CTAs per SM (228 KiB per SM, 1 KiB reserved per CTA)
+SMEM_THREE_PER_SM = 75 * 1024  # three CTAs per SM
+SHALLOW_SMALL_M = 1024  # select(): 16 rows per CTA up to here (more CTAs), the resident rule's rows above
 TARGET_CTAS = 2 * 132  # about two CTAs per H100/H200 SM
 # The group split's budget (v0.20, run10's sweep at 32 tokens x 32 adapters): ~3 CTAs per SM, and
 # z rounded up to a power of two, which splits a tile's groups evenly (qkv: z 11 -> 16, 54 -> 45 us).
 Z_TARGET_CTAS = 3 * 132
 
 
-def select(num_slices: int, k: int, rank: int) -> Config:
+def select(num_slices: int, k: int, rank: int, m: int | None = None) -> Config:
+    """The configuration for K1 at m tokens (None: the resident rule alone, _select_resident).
+
+    v0.30 (run13's sweep, rank 64, K 4096): once the issue chain was short, a 4-stage ring that
+    lets three or four CTAs share an SM beat the deep ring of two CTAs per SM at every size —
+    16 rows per CTA up to SHALLOW_SMALL_M tokens (twice the CTAs: qkv 21.4 -> 18.8 us at 256
+    tokens, 43.6 -> 28.0 with 32 adapters), the resident rule's rows above (qkv 101 -> 78 us at
+    2048). Taken where it fits three CTAs per SM; K = 12288 (down) gained nothing and keeps the
+    resident rule."""
+    base = _select_resident(num_slices, k, rank)
+    if m is None:
+        return base
+    try:
+        cfg = Config(rank=rank, num_slices=num_slices, bm=16 if m <= SHALLOW_SMALL_M else base.bm,
+                     kc=base.kc, stages=4)
+    except ValueError:
+        return base
+    return cfg if cfg.smem_bytes <= SMEM_THREE_PER_SM else base
+
+
+def _select_resident(num_slices: int, k: int, rank: int) -> Config:
     """The smallest resident chunk that covers K with <= 8 splits; then a deep A ring (v0.10: the
     shallow 3-stage ring kept two blocks in flight and made K1 a chain of DRAM round trips): the
     most rows per CTA with >= 6 stages that keeps two CTAs per SM, else the most rows per CTA with
@@ -627,7 +649,8 @@ def projection_ks() -> dict[int, set[int]]:
 
 
 def prebuild_configs() -> list[Config]:
-    cfgs = {select(s, k, r) for s, ks in projection_ks().items() for k in ks for r in RANKS}
+    cfgs = {select(s, k, r, m) for s, ks in projection_ks().items() for k in ks for r in RANKS
+            for m in (None, SHALLOW_SMALL_M, SHALLOW_SMALL_M + 1)}
     # down's configuration before v0.13 (K 12288 / 14336, rank 64), which tests/test_k1_shrink.py's
     # GPU check compares against (still selected for K 14784 as well; the GPU machine has no DSL).
     cfgs.add(Config(rank=64, num_slices=1, bm=32, kc=2048, stages=8))
@@ -777,7 +800,7 @@ def k1_quant_shrink(x: torch.Tensor, lora_a_slices, meta, codes: torch.Tensor | 
         return codes, scales, h
     if not x.is_cuda:
         raise ValueError("k1_quant_shrink runs on CUDA tensors only (the reference / emulate() on the CPU)")
-    cfg = config or select(S, K, R)
+    cfg = config or select(S, K, R, M)
     if cfg.rank != R or cfg.num_slices != S:
         raise ValueError(f"config {cfg.name()} does not match rank {R} / {S} slices")
     if zsplit is not None and not 1 <= zsplit <= 65535:
@@ -812,7 +835,7 @@ def emulate(x: torch.Tensor, lora_a_slices, meta, slot_ranks=None, config: Confi
     M, K = x.shape
     L, R, _ = as_[0].shape
     S = len(as_)
-    cfg = config or select(S, K, R)
+    cfg = config or select(S, K, R, M)
     nsplit = splits or choose_splits(K, M, cfg)
     nz = zsplit or choose_zsplit(M, cfg, nsplit, L)
     nkb_total = -(-K // BK)

@@ -81,7 +81,7 @@ def geometry(p: Projection, m: int, rank: int, max_loras: int) -> dict:
     from kernels_dsl import expand_add as ea
     from kernels_dsl import k1_shrink as k1
 
-    kc = k1.select(len(p.slices), p.k, rank)
+    kc = k1.select(len(p.slices), p.k, rank, m)
     ec = ea.select(len(p.slices), m, rank)
     (g1, _) = k1.grid(p.k, m, kc, max_loras=max_loras)
     g2 = ea.grid(p.slices, m, ec, max_loras=max_loras)

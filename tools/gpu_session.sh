@@ -129,13 +129,16 @@ case $mode in
   k1)
     # After K1 changes (carry the cache only; ~5 min): K1's GPU test file and the hybrid op tests,
     # hybrid_stages at 64 / 256 / 2048 tokens x 1 / 8 / 32 adapters with the K1 configuration sweep
-    # (no vLLM here: the vendor GEMM is cuBLAS's), then the profile of two cases.
+    # (K1_TOKENS / K1_ADAPTERS override), then the profile of two cases (PROFILE_CASES; "" skips).
+    unpack_vllm  # when .devvllm/2 was carried: vLLM's columns (vendor GEMM = vLLM's CUTLASS)
     timeout -s KILL 240 python3 -m pytest -q -m gpu tests/test_k1_shrink.py 2>&1 | tail -4 | tee "$OUT/k1_tests.log"
     timeout -s KILL 90 python3 -m pytest -q -m gpu tests/test_lora_linear_gpu.py -k hybrid 2>&1 | tail -3 | tee -a "$OUT/k1_tests.log"
     EPILORA_BENCH_K1SWEEP=1 EPILORA_BENCH_TOKENS=${K1_TOKENS:-64,256,2048} EPILORA_BENCH_ADAPTERS=${K1_ADAPTERS:-1,8,32} \
       timeout -s KILL 200 python3 tools/bench.py --quick --sections hybrid_stages --out "$OUT/hs" 2>&1 | tail -45
     (cd "$OUT" && [[ -d hs ]] && tar czf hs.tgz hs && rm -rf hs)
-    PROFILE_CASES=${PROFILE_CASES:-"qkv:2048:1 qkv:256:32"} bash "$0" profile "$EPILORA_GIT_COMMIT"
+    if [[ ${PROFILE_CASES-x} != "" ]]; then
+      PROFILE_CASES=${PROFILE_CASES:-"qkv:2048:1 qkv:256:32"} bash "$0" profile "$EPILORA_GIT_COMMIT"
+    fi
     ;;
   profile)
     # Nsight Compute on the large-batch kernels (K1, expand-add; tools/profile_kernels.py launches
