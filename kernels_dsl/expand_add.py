@@ -481,7 +481,30 @@ def prebuild_configs() -> list[Config]:
     # since v0.13: tests/test_expand_add.py's GPU check compares against it, and the GPU machine
     # (no DSL) runs only prebuilt configurations.
     cfgs |= {Config(rank=64, num_slices=s, bm=128, bn=128) for s in SLICE_COUNTS}
+    for s in SWEEP_SLICES:
+        cfgs.update(sweep_configs(s, 64).values())
     return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.bn))
+
+
+# The bench's expand-add sweep (`hybrid_stages` with EPILORA_BENCH_K1SWEEP=1), rank 64, Qwen3-8B's
+# slice counts. run13's profile: bm 64 x bn 128 compiles to ~154 registers (64 fp32 accumulators a
+# thread), three CTAs of 4 warps per SM, and the y loads wait (long scoreboard) with little else to
+# issue; narrower tiles hold fewer accumulators.
+SWEEP_SLICES = (1, 2, 3)
+
+
+def sweep_configs(num_slices: int, rank: int) -> dict[str, Config]:
+    """name -> an alternative tile to select()'s for the bench's sweep."""
+    base = select(num_slices, 4096, rank)
+    out = {}
+    for bm, bn in ((64, 64), (32, 128), (32, 64), (128, 64)):
+        try:
+            cfg = Config(rank=rank, num_slices=num_slices, bm=bm, bn=bn)
+        except ValueError:
+            continue
+        if cfg != base:
+            out[f"bm{bm}_bn{bn}"] = cfg
+    return out
 
 
 def column_tiles(widths, bn: int) -> list[tuple[int, int, int]]:

@@ -423,20 +423,22 @@ if cute is not None:
                     lid = mActive[g_first + gi]
                     keff = cutlass.min(self._k_eff(lid, mRanks, has_ranks), self.R)
                 st = i % self.ST
-                for m in cutlass.range_constexpr(cute.size(tWsW, mode=[1])):
-                    for c in cutlass.range_constexpr(cute.size(tWsW, mode=[2])):
-                        crd = tWcW[0, m, c]
-                        n, col = crd[0], crd[1]
-                        if n < keff:
-                            dst = tWsW[None, m, c, st]
-                            if kb + col < K:
-                                for q in cutlass.range_constexpr(self.cfg.num_slices):
-                                    if s == q:
+                # One branch on the slice around all of the thread's copies (run13's profile: the
+                # slice test inside the copy loop compiled to a jump table per 16-byte copy).
+                for q in cutlass.range_constexpr(self.cfg.num_slices):
+                    if s == q:
+                        for m in cutlass.range_constexpr(cute.size(tWsW, mode=[1])):
+                            for c in cutlass.range_constexpr(cute.size(tWsW, mode=[2])):
+                                crd = tWcW[0, m, c]
+                                n, col = crd[0], crd[1]
+                                if n < keff:
+                                    dst = tWsW[None, m, c, st]
+                                    if kb + col < K:
                                         src = cute.zipped_divide(mAs[q][lid * self.R + n, None], (8,))[
                                             None, (kb + col) // 8]
                                         cute.copy(tiled_copy, src, dst)
-                            else:
-                                dst.fill(0)
+                                    else:
+                                        dst.fill(0)
 
         @cute.jit
         def _row_amax(self, sX, sAmax, rows, nkb, k0, K, tidx):
@@ -669,7 +671,7 @@ def sweep_configs(num_slices: int, k: int, rank: int) -> dict[str, Config]:
     """name -> an alternative to select()'s configuration for the bench's sweep (same capacity)."""
     base = select(num_slices, k, rank)
     out = {}
-    for bm, stages in ((base.bm, 4), (16, 4), (16, 8), (base.bm, 3)):
+    for bm, stages in ((base.bm, 4), (16, 4), (16, 8), (base.bm, 3), (16, 2)):
         try:
             cfg = Config(rank=rank, num_slices=num_slices, bm=bm, kc=base.kc, stages=stages)
         except ValueError:

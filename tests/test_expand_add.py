@@ -169,6 +169,10 @@ def test_select_and_prebuild_set():
     assert all(E.select(s, m, 64).bm == 64 for s in E.SLICE_COUNTS for m in (33, 2048, 8192))
     # the former choice stays prebuilt: the GPU tests compare against it (no DSL on the GPU machine)
     assert E.Config(rank=64, num_slices=2, bm=128, bn=128) in pre
+    # the bench's tile sweep (hybrid_stages, EPILORA_BENCH_K1SWEEP=1) runs prebuilt tiles only
+    for s in E.SWEEP_SLICES:
+        sweep = E.sweep_configs(s, 64)
+        assert sweep and set(sweep.values()) <= pre and E.select(s, 4096, 64) not in sweep.values()
 
 
 def test_params_declaration():

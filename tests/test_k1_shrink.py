@@ -203,6 +203,33 @@ def test_select_deep_ring():
     assert K1.Config(rank=64, num_slices=1, bm=32, kc=2048, stages=8) in set(K1.prebuild_configs())
 
 
+def test_select_by_token_count():
+    """v0.31: at rank 64, K 4096 a 4-stage ring with 16 rows per CTA up to 1024 tokens and the
+    resident rule's 32 rows above (three or more CTAs per SM); down (K 12288) keeps the resident
+    rule; without a token count select() is the resident rule; every choice is prebuilt."""
+    pre = set(K1.prebuild_configs())
+    for s in (1, 2, 3):
+        small, big = K1.select(s, 4096, 64, 64), K1.select(s, 4096, 64, 2048)
+        assert (small.bm, small.stages) == (16, 4) and (big.bm, big.stages) == (32, 4)
+        assert K1.select(s, 4096, 64, K1.SHALLOW_SMALL_M) == small
+        assert K1.select(s, 4096, 64, K1.SHALLOW_SMALL_M + 1) == big
+        assert max(small.smem_bytes, big.smem_bytes) <= K1.SMEM_THREE_PER_SM
+        assert K1.select(s, 4096, 64) == K1._select_resident(s, 4096, 64)
+    for m in (33, 2048, 8192):
+        assert K1.select(1, 12288, 64, m) == K1.select(1, 12288, 64)
+    for s, ks in K1.projection_ks().items():
+        for k in ks:
+            for r in K1.RANKS:
+                for m in (1, 33, 1024, 1025, 8192):
+                    cfg = K1.select(s, k, r, m)
+                    assert cfg in pre, (s, k, r, m)
+                    assert cfg.kc == K1.select(s, k, r).kc  # the same capacity: the same splits rule
+    for s, k in K1.SWEEP_SHAPES:
+        sweep = K1.sweep_configs(s, k, 64)
+        assert sweep and set(sweep.values()) <= pre
+        assert all(c.kc == K1.select(s, k, 64).kc and c.smem_bytes <= K1.SMEM_LIMIT for c in sweep.values())
+
+
 def test_choose_zsplit():
     cfg = K1.select(3, 4096, 64)  # bm 32: grid y = 1 tile x 3 slices at 32 tokens
     assert K1.grid(4096, 32, cfg) == ((8, 3, 1), (8, 1, 1))  # no max_loras: no group split

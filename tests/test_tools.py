@@ -209,7 +209,7 @@ def test_gpu_session_script_parses_and_keeps_calls_under_the_device_limit():
     script = ROOT / "tools" / "gpu_session.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     text = script.read_text()
-    modes = ("hybrid-identity)", "e2e-perf)", "out-variant)", "record)", "tests)", "e2e)", "e2e-smoke)", "e2e-rescore)", "verify)", "check)")
+    modes = ("hybrid-identity)", "e2e-perf)", "out-variant)", "record)", "tests)", "e2e)", "e2e-smoke)", "e2e-rescore)", "verify)", "check)", "k1)", "profile)")
     for mode in modes:
         assert mode in text
     # Each mode's time limits must add up to less than one device call (600 s).
@@ -331,3 +331,47 @@ def test_timeline_section_is_registered_and_skips_without_a_hopper_gpu():
     assert bench.SECTIONS["timeline"] is bench_timeline.bench_timeline
     if not torch.cuda.is_available():
         assert bench_timeline.bench_timeline(quick=True) == []
+
+
+def test_profile_kernels_parses_cases():
+    from tools.profile_kernels import parse_case
+
+    assert parse_case("qkv:2048:1") == ("qkv", 2048, 1)
+    assert parse_case("down:256:32") == ("down", 256, 32)
+    for bad in ("qkv:2048", "attn:64:1", "o:0:1", "o:64:0"):
+        with pytest.raises(ValueError):
+            parse_case(bad)
+
+
+def test_ncu_summary_reads_the_text_exports(tmp_path):
+    """tools/ncu_summary.py on a minimal details page + SASS export of two launches."""
+    from tools.ncu_summary import parse_details, summarize
+
+    details = """  kernel_cutlass_kernel_kernels_dslk1_shrink_K1Kernel_object_at_x (8, 192, 1)x(128, 1, 1), Context 1, Stream 7, Device 0, CC 9.0
+    Section: GPU Speed Of Light Throughput
+    DRAM Throughput                   %         3.54
+    Duration                         us       113.38
+    Grid Size                                                  1,536
+    Registers Per Thread             register/thread              64
+    Executed Instructions                           inst   28,041,250
+  kernel_cutlass_kernel_kernels_dslexpand_add_ExpandAddKernel_object_at_y (48, 32, 1)x(128, 1, 1), Context 1, Stream 7, Device 0, CC 9.0
+    Duration                         us        31.71
+"""
+    (tmp_path / "details.txt").write_text(details)
+    launches = parse_details(details)
+    assert len(launches) == 2
+    assert launches[0]["duration_us"] == 113.38 and launches[0]["grid"] == 1536 and launches[0]["regs"] == 64
+    assert launches[0]["instructions"] == 28041250 and launches[1]["duration_us"] == 31.71
+    hdr = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "stall_wait", "stall_long_sb"]
+    rows = [["0x0", "LDC R1", "10", "64", "8", "2"], ["0x10", "LDG R2", "30", "64", "0", "30"],
+            ["0x20", "EXIT", "0", "64", "0", "0"]]
+    import csv
+    with (tmp_path / "sass_0.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["Kernel Name", "k1"])
+        w.writerow(hdr)
+        w.writerows(rows)
+    md = summarize(tmp_path, ["qkv:2048:1", "expand"], bins=3)
+    assert "| 0 | k1_shrink_K1Kernel_object_at | qkv:2048:1 | 113.38 | 1536 | 64 |" in md
+    assert "long_sb 80%" in md and "wait 20%" in md  # 32 of 40 samples, 8 of 40
+    assert "| 1–2 | 75.0 | 64 |" in md  # the second instruction's bin

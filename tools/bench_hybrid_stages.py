@@ -19,8 +19,9 @@ replays with the L2 flushed before each (median, tools/gpu_timing):
                  group-split rule (`choose_zsplit`), e.g. K1 at 32 tokens x 32 adapters (4x its floor)
   vllm_fp8_us, vllm_lora_us      vLLM's quantization + GEMM, and + its LoRA shrink/expand, for the
                  same projection (when vLLM imports), so vllm_lora - vllm_fp8 is vLLM's adapter cost
-  k1_bm<B>_st<S>_us   with EPILORA_BENCH_K1SWEEP=1, K1 under the alternative configurations of
-                 k1_shrink.sweep_configs (rows per CTA, ring depth; CTAs per SM)
+  k1_bm<B>_st<S>_us, expand_add_bm<B>_bn<N>_us   with EPILORA_BENCH_K1SWEEP=1, K1 and expand-add
+                 under the alternative configurations of k1_shrink.sweep_configs (rows per CTA,
+                 ring depth) and expand_add.sweep_configs (tile shape): CTAs per SM
   k1_floor_us / expand_floor_us   least DRAM traffic at the measured read bandwidth: x read +
                  codes written + the active adapters' A / y read and written + their B
   k1_cfg, k1_grid, expand_cfg, expand_grid   the launch geometry the op uses (host-side, no GPU)
@@ -55,7 +56,7 @@ ADAPTERS = (1, 32)
 STAGES = ("k1", "gemm", "expand_add", "hybrid")
 ZSWEEP = (2, 4, 8, 16, 32, 64)
 ZSWEEP_ENV = "EPILORA_BENCH_ZSWEEP"
-K1SWEEP_ENV = "EPILORA_BENCH_K1SWEEP"  # "1": also K1 under k1_shrink.sweep_configs (k1_bm<B>_st<S>_us)
+K1SWEEP_ENV = "EPILORA_BENCH_K1SWEEP"  # "1": also K1 / expand-add under their sweep_configs
 
 
 def settings(env: Mapping[str, str] | None = None) -> tuple[list[int], list[int]]:
@@ -159,6 +160,9 @@ class HybridStages:
             from kernels_dsl import k1_shrink as k1mod
             for name, cfg in k1mod.sweep_configs(len(c.proj.slices), c.proj.k, c.rank).items():
                 fns[f"k1_{name}"] = k1(config=cfg)
+            from kernels_dsl import expand_add as eamod
+            for name, cfg in eamod.sweep_configs(len(c.proj.slices), c.rank).items():
+                fns[f"expand_add_{name}"] = ex(config=cfg)
         for name, (k1_kw, ex_kw) in launch_variants(c, zsweep=os.environ.get(ZSWEEP_ENV) == "1").items():
             if k1_kw is not None:
                 fns[f"k1_{name}"] = k1(**k1_kw)

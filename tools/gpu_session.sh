@@ -127,18 +127,16 @@ case $mode in
     (cd "$OUT" && tar czf record_logs.tgz diag.log bench.log gpu_tests.log 2> /dev/null && rm -f diag.log bench.log gpu_tests.log)
     ;;
   k1)
-    # After K1 changes (carry the cache only; ~5 min): K1's GPU test file and the hybrid op tests,
-    # hybrid_stages at 64 / 256 / 2048 tokens x 1 / 8 / 32 adapters with the K1 configuration sweep
-    # (K1_TOKENS / K1_ADAPTERS override), then the profile of two cases (PROFILE_CASES; "" skips).
+    # After K1 / expand-add changes (carry the cache, and .devvllm/2 after call A for vLLM's columns;
+    # ~2-4 min): K1's GPU test file and the hybrid op tests, hybrid_stages at 64 / 256 / 2048 tokens
+    # x 1 / 8 / 32 adapters with the configuration sweeps (K1_TOKENS / K1_ADAPTERS override). The
+    # profile is a call of its own (`profile`, on the warm machine).
     unpack_vllm  # when .devvllm/2 was carried: vLLM's columns (vendor GEMM = vLLM's CUTLASS)
-    timeout -s KILL 240 python3 -m pytest -q -m gpu tests/test_k1_shrink.py 2>&1 | tail -4 | tee "$OUT/k1_tests.log"
-    timeout -s KILL 90 python3 -m pytest -q -m gpu tests/test_lora_linear_gpu.py -k hybrid 2>&1 | tail -3 | tee -a "$OUT/k1_tests.log"
+    timeout -s KILL 150 python3 -m pytest -q -m gpu tests/test_k1_shrink.py 2>&1 | tail -4 | tee "$OUT/k1_tests.log"
+    timeout -s KILL 60 python3 -m pytest -q -m gpu tests/test_lora_linear_gpu.py -k hybrid 2>&1 | tail -3 | tee -a "$OUT/k1_tests.log"
     EPILORA_BENCH_K1SWEEP=1 EPILORA_BENCH_TOKENS=${K1_TOKENS:-64,256,2048} EPILORA_BENCH_ADAPTERS=${K1_ADAPTERS:-1,8,32} \
       timeout -s KILL 200 python3 tools/bench.py --quick --sections hybrid_stages --out "$OUT/hs" 2>&1 | tail -45
     (cd "$OUT" && [[ -d hs ]] && tar czf hs.tgz hs && rm -rf hs)
-    if [[ ${PROFILE_CASES-x} != "" ]]; then
-      PROFILE_CASES=${PROFILE_CASES:-"qkv:2048:1 qkv:256:32"} bash "$0" profile "$EPILORA_GIT_COMMIT"
-    fi
     ;;
   profile)
     # Nsight Compute on the large-batch kernels (K1, expand-add; tools/profile_kernels.py launches
@@ -148,7 +146,7 @@ case $mode in
     cases=${PROFILE_CASES:-"qkv:2048:1 down:2048:1 qkv:256:32 down:256:32 gate_up:64:8"}
     paths=${PROFILE_PATHS:-k1,expand_add}
     mkdir -p "$OUT/prof"
-    timeout -s KILL 420 ncu --clock-control none --set full --import-source no \
+    timeout -s KILL 360 ncu --clock-control none --set full --import-source no \
       --kernel-name regex:'K1Kernel|ExpandAdd|gemm_lora|quant_shrink' -f -o "$OUT/prof/prof" \
       python3 tools/profile_kernels.py --launches 1 --paths "$paths" $cases 2>&1 | tail -25
     if [[ -f $OUT/prof/prof.ncu-rep ]]; then
