@@ -598,17 +598,23 @@ def select(num_slices: int, k: int, rank: int, m: int | None = None) -> Config:
     lets three or four CTAs share an SM beat the deep ring of two CTAs per SM at every size —
     16 rows per CTA up to SHALLOW_SMALL_M tokens (twice the CTAs: qkv 21.4 -> 18.8 us at 256
     tokens, 43.6 -> 28.0 with 32 adapters), the resident rule's rows above (qkv 101 -> 78 us at
-    2048). Taken where it fits three CTAs per SM; K = 12288 (down) gained nothing and keeps the
-    resident rule."""
+    2048). Taken where it fits three CTAs per SM: down (K = 12288) only with a 2-stage ring, above
+    SHALLOW_SMALL_M tokens (v0.32)."""
     base = _select_resident(num_slices, k, rank)
     if m is None:
         return base
-    try:
-        cfg = Config(rank=rank, num_slices=num_slices, bm=16 if m <= SHALLOW_SMALL_M else base.bm,
-                     kc=base.kc, stages=4)
-    except ValueError:
-        return base
-    return cfg if cfg.smem_bytes <= SMEM_THREE_PER_SM else base
+    # Above SHALLOW_SMALL_M the ring may go down to 2 stages for the third CTA (v0.32: down at
+    # K = 12288, 48 KiB of x per CTA, 133 -> 108 us at 2048 tokens); below, a 2-stage ring lost
+    # (down at 256 tokens 30.0 -> 36.5 us: one wave, nothing else to hide its round trips).
+    small = m <= SHALLOW_SMALL_M
+    for stages in ((4,) if small else (4, 3, 2)):
+        try:
+            cfg = Config(rank=rank, num_slices=num_slices, bm=16 if small else base.bm, kc=base.kc, stages=stages)
+        except ValueError:
+            continue
+        if cfg.smem_bytes <= SMEM_THREE_PER_SM:
+            return cfg
+    return base
 
 
 def _select_resident(num_slices: int, k: int, rank: int) -> Config:

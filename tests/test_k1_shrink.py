@@ -215,8 +215,11 @@ def test_select_by_token_count():
         assert K1.select(s, 4096, 64, K1.SHALLOW_SMALL_M + 1) == big
         assert max(small.smem_bytes, big.smem_bytes) <= K1.SMEM_THREE_PER_SM
         assert K1.select(s, 4096, 64) == K1._select_resident(s, 4096, 64)
-    for m in (33, 2048, 8192):
+    for m in (33, 1024):  # down below SHALLOW_SMALL_M: the resident rule (a 2-stage ring lost there)
         assert K1.select(1, 12288, 64, m) == K1.select(1, 12288, 64)
+    for m in (1025, 2048, 8192):  # above: 16 rows, a 2-stage ring, three CTAs per SM (v0.32)
+        c = K1.select(1, 12288, 64, m)
+        assert (c.bm, c.kc, c.stages) == (16, 1536, 2) and c.smem_bytes <= K1.SMEM_THREE_PER_SM
     for s, ks in K1.projection_ks().items():
         for k in ks:
             for r in K1.RANKS:
