@@ -64,20 +64,24 @@ def test_geometry_group_split_and_variants():
     from tools.bench_hybrid_stages import geometry, launch_variants
 
     g = geometry(QWEN3_8B[0], 32, 64, 32)  # qkv, 32 tokens, 32 adapter slots
-    # K1 v0.10: bm 32, grid y = row tiles x 3 slices; z (v0.20) a power of two up to ~3 CTAs per SM
-    assert g["k1_grid"] == "8x3x16" and g["expand_grid"].startswith("48x1x")
+    # K1 v0.31: bm 16 up to 1024 tokens, grid y = row tiles x 3 slices; z (v0.20) a power of two up
+    # to ~3 CTAs per SM; bm 32 above
+    assert g["k1_cfg"] == "r64_s3_bm16_kc512_st4" and g["k1_grid"] == "8x6x8"
+    assert g["expand_grid"].startswith("48x1x")
     assert geometry(QWEN3_8B[0], 2048, 64, 32)["k1_grid"] == "8x192x1"
+    k1_z = int(g["k1_grid"].split("x")[2])
 
     class Case:  # what launch_variants reads of a LayerCase
         proj, m, rank, max_loras = QWEN3_8B[0], 32, 64, 32
     assert launch_variants(Case()) == {"z1": ({"zsplit": 1}, {"zsplit": 1})}
     # The sweep: every z up to the 32 adapters + the no-adapter group a tile can meet, except
-    # each kernel's default (left out where it is: K1's 16, expand-add's 8).
+    # each kernel's default (left out where it is; a z that is both defaults is no variant).
     sweep = launch_variants(Case(), zsweep=True)
     ex_z = int(g["expand_grid"].split("x")[2])
-    assert set(sweep) == {"z1", "z2", "z4", "z8", "z16", "z32"}
-    assert all(sweep[f"z{z}"][0] == (None if z == 16 else {"zsplit": z}) for z in (2, 4, 8, 16, 32))
-    assert all(sweep[f"z{z}"][1] == (None if z == ex_z else {"zsplit": z}) for z in (2, 4, 8, 16, 32))
+    zs = [z for z in (2, 4, 8, 16, 32) if not z == k1_z == ex_z]
+    assert set(sweep) == {"z1"} | {f"z{z}" for z in zs}
+    assert all(sweep[f"z{z}"][0] == (None if z == k1_z else {"zsplit": z}) for z in zs)
+    assert all(sweep[f"z{z}"][1] == (None if z == ex_z else {"zsplit": z}) for z in zs)
     Case.m = 2048
     assert launch_variants(Case()) == {} and launch_variants(Case(), zsweep=True) == {}
 
