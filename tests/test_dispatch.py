@@ -121,12 +121,13 @@ def run(path):  # a candidate run: returns its name so the fake timer knows it
 
 def test_candidates_follow_applicability_and_opt_in(monkeypatch):
     # decode_sq: the decode path's 1..8-token variant (the default call has 12 tokens).
-    assert d.applicable_paths(call(tokens=7)) == ("decode", "decode_sq", "hybrid", "triton")
-    assert d.applicable_paths(call()) == ("decode", "hybrid", "triton")
-    assert d.applicable_paths(call(tokens=7, k=4096 + 64)) == ("decode", "hybrid", "triton")  # K % 128
+    H = ("hybrid", "hybrid_par")
+    assert d.applicable_paths(call(tokens=7)) == ("decode", "decode_sq", *H, "triton")
+    assert d.applicable_paths(call()) == ("decode", *H, "triton")
+    assert d.applicable_paths(call(tokens=7, k=4096 + 64)) == ("decode", *H, "triton")  # K % 128
     assert d.applicable_paths(call(tokens=7, host_adapters=0)) == ("base", "decode", "decode_sq", "no_adapter",
-                                                                   "hybrid", "triton")
-    assert d.applicable_paths(call(tokens=64, decode_reason="64 tokens")) == ("hybrid", "triton")
+                                                                   *H, "triton")
+    assert d.applicable_paths(call(tokens=64, decode_reason="64 tokens")) == (*H, "triton")
     assert d.applicable_paths(call(arch=None, decode_reason="needs sm_90a")) == ("triton",)
     assert d.applicable_paths(call(arch=None, decode_reason="needs sm_90a", host_adapters=0)) == ("base", "triton")
     # Verified on the H200 (run6; base: run9; decode_sq: run12): every applicable path is a
@@ -151,6 +152,11 @@ def test_candidates_follow_applicability_and_opt_in(monkeypatch):
     assert allowed(call()) == ["decode", "hybrid", "triton"]
     assert "reference" not in d.applicable_paths(call())
     assert d.OPT_IN_ENV["decode"] == d.OPT_IN_ENV["decode_sq"] == ops.DECODE_PATH_ENV
+    # hybrid_par (v0.34) has no GPU record yet: a candidate only with its own variable
+    monkeypatch.setattr(d, "VERIFIED_PATHS", SHIPPED_VERIFIED)
+    assert "hybrid_par" not in allowed(call())
+    monkeypatch.setenv("EPILORA_HYBRID_PAR_PATH", "1")
+    assert allowed(call()) == ["decode", "hybrid", "hybrid_par", "triton"]
 
 
 def test_batches_without_adapters_take_vllms_path(tmp_path, monkeypatch, caplog):
