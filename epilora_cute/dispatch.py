@@ -56,7 +56,9 @@ MODES = ("graph", "eager")
 # record (docs/gpu_record/). A path joins by adding it here (one line). run6 (65540fc): the op-level
 # tests of decode / no_adapter / hybrid and their kernels' files all passed on the H200.
 # decode_sq: run12 (docs/gpu_record/run12), its K2 tests (codes bit-exact) and op-level tests.
-VERIFIED_PATHS = frozenset({"triton", "decode", "decode_sq", "no_adapter", "hybrid", "base"})
+# hybrid_par: run13 (docs/gpu_record/run13/hybrid_par_tests_c1b330d.log): bit-identical to the
+# hybrid path at 1..2048 tokens, eager and replayed from a CUDA graph with new inputs.
+VERIFIED_PATHS = frozenset({"triton", "decode", "decode_sq", "no_adapter", "hybrid", "hybrid_par", "base"})
 # A path's variable overrides VERIFIED_PATHS when set: "1" lets an unverified path join the
 # candidates, "0" keeps a verified one out. "no_adapter" runs K2, so it follows the decode path's.
 OPT_IN_ENV = {"decode": "EPILORA_DECODE_PATH", "decode_sq": "EPILORA_DECODE_PATH", "no_adapter": "EPILORA_DECODE_PATH",

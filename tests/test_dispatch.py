@@ -119,7 +119,15 @@ def run(path):  # a candidate run: returns its name so the fake timer knows it
     return path
 
 
+@pytest.fixture(autouse=True)
+def _without_hybrid_par(monkeypatch):
+    """The tests written before hybrid_par (v0.34) time fixed candidate sets with fake timers:
+    keep it out of them; the tests about it take the variable away."""
+    monkeypatch.setenv("EPILORA_HYBRID_PAR_PATH", "0")
+
+
 def test_candidates_follow_applicability_and_opt_in(monkeypatch):
+    monkeypatch.delenv("EPILORA_HYBRID_PAR_PATH")
     # decode_sq: the decode path's 1..8-token variant (the default call has 12 tokens).
     H = ("hybrid", "hybrid_par")
     assert d.applicable_paths(call(tokens=7)) == ("decode", "decode_sq", *H, "triton")
@@ -132,17 +140,19 @@ def test_candidates_follow_applicability_and_opt_in(monkeypatch):
     assert d.applicable_paths(call(arch=None, decode_reason="needs sm_90a", host_adapters=0)) == ("base", "triton")
     # Verified on the H200 (run6; base: run9; decode_sq: run12): every applicable path is a
     # candidate without a variable.
-    assert SHIPPED_VERIFIED == {"triton", "decode", "decode_sq", "no_adapter", "hybrid", "base"}
+    assert SHIPPED_VERIFIED == {"triton", "decode", "decode_sq", "no_adapter", "hybrid", "hybrid_par", "base"}
     monkeypatch.setattr(d, "VERIFIED_PATHS", SHIPPED_VERIFIED)
     allowed = lambda c: [p for p in d.applicable_paths(c) if d.path_allowed(p)]  # noqa: E731
-    assert allowed(call(tokens=7, host_adapters=0)) == ["base", "decode", "decode_sq", "no_adapter", "hybrid", "triton"]
+    assert allowed(call(tokens=7, host_adapters=0)) == ["base", "decode", "decode_sq", "no_adapter", *H, "triton"]
     assert list(d._allowed(d.applicable_paths(call(host_adapters=0)))) == allowed(call(host_adapters=0))
     # A variable set to "0" keeps its paths out ("decode_sq" and "no_adapter" follow the decode path's).
     monkeypatch.setenv("EPILORA_DECODE_PATH", "0")
-    assert allowed(call(tokens=7, host_adapters=0)) == ["base", "hybrid", "triton"]
+    assert allowed(call(tokens=7, host_adapters=0)) == ["base", *H, "triton"]
     monkeypatch.setenv("EPILORA_HYBRID_PATH", "0")
+    monkeypatch.setenv("EPILORA_HYBRID_PAR_PATH", "0")
     assert allowed(call()) == ["triton"]
     assert list(d._allowed(d.applicable_paths(call()))) == ["triton"]
+    monkeypatch.delenv("EPILORA_HYBRID_PAR_PATH")
     # "1" lets in a path that is not (or no longer) verified.
     monkeypatch.setattr(d, "VERIFIED_PATHS", frozenset({"triton"}))
     monkeypatch.delenv("EPILORA_HYBRID_PATH")
@@ -152,11 +162,12 @@ def test_candidates_follow_applicability_and_opt_in(monkeypatch):
     assert allowed(call()) == ["decode", "hybrid", "triton"]
     assert "reference" not in d.applicable_paths(call())
     assert d.OPT_IN_ENV["decode"] == d.OPT_IN_ENV["decode_sq"] == ops.DECODE_PATH_ENV
-    # hybrid_par (v0.34) has no GPU record yet: a candidate only with its own variable
+    # hybrid_par (v0.34, run13) has a variable of its own: "0" keeps it out
     monkeypatch.setattr(d, "VERIFIED_PATHS", SHIPPED_VERIFIED)
-    assert "hybrid_par" not in allowed(call())
-    monkeypatch.setenv("EPILORA_HYBRID_PAR_PATH", "1")
+    monkeypatch.delenv("EPILORA_HYBRID_PATH")
     assert allowed(call()) == ["decode", "hybrid", "hybrid_par", "triton"]
+    monkeypatch.setenv("EPILORA_HYBRID_PAR_PATH", "0")
+    assert allowed(call()) == ["decode", "hybrid", "triton"]
 
 
 def test_batches_without_adapters_take_vllms_path(tmp_path, monkeypatch, caplog):
