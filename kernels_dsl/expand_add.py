@@ -67,12 +67,15 @@ C_PAD = 4  # fp32 words of padding per row of the epilogue staging tile (16-byte
 @dataclass(frozen=True)
 class Config:
     """rank: the buffers' rank R (vLLM's max_lora_rank). num_slices: 1..4 B buffers.
-    bm: token rows per CTA (16 per warp). bn: output columns per CTA (multiple of 16)."""
+    bm: token rows per CTA (16 per warp). bn: output columns per CTA (multiple of 16).
+    y_early (experiment, v0.35): the CTA's y tile is requested (cp.async into smem) before h and B,
+    so its round trip overlaps them instead of following the MMAs."""
 
     rank: int = 64
     num_slices: int = 1
     bm: int = 64
     bn: int = 128
+    y_early: bool = False
 
     def __post_init__(self):
         if self.rank not in RANKS:
@@ -96,7 +99,7 @@ class Config:
         return self.bm // 16 * 32
 
     def name(self) -> str:
-        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}"
+        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}" + ("_ye" if self.y_early else "")
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -105,10 +108,14 @@ class Config:
     @property
     def smem_bytes(self) -> int:
         """Dynamic smem, the kernel's struct field by field: sA (bf16 [bm, Rp]) then the B double
-        buffer, which the fp32 epilogue tile [bm, bn + C_PAD] reuses (the larger of the two)."""
+        buffer, which the fp32 epilogue tile [bm, bn + C_PAD] reuses (the larger of the two), then
+        with y_early the y tile (bf16 [bm, bn])."""
         a = self.bm * self.rank_pad * 2
         b = max(2 * self.bn * self.rank_pad * 2, self.bm * (self.bn + C_PAD) * 4)
-        return _align(_align(a, 1024) + b, 1024)
+        size = _align(_align(a, 1024) + b, 1024)
+        if self.y_early:
+            size = _align(size + self.bm * self.bn * 2, 1024)
+        return size
 
 
 def _align(x: int, a: int) -> int:
@@ -187,11 +194,19 @@ if cute is not None:
                 g2s, cute.make_layout((self.threads // cpr, cpr), stride=(cpr, 1)), cute.make_layout((1, 8)))
             c_elems = cute.cosize(sC_layout) * 2  # fp32 epilogue tile in bf16 units (it reuses sB)
 
-            @cute.struct
-            class Storage:
-                sA: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sA_layout)], 1024]
-                sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, max(cute.cosize(sB_layout), c_elems)],
-                                      1024]
+            if cutlass.const_expr(cfg.y_early):
+                @cute.struct
+                class Storage:
+                    sA: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sA_layout)], 1024]
+                    sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16,
+                                                               max(cute.cosize(sB_layout), c_elems)], 1024]
+                    sY: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, self.BM * self.BN], 1024]
+            else:
+                @cute.struct
+                class Storage:
+                    sA: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sA_layout)], 1024]
+                    sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16,
+                                                               max(cute.cosize(sB_layout), c_elems)], 1024]
 
             self.storage = Storage
             self.smem_size = Storage.size_in_bytes()
@@ -253,6 +268,24 @@ if cute is not None:
                 sB = st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
                 # The epilogue tile reuses the B buffers (both are dead by then).
                 sC = cute.make_tensor(cute.recast_ptr(st.sB.data_ptr(), dtype=cutlass.Float32), sC_layout)
+
+                if cutlass.const_expr(cfg.y_early):
+                    # y's round trip overlaps h and B (its own cp.async group, the oldest: every
+                    # later wait covers it); the epilogue reads the tile from smem.
+                    CPR = BN // 8
+                    NIT = BM * CPR // NT
+                    j0 = (col_base + c0) // 8
+                    toks = self._chunk_tokens(mSorted, mTok, r0, row_lo, row_hi, ncols, tidx)
+                    sY = st.sY.get_tensor(cute.make_layout((BM, BN), stride=(BN, 1)))
+                    g2s_y = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                                cutlass.BFloat16, num_bits_per_copy=128)
+                    for it_y in cutlass.range_constexpr(NIT):
+                        r_row = (it_y * NT + tidx) // CPR
+                        c_chunk = (it_y * NT + tidx) - r_row * CPR
+                        if toks[it_y] >= 0:
+                            cute.copy(g2s_y, cute.zipped_divide(mY[toks[it_y], None], (8,))[None, j0 + c_chunk],
+                                      cute.zipped_divide(sY[r_row, None], (8,))[None, c_chunk])
+                    cute.arch.cp_async_commit_group()
 
                 # ---- group 0's B is requested first, then h is staged while it flies ------------
                 thr_cb = tiled_copy_b.get_slice(tidx)
@@ -327,30 +360,25 @@ if cute is not None:
 
                 # Three passes over this thread's NIT chunks so that the memory round trips overlap
                 # instead of queueing chunk after chunk: (1) every chunk's sorted slot and token
-                # index, (2) every chunk's 16-byte y load, (3) add, round once, store. Same
-                # arithmetic per element as one pass; rows of slot -1 neither read nor written.
+                # index (with y_early: loaded at the start), (2) every chunk's 16-byte y load (from
+                # smem with y_early), (3) add, round once, store. Same arithmetic per element as one
+                # pass; rows of slot -1 neither read nor written.
                 CPR = BN // 8
                 NIT = BM * CPR // NT
                 j0 = (col_base + c0) // 8
-                toks = []
+                if cutlass.const_expr(not cfg.y_early):
+                    toks = self._chunk_tokens(mSorted, mTok, r0, row_lo, row_hi, ncols, tidx)
+                ys = []
                 for it in cutlass.range_constexpr(NIT):
                     v = it * NT + tidx
                     r = v // CPR
                     cc = v - r * CPR
-                    t = cutlass.Int32(-1)
-                    if r >= row_lo and r < row_hi and cc * 8 < ncols:
-                        srt = mSorted[r0 + r]
-                        tk = mTok[r0 + r]
-                        if srt >= 0:
-                            t = tk
-                    toks.append(t)
-                ys = []
-                for it in cutlass.range_constexpr(NIT):
-                    v = it * NT + tidx
-                    cc = v - (v // CPR) * CPR
                     r_y = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
                     if toks[it] >= 0:
-                        cute.autovec_copy(cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc], r_y)
+                        if cutlass.const_expr(cfg.y_early):
+                            cute.autovec_copy(cute.zipped_divide(sY[r, None], (8,))[None, cc], r_y)
+                        else:
+                            cute.autovec_copy(cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc], r_y)
                     ys.append(r_y)
                 for it in cutlass.range_constexpr(NIT):
                     v = it * NT + tidx
@@ -362,6 +390,26 @@ if cute is not None:
                         r_o = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
                         r_o.store((ys[it].load().to(cutlass.Float32) + r_c.load()).to(cutlass.BFloat16))
                         cute.autovec_copy(r_o, cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc])
+
+        @cute.jit
+        def _chunk_tokens(self, mSorted, mTok, r0, row_lo, row_hi, ncols, tidx):
+            """The token index of each of this thread's epilogue chunks (rows [row_lo, row_hi) of
+            the tile with an adapter slot, columns inside the slice), -1 for chunks it skips."""
+            BM, BN, NT = self.BM, self.BN, self.threads
+            CPR = BN // 8
+            toks = []
+            for it in cutlass.range_constexpr(BM * CPR // NT):
+                v = it * NT + tidx
+                r = v // CPR
+                cc = v - r * CPR
+                t = cutlass.Int32(-1)
+                if r >= row_lo and r < row_hi and cc * 8 < ncols:
+                    srt = mSorted[r0 + r]
+                    tk = mTok[r0 + r]
+                    if srt >= 0:
+                        t = tk
+                toks.append(t)
+            return toks
 
         @cute.jit
         def _k_eff(self, lid, mRanks, has_ranks):
@@ -496,7 +544,7 @@ SWEEP_SLICES = (1, 2, 3)
 def sweep_configs(num_slices: int, rank: int) -> dict[str, Config]:
     """name -> an alternative tile to select()'s for the bench's sweep."""
     base = select(num_slices, 4096, rank)
-    out = {}
+    out = {"ye": Config(rank=rank, num_slices=num_slices, bm=base.bm, bn=base.bn, y_early=True)}
     for bm, bn in ((64, 64), (32, 128), (32, 64), (128, 64)):
         try:
             cfg = Config(rank=rank, num_slices=num_slices, bm=bm, bn=bn)

@@ -424,6 +424,26 @@ def test_gpu_prefill_bm64_equals_bm128(L):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M,L,widths", [(33, 8, (2048, 512)), (256, 32, (4096, 1024, 1024)), (2048, 8, (4096,)),
+                                        (511, 32, (12288, 12288))])
+def test_gpu_y_early_is_bitwise_the_default(M, L, widths):
+    """v0.35's experiment (Config.y_early: y's tile requested before h and B, read back from smem)
+    computes the same sums in the same order: bit-identical to the selected tile, rows without an
+    adapter untouched, with the group split."""
+    _hopper()
+    case = make_case(M, L, 64, widths, seed=M + L, device="cuda")
+    y0 = case["y"].clone()
+    outs = []
+    for cfg in (E.select(len(widths), M, 64), E.Config(rank=64, num_slices=len(widths), y_early=True)):
+        y = y0.clone()
+        E.expand_add(y, case["h"], case["bs"], case["meta"], config=cfg)
+        outs.append(y)
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    assert_close_bf16(outs[1], expected(dict(case, y=y0), bf16_h=True), True)
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_graph_replay():
     _hopper()
     case = make_case(256, 8, 64, (2048, 512), seed=9, device="cuda")
