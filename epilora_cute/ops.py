@@ -294,7 +294,8 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     Paths: "base" (only when the host knows no token has an adapter, ``meta.host_num_adapters
     == 0``, e.g. from vLLM's no-LoRA flag: the quantization + the vendor FP8 GEMM, i.e. vLLM's own
     FP8 path, so base-model traffic gets stock vLLM's results bit for bit; any CUDA GPU), "hybrid"
-    (K1 + the vendor FP8 GEMM + our expand-add; any batch size on sm_90a), "prefill" (33..8192
+    (K1 + the vendor FP8 GEMM + our expand-add; any batch size on sm_90a), "hybrid_par" (the same
+    y bit for bit, with K1 on a second stream beside the quantization kernel + the GEMM), "prefill" (33..8192
     tokens, sm_90a: K1, the activations gathered into adapter-sorted order, the prefill K2 with the grouped epilogue; compiled but not yet run on a
     GPU: explicit only), "decode" (≤ 32 tokens, sm_90a: the shrink kernel, then K2
     as its PDL dependent — two launches; ``pdl=False`` serializes them; the shrink's extra CTAs
