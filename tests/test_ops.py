@@ -89,10 +89,11 @@ def test_plugin_hooks():
     assert "multiple of 8" in ops.lora_linear_fp8_unsupported(6144, 4100, 64, 3)
 
 
-def test_hybrid_path_needs_a_gpu():
+@pytest.mark.parametrize("path", ["hybrid", "hybrid_par"])
+def test_hybrid_paths_need_a_gpu(path):
     x, wq, ws, a, b, meta, _ = _linear_case()
-    with pytest.raises(ValueError, match="hybrid"):
-        ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="hybrid")
+    with pytest.raises(ValueError, match=f"path='{path}' does not apply"):
+        ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path)
 
 
 @pytest.mark.parametrize("host_adapters", [0, None, 2])
