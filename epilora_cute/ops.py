@@ -349,6 +349,12 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     if path in ("hybrid", "hybrid_par"):
         if arch_of(x) is None:
             raise ValueError(f"path={path!r} does not apply: it needs a CUDA GPU with a CuTe target")
+        # The host knows no token has an adapter (vLLM's no-LoRA flag): just the quantization and
+        # the vendor GEMM, vLLM's own FP8 path (run8: K1 + expand-add over zero adapters cost
+        # 15-25 µs per projection), so the dispatch weighs our no-adapter K2 against exactly what
+        # stock vLLM runs.
+        if getattr(meta, "host_num_adapters", None) == 0:
+            return _base_path(x, w_q, w_scale, out)
         if path == "hybrid_par":
             return _hybrid_par_path(x, w_q, w_scale, a, b, meta, out, slot_ranks)
         return _hybrid_path(x, w_q, w_scale, a, b, meta, out, slot_ranks)
@@ -418,16 +424,11 @@ def _base_path(x, w_q, w_scale, out):
 
 def _hybrid_path(x, w_q, w_scale, a, b, meta, out, slot_ranks):
     """K1 (bit-exact quantization + split-K shrink, one launch), the vendor FP8 GEMM, then our
-    expand-add into its output: three launches instead of vLLM's four. When the host knows no
-    token has an adapter (``meta.host_num_adapters == 0``: vLLM's no-LoRA flag), just the
-    quantization and the vendor GEMM: vLLM's own FP8 path, so the dispatch can weigh our no-adapter
-    K2 against exactly what stock vLLM runs (run8: K1 + expand-add over zero adapters cost
-    15-25 µs per projection there)."""
+    expand-add into its output: three launches instead of vLLM's four. (A batch the host knows to
+    have no adapter takes vLLM's FP8 path instead: lora_linear_fp8.)"""
     from kernels_dsl.expand_add import expand_add
     from kernels_dsl.k1_shrink import k1_quant_shrink
 
-    if getattr(meta, "host_num_adapters", None) == 0:
-        return _base_path(x, w_q, w_scale, out)
     codes, scales, h = k1_quant_shrink(x, a, meta, slot_ranks=slot_ranks)
     vendor_fp8_gemm(codes, scales, w_q, w_scale, out=out)
     return expand_add(out, h, b, meta, slot_ranks=slot_ranks)
@@ -456,8 +457,6 @@ def _hybrid_par_path(x, w_q, w_scale, a, b, meta, out, slot_ranks):
     from kernels_dsl.expand_add import expand_add
     from kernels_dsl.k1_shrink import k1_quant_shrink
 
-    if getattr(meta, "host_num_adapters", None) == 0:
-        return _base_path(x, w_q, w_scale, out)
     m, k = x.shape
     dev = x.device
     # Every buffer the side stream writes is allocated here, on the caller's stream, before the

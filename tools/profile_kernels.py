@@ -50,23 +50,16 @@ def parse_case(text: str) -> tuple[str, int, int]:
 
 
 def launchers(case: LayerCase, stages) -> dict:
-    """stage -> zero-argument launch on buffers allocated once here."""
+    """stage -> zero-argument launch on buffers allocated once: the `hybrid_stages` bench's
+    (tools/bench_hybrid_stages.HybridStages: K1 run once so that every stage has real inputs)."""
     from epilora_cute import ops
-    from kernels_dsl.expand_add import expand_add
-    from kernels_dsl.k1_shrink import k1_quant_shrink
+    from tools.bench_hybrid_stages import HybridStages
 
-    c, dev = case, case.x.device
-    m, s = c.m, len(c.proj.slices)
-    codes = torch.empty(m, c.proj.k, dtype=torch.float8_e4m3fn, device=dev)
-    scales = torch.empty(m, 1, dtype=torch.float32, device=dev)
-    h = torch.empty(s, m, c.rank, dtype=torch.float32, device=dev)
-    y = torch.empty(m, c.proj.n, dtype=torch.bfloat16, device=dev)
-    k1_quant_shrink(c.x, c.lora_a, c.meta, codes, scales, h)  # codes/h for the later stages
-    fns = {"k1": lambda: k1_quant_shrink(c.x, c.lora_a, c.meta, codes, scales, h),
-           "gemm": lambda: ops.vendor_fp8_gemm(codes, scales, c.w_q, c.w_s, out=y),
-           "expand_add": lambda: expand_add(y, h, c.lora_b, c.meta),
-           "triton": lambda: ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=y,
-                                                 path="triton")}
+    hs = HybridStages(case)
+    c = case
+    fns = {k: fn for k, fn in hs.launchers().items() if k in ("k1", "gemm", "expand_add")}
+    fns["triton"] = lambda: ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=hs.out,
+                                                path="triton")
     return {k: fns[k] for k in stages}
 
 
