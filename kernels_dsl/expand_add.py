@@ -67,15 +67,12 @@ C_PAD = 4  # fp32 words of padding per row of the epilogue staging tile (16-byte
 @dataclass(frozen=True)
 class Config:
     """rank: the buffers' rank R (vLLM's max_lora_rank). num_slices: 1..4 B buffers.
-    bm: token rows per CTA (16 per warp). bn: output columns per CTA (multiple of 16).
-    y_early (experiment, v0.35): the CTA's y tile is requested (cp.async into smem) before h and B,
-    so its round trip overlaps them instead of following the MMAs."""
+    bm: token rows per CTA (16 per warp). bn: output columns per CTA (multiple of 16)."""
 
     rank: int = 64
     num_slices: int = 1
     bm: int = 64
     bn: int = 128
-    y_early: bool = False
 
     def __post_init__(self):
         if self.rank not in RANKS:
@@ -99,7 +96,7 @@ class Config:
         return self.bm // 16 * 32
 
     def name(self) -> str:
-        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}" + ("_ye" if self.y_early else "")
+        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}"
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -108,14 +105,10 @@ class Config:
     @property
     def smem_bytes(self) -> int:
         """Dynamic smem, the kernel's struct field by field: sA (bf16 [bm, Rp]) then the B double
-        buffer, which the fp32 epilogue tile [bm, bn + C_PAD] reuses (the larger of the two), then
-        with y_early the y tile (bf16 [bm, bn])."""
+        buffer, which the fp32 epilogue tile [bm, bn + C_PAD] reuses (the larger of the two)."""
         a = self.bm * self.rank_pad * 2
         b = max(2 * self.bn * self.rank_pad * 2, self.bm * (self.bn + C_PAD) * 4)
-        size = _align(_align(a, 1024) + b, 1024)
-        if self.y_early:
-            size = _align(size + self.bm * self.bn * 2, 1024)
-        return size
+        return _align(_align(a, 1024) + b, 1024)
 
 
 def _align(x: int, a: int) -> int:
@@ -194,19 +187,11 @@ if cute is not None:
                 g2s, cute.make_layout((self.threads // cpr, cpr), stride=(cpr, 1)), cute.make_layout((1, 8)))
             c_elems = cute.cosize(sC_layout) * 2  # fp32 epilogue tile in bf16 units (it reuses sB)
 
-            if cutlass.const_expr(cfg.y_early):
-                @cute.struct
-                class Storage:
-                    sA: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sA_layout)], 1024]
-                    sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16,
-                                                               max(cute.cosize(sB_layout), c_elems)], 1024]
-                    sY: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, self.BM * self.BN], 1024]
-            else:
-                @cute.struct
-                class Storage:
-                    sA: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sA_layout)], 1024]
-                    sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16,
-                                                               max(cute.cosize(sB_layout), c_elems)], 1024]
+            @cute.struct
+            class Storage:
+                sA: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sA_layout)], 1024]
+                sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, max(cute.cosize(sB_layout), c_elems)],
+                                      1024]
 
             self.storage = Storage
             self.smem_size = Storage.size_in_bytes()
@@ -268,24 +253,6 @@ if cute is not None:
                 sB = st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
                 # The epilogue tile reuses the B buffers (both are dead by then).
                 sC = cute.make_tensor(cute.recast_ptr(st.sB.data_ptr(), dtype=cutlass.Float32), sC_layout)
-
-                if cutlass.const_expr(cfg.y_early):
-                    # y's round trip overlaps h and B (its own cp.async group, the oldest: every
-                    # later wait covers it); the epilogue reads the tile from smem.
-                    CPR = BN // 8
-                    NIT = BM * CPR // NT
-                    j0 = (col_base + c0) // 8
-                    toks = self._chunk_tokens(mSorted, mTok, r0, row_lo, row_hi, ncols, tidx)
-                    sY = st.sY.get_tensor(cute.make_layout((BM, BN), stride=(BN, 1)))
-                    g2s_y = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                                cutlass.BFloat16, num_bits_per_copy=128)
-                    for it_y in cutlass.range_constexpr(NIT):
-                        r_row = (it_y * NT + tidx) // CPR
-                        c_chunk = (it_y * NT + tidx) - r_row * CPR
-                        if toks[it_y] >= 0:
-                            cute.copy(g2s_y, cute.zipped_divide(mY[toks[it_y], None], (8,))[None, j0 + c_chunk],
-                                      cute.zipped_divide(sY[r_row, None], (8,))[None, c_chunk])
-                    cute.arch.cp_async_commit_group()
 
                 # ---- group 0's B is requested first, then h is staged while it flies ------------
                 thr_cb = tiled_copy_b.get_slice(tidx)
@@ -360,25 +327,30 @@ if cute is not None:
 
                 # Three passes over this thread's NIT chunks so that the memory round trips overlap
                 # instead of queueing chunk after chunk: (1) every chunk's sorted slot and token
-                # index (with y_early: loaded at the start), (2) every chunk's 16-byte y load (from
-                # smem with y_early), (3) add, round once, store. Same arithmetic per element as one
-                # pass; rows of slot -1 neither read nor written.
+                # index, (2) every chunk's 16-byte y load, (3) add, round once, store. Same
+                # arithmetic per element as one pass; rows of slot -1 neither read nor written.
                 CPR = BN // 8
                 NIT = BM * CPR // NT
                 j0 = (col_base + c0) // 8
-                if cutlass.const_expr(not cfg.y_early):
-                    toks = self._chunk_tokens(mSorted, mTok, r0, row_lo, row_hi, ncols, tidx)
-                ys = []
+                toks = []
                 for it in cutlass.range_constexpr(NIT):
                     v = it * NT + tidx
                     r = v // CPR
                     cc = v - r * CPR
+                    t = cutlass.Int32(-1)
+                    if r >= row_lo and r < row_hi and cc * 8 < ncols:
+                        srt = mSorted[r0 + r]
+                        tk = mTok[r0 + r]
+                        if srt >= 0:
+                            t = tk
+                    toks.append(t)
+                ys = []
+                for it in cutlass.range_constexpr(NIT):
+                    v = it * NT + tidx
+                    cc = v - (v // CPR) * CPR
                     r_y = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
                     if toks[it] >= 0:
-                        if cutlass.const_expr(cfg.y_early):
-                            cute.autovec_copy(cute.zipped_divide(sY[r, None], (8,))[None, cc], r_y)
-                        else:
-                            cute.autovec_copy(cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc], r_y)
+                        cute.autovec_copy(cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc], r_y)
                     ys.append(r_y)
                 for it in cutlass.range_constexpr(NIT):
                     v = it * NT + tidx
@@ -390,26 +362,6 @@ if cute is not None:
                         r_o = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
                         r_o.store((ys[it].load().to(cutlass.Float32) + r_c.load()).to(cutlass.BFloat16))
                         cute.autovec_copy(r_o, cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc])
-
-        @cute.jit
-        def _chunk_tokens(self, mSorted, mTok, r0, row_lo, row_hi, ncols, tidx):
-            """The token index of each of this thread's epilogue chunks (rows [row_lo, row_hi) of
-            the tile with an adapter slot, columns inside the slice), -1 for chunks it skips."""
-            BM, BN, NT = self.BM, self.BN, self.threads
-            CPR = BN // 8
-            toks = []
-            for it in cutlass.range_constexpr(BM * CPR // NT):
-                v = it * NT + tidx
-                r = v // CPR
-                cc = v - r * CPR
-                t = cutlass.Int32(-1)
-                if r >= row_lo and r < row_hi and cc * 8 < ncols:
-                    srt = mSorted[r0 + r]
-                    tk = mTok[r0 + r]
-                    if srt >= 0:
-                        t = tk
-                toks.append(t)
-            return toks
 
         @cute.jit
         def _k_eff(self, lid, mRanks, has_ranks):
@@ -510,21 +462,24 @@ def compile(config: Config, options: str = "--gpu-arch sm_90a"):
 # ---------------------------------------------------------------------------------------------
 
 SLICE_COUNTS = (1, 2, 3, 4)
+WIDE_M = 2048  # token count from which select() takes the narrow (bn 64) tile
 
 
 def select(num_slices: int, m: int, rank: int) -> Config:
-    """bn 128 (64 at rank 256: the B double buffer stays at 64 KiB); bm 64 at every M (v0.13: bm 128,
-    taken from 2048 tokens before, compiles to ~146 registers x 256 threads, one CTA per SM, and
-    each CTA is a chain of round trips with nothing to overlap it: expand-add ran at 3-4.5x its
-    y floor; bm 64 is ~154 x 128, three CTAs per SM). m is kept for the call sites' signature."""
+    """bm 64 at every M (v0.13: bm 128, taken from 2048 tokens before, compiles to ~146 registers x
+    256 threads, one CTA per SM, and each CTA is a chain of round trips with nothing to overlap it:
+    expand-add ran at 3-4.5x its y floor; bm 64 is ~154 x 128, three CTAs per SM). bn 128 below
+    WIDE_M tokens, 64 from there (v0.37, run14's sweep: bn 64 is 1.25-1.5x faster on gate_up at
+    8192 tokens and 4 % on the layer at 2048, but 3-9 % slower at 64-256 tokens) and at rank 256
+    (the B double buffer stays at 64 KiB)."""
     if rank not in RANKS:
         raise ValueError(f"adapter rank {rank} is not one of the compiled ranks {RANKS}")
-    bn = 64 if rank >= 256 else 128
+    bn = 64 if rank >= 256 or m >= WIDE_M else 128
     return Config(rank=rank, num_slices=num_slices, bm=64, bn=bn)
 
 
 def prebuild_configs() -> list[Config]:
-    cfgs = {select(s, m, r) for s in SLICE_COUNTS for r in RANKS for m in (64, 4096)}
+    cfgs = {select(s, m, r) for s in SLICE_COUNTS for r in RANKS for m in (64, WIDE_M)}
     # The former prefill choice (bm 128 from 2048 tokens; rank 64, the bench's rank), not selected
     # since v0.13: tests/test_expand_add.py's GPU check compares against it, and the GPU machine
     # (no DSL) runs only prebuilt configurations.
@@ -543,9 +498,9 @@ SWEEP_SLICES = (1, 2, 3)
 
 def sweep_configs(num_slices: int, rank: int) -> dict[str, Config]:
     """name -> an alternative tile to select()'s for the bench's sweep."""
-    base = select(num_slices, 4096, rank)
-    out = {"ye": Config(rank=rank, num_slices=num_slices, bm=base.bm, bn=base.bn, y_early=True)}
-    for bm, bn in ((64, 64), (32, 128), (32, 64), (128, 64)):
+    base = select(num_slices, WIDE_M, rank)
+    out = {}
+    for bm, bn in ((64, 128), (64, 64), (32, 128), (32, 64), (128, 64)):
         try:
             cfg = Config(rank=rank, num_slices=num_slices, bm=bm, bn=bn)
         except ValueError:

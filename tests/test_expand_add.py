@@ -425,22 +425,30 @@ def test_gpu_prefill_bm64_equals_bm128(L):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,L,widths", [(33, 8, (2048, 512)), (256, 32, (4096, 1024, 1024)), (2048, 8, (4096,)),
-                                        (511, 32, (12288, 12288))])
-def test_gpu_y_early_is_bitwise_the_default(M, L, widths):
-    """v0.35's experiment (Config.y_early: y's tile requested before h and B, read back from smem)
-    computes the same sums in the same order: bit-identical to the selected tile, rows without an
-    adapter untouched, with the group split."""
+                                        (2500, 32, (12288, 12288))])
+def test_gpu_bn64_is_bitwise_bn128(M, L, widths):
+    """select() takes the bn 64 tile from WIDE_M tokens (v0.37) and bn 128 below: each output
+    element is the same sum in the same order either way (the tile width only regroups columns),
+    so y is bit-identical, rows without an adapter untouched, with the group split."""
     _hopper()
     case = make_case(M, L, 64, widths, seed=M + L, device="cuda")
     y0 = case["y"].clone()
     outs = []
-    for cfg in (E.select(len(widths), M, 64), E.Config(rank=64, num_slices=len(widths), y_early=True)):
+    for bn in (128, 64):
         y = y0.clone()
-        E.expand_add(y, case["h"], case["bs"], case["meta"], config=cfg)
+        E.expand_add(y, case["h"], case["bs"], case["meta"], config=E.Config(rank=64, num_slices=len(widths), bn=bn))
         outs.append(y)
     torch.cuda.synchronize()
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
     assert_close_bf16(outs[1], expected(dict(case, y=y0), bf16_h=True), True)
+
+
+def test_select_takes_the_narrow_tile_from_wide_m():
+    assert E.select(3, E.WIDE_M - 1, 64).bn == 128
+    assert E.select(3, E.WIDE_M, 64).bn == 64
+    assert E.select(1, 64, 256).bn == 64
+    assert all(E.select(s, m, r) in E.prebuild_configs() for s in (1, 2, 3, 4) for r in E.RANKS
+               for m in (1, E.WIDE_M - 1, E.WIDE_M, 8192))
 
 
 @pytest.mark.gpu
