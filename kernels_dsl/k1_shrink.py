@@ -271,7 +271,6 @@ if cute is not None:
             g_first = g_tile + gz_lo
             row_lo = cutlass.max(mStart[g_first] - r0, 0)  # the rows of these groups in the tile
             row_hi = cutlass.max(cutlass.min(mStart[g_first + n_groups] - r0, rows), row_lo)
-            n_items = n_groups * nkb
 
             st_ = _smem_allocator().allocate(self.storage)
             sX = st_.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
@@ -317,9 +316,18 @@ if cute is not None:
             keff0 = cutlass.min(self._k_eff(lid0, mRanks, has_ranks), self.R)
 
             # ---- prologue: items 0 .. ST-2 ---------------------------------------------------------
+            # (items are (group, k-block) pairs; the issue ST - 1 items ahead is tracked by its pair,
+            # advanced by (ahead_g, ahead_j) with one carry, instead of dividing by nkb per issue)
+            nkb_ = cutlass.max(nkb, 1)
+            ahead_g = (ST - 1) // nkb_
+            ahead_j = (ST - 1) - ahead_g * nkb_
+            n_live = n_groups  # groups with items (none without k-blocks)
+            if nkb == 0:
+                n_live = 0
             for p in cutlass.range_constexpr(ST - 1):
-                self._issue(p, n_items, sl, nkb, g_first, k0, K, mX, toks, lid0, keff0, mActive, mRanks,
-                            has_ranks, mAs, tiled_copy, tXsX, tXcX, tWsW, tWcW)
+                gp = p // nkb_
+                self._issue(gp, p - gp * nkb_, p % ST, n_live, sl, g_first, k0, K, mX, toks, lid0, keff0,
+                            mActive, mRanks, has_ranks, mAs, tiled_copy, tXsX, tXcX, tWsW, tWcW)
                 cute.arch.cp_async_commit_group()
 
             for gi in cutlass.range(n_groups, unroll=1):
@@ -329,16 +337,30 @@ if cute is not None:
                 keff = self._k_eff(lid, mRanks, has_ranks)
                 lo = cutlass.max(mStart[g] - r0, 0)
                 hi = cutlass.min(mStart[g + 1] - r0, rows)
+                # v0.38: the common case (one group over the warp's rows at full rank) without the
+                # per-element row masks and per-column rank tests of the general path: the same MMAs.
+                whole = keff == RP and lo <= w_lo and hi >= w_lo + 16
                 for j in cutlass.range(nkb, unroll=1):
                     i = gi * nkb + j
                     cute.arch.cp_async_wait_group(ST - 2)
                     cute.arch.barrier()
                     # The stage consumed in the previous iteration is free for everyone now.
-                    self._issue(i + ST - 1, n_items, sl, nkb, g_first, k0, K, mX, toks, lid0, keff0,
-                                mActive, mRanks, has_ranks, mAs, tiled_copy, tXsX, tXcX, tWsW, tWcW)
+                    g_n = gi + ahead_g
+                    j_n = j + ahead_j
+                    if j_n >= nkb:
+                        j_n = j_n - nkb
+                        g_n = g_n + 1
+                    self._issue(g_n, j_n, (i + ST - 1) % ST, n_live, sl, g_first, k0, K, mX, toks, lid0,
+                                keff0, mActive, mRanks, has_ranks, mAs, tiled_copy, tXsX, tXcX, tWsW, tWcW)
                     cute.arch.cp_async_commit_group()
                     st = i % ST
-                    if keff > 0 and lo < w_lo + 16 and hi > w_lo:
+                    if whole:
+                        # the warp's 16 rows all in the group, every rank column live: no masks
+                        for kk in cutlass.range_constexpr(NK16):
+                            cute.copy(s2r_x, tLsX[None, None, kk, j], tLrX[None, None, kk])
+                            cute.copy(s2r_w, tLsW[None, None, kk, st], tLrW[None, None, kk])
+                            cute.gemm(tiled_mma, acc, tCrX[None, None, kk], tCrW[None, None, kk], acc)
+                    elif keff > 0 and lo < w_lo + 16 and hi > w_lo:
                         for kk in cutlass.range_constexpr(NK16):
                             cute.copy(s2r_x, tLsX[None, None, kk, j], tLrX[None, None, kk])
                             cute.copy(s2r_w, tLsW[None, None, kk, st], tLrW[None, None, kk])
@@ -395,17 +417,16 @@ if cute is not None:
             return toks
 
         @cute.jit
-        def _issue(self, i, total, s, nkb, g_first, k0, K, mX, toks, lid0, keff0, mActive, mRanks,
+        def _issue(self, gi, j, st, n_groups, s, g_first, k0, K, mX, toks, lid0, keff0, mActive, mRanks,
                    has_ranks, mAs: tuple, tiled_copy, tXsX, tXcX, tWsW, tWcW):
-            """cp.async of item i (group, k-block) of this CTA's slice s: the A k-block of that
-            slot into ring stage i % ST and, during the first group, x's k-block j into its resident
-            place. K-tail chunks are zero-filled (0 * stale smem could be NaN). toks: _row_tokens;
-            lid0 / keff0: the first group's slot and rank (later groups load theirs)."""
-            if i < total:
-                gi = i // nkb
-                j = i - gi * nkb
+            """cp.async of item (gi, j) (group gi of the CTA's groups, k-block j) of this CTA's slice s:
+            the A k-block of that slot into ring stage st and, during the first group, x's k-block j
+            into its resident place. K-tail chunks are zero-filled (0 * stale smem could be NaN).
+            toks: _row_tokens; lid0 / keff0: the first group's slot and rank (later groups load
+            theirs)."""
+            if gi < n_groups:
                 kb = k0 + j * BK  # first global column of the k-block
-                if i < nkb:  # first pass: bring x's k-block j
+                if gi == 0:  # first pass: bring x's k-block j
                     for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
                         for c in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
                             col = tXcX[0, m, c][1]
@@ -422,7 +443,6 @@ if cute is not None:
                 if gi > 0:
                     lid = mActive[g_first + gi]
                     keff = cutlass.min(self._k_eff(lid, mRanks, has_ranks), self.R)
-                st = i % self.ST
                 # One branch on the slice around all of the thread's copies (run13's profile: the
                 # slice test inside the copy loop compiled to a jump table per 16-byte copy).
                 for q in cutlass.range_constexpr(self.cfg.num_slices):
