@@ -211,6 +211,30 @@ def st_shared_v4_b32(smem_addr, a, b, c, d, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def cp_async_cg_16(smem_addr, gmem_addr_i64, src_bytes, *, loc=None, ip=None):
+    """cp.async.cg of 16 bytes from a global to a shared (32-bit shared::cta) address with a
+    runtime source size: the bytes past src_bytes are zero-filled, so src_bytes = 0 reads nothing
+    and zeroes the 16 bytes. A guarded copy as one instruction (a guarded cute.copy compiles to a
+    branch and a convergence barrier per copy). The global address must stay a valid one."""
+    llvm.inline_asm(
+        None,
+        [cutlass.Int32(smem_addr).ir_value(loc=loc, ip=ip), cutlass.Int64(gmem_addr_i64).ir_value(loc=loc, ip=ip),
+         cutlass.Int32(src_bytes).ir_value(loc=loc, ip=ip)],
+        "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+        "r,l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+def swizzle_128b(byte_offset):
+    """The 128-byte swizzle (Swizzle<3,4,3> on byte addresses) of an offset from a 1024-aligned
+    base: the 16-byte chunk index (bits 4-6) XOR the row within 8 rows of 128 bytes (bits 7-9)."""
+    return byte_offset ^ ((byte_offset >> 3) & 0x70)
+
+
+@dsl_user_op
 def shfl_bfly_f32(v, lane_mask, *, loc=None, ip=None):
     """shfl.sync.bfly over the full warp: the value of lane (lane ^ lane_mask)."""
     return cutlass.Float32(llvm.inline_asm(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +40,8 @@ FAST = [
     K1.Config(rank=64, num_slices=3, bm=64, kc=512),
     K1.Config(rank=256, num_slices=1, bm=16, kc=4096, stages=2),
     K1.Config(rank=8, num_slices=2, bm=32, kc=1024),
+    K1.Config(rank=64, num_slices=3, bm=32, kc=512, stages=4, zfill=True),  # v0.39's experiment
+    K1.Config(rank=16, num_slices=1, bm=16, kc=1536, stages=2, zfill=True),
 ]
 
 
@@ -228,9 +231,11 @@ def test_select_by_token_count():
                     assert cfg in pre, (s, k, r, m)
                     assert cfg.kc == K1.select(s, k, r).kc  # the same capacity: the same splits rule
     for s, k in K1.SWEEP_SHAPES:
-        sweep = K1.sweep_configs(s, k, 64)
-        assert sweep and set(sweep.values()) <= pre
-        assert all(c.kc == K1.select(s, k, 64).kc and c.smem_bytes <= K1.SMEM_LIMIT for c in sweep.values())
+        for m in (None, 64, 1024, 2048, 8192):  # the bench's token counts all find their builds
+            sweep = K1.sweep_configs(s, k, 64, m)
+            assert sweep and set(sweep.values()) <= pre, (s, k, m)
+            assert all(c.kc == K1.select(s, k, 64).kc and c.smem_bytes <= K1.SMEM_LIMIT for c in sweep.values())
+            assert (m is None) == ("zf" not in sweep)
 
 
 def test_choose_zsplit():
@@ -479,6 +484,31 @@ def test_gpu_bitwise_deterministic(M):
             first = cur
         else:
             assert all(torch.equal(a, b) for a, b in zip(cur, first))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,L,K,S", [(64, 8, 4096, 3), (2048, 1, 4096, 3), (300, 32, 4096, 2), (2048, 8, 12288, 1),
+                                     (100, 8, 4040, 1), (1500, 4, 4040, 1)])
+def test_gpu_zfill_is_bitwise_the_default(M, L, K, S):
+    """v0.39's experiment (Config.zfill: every guarded copy one cp.async with a runtime source
+    size, shared addresses swizzled by hand) loads the same bytes to the same places: codes, scales
+    and h bit-identical to select()'s build at mixed effective ranks, tokens without an adapter,
+    special values, a K tail (K = 4040: the last k-block half zero-filled), poisoned outputs."""
+    _hopper()
+    R = 64
+    slot_ranks = torch.tensor([(16, 32, 64, 0)[i % 4] if L > 1 else 64 for i in range(L)], dtype=torch.int32)
+    case = make_case(M, L, R, K, S, seed=M + L + K, slot_ranks=slot_ranks, device="cuda", spread=True,
+                     specials=True)
+    base = K1.select(S, 4096 if K == 4040 else K, R, M)
+    outs = []
+    for cfg in (base, replace(base, zfill=True)):
+        codes, scales, h = _poisoned(M, K, S, R)
+        K1.k1_quant_shrink(case["x"], case["As"], case["meta"], codes, scales, h, case["slot_ranks"], config=cfg)
+        outs.append((codes.view(torch.uint8), scales.view(torch.int32), h.view(torch.int32)))
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    _check(case, outs[1][0].view(torch.float8_e4m3fn), outs[1][1].view(torch.float32),
+           outs[1][2].view(torch.float32), K)
 
 
 @pytest.mark.gpu
