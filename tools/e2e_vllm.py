@@ -78,6 +78,7 @@ fit one 10-minute device call.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib
 import json
@@ -550,6 +551,31 @@ def error_summary(log_text: str) -> str | None:
     return None
 
 
+# The driver's SIGTERM handler ends the run with SystemExit (the workers are stopped and the report
+# still written). While a worker is being spawned the exit waits: raised inside Popen, after the
+# fork but before Popen returned, it would leave a worker process nobody stops.
+_sigterm = {"deferring": 0, "pending": False}
+
+
+def _on_sigterm(*_):
+    if _sigterm["deferring"]:
+        _sigterm["pending"] = True
+    else:
+        sys.exit(143)
+
+
+@contextlib.contextmanager
+def _sigterm_deferred():
+    _sigterm["deferring"] += 1
+    try:
+        yield
+    finally:
+        _sigterm["deferring"] -= 1
+        if _sigterm["pending"] and not _sigterm["deferring"]:
+            _sigterm["pending"] = False
+            sys.exit(143)
+
+
 class Worker:
     def __init__(self, config: str, spec_path: Path, env: dict, out: Path, control: Path):
         self.config, self.spec_path, self.env, self.out, self.control = config, spec_path, env, out, control
@@ -566,9 +592,10 @@ class Worker:
         self.t_start = time.time()
         (self.out / f"result_{self.config}.json").unlink(missing_ok=True)  # an earlier run's
         logf = open(self.out / f"{self.config}.log", "w")
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", self.config,
-                                      "--spec", str(self.spec_path)], cwd=ROOT, env=self.env, stdout=logf,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        with _sigterm_deferred():  # a SIGTERM inside Popen would leave its child unknown to stop()
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", self.config,
+                                          "--spec", str(self.spec_path)], cwd=ROOT, env=self.env, stdout=logf,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
         logf.close()
 
     def alive(self) -> bool:
@@ -990,7 +1017,7 @@ def main(argv=None) -> int:
     if args.stock_from:
         runs["stock"] = load_result(args.stock_from)
     reference = args.stock_from.resolve() if args.stock_from else None
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the engines and report on SIGTERM too
+    signal.signal(signal.SIGTERM, _on_sigterm)  # stop the engines and report on SIGTERM too
     interrupted = False
     try:
         run_workers(workers, concurrent=not args.sequential and len(workers) > 1, deadline=deadline,
