@@ -340,9 +340,11 @@ if cute is not None:
                 # this group's slot, effective rank and rows in the tile: once per group
                 g = g_first + gi
                 lid = mActive[g]
-                keff = self._k_eff(lid, mRanks, has_ranks)
-                lo = cutlass.max(mStart[g] - r0, 0)
-                hi = cutlass.min(mStart[g + 1] - r0, rows)
+                # warp-uniform by construction (every thread loads the same words); saying so lets
+                # ptxas drop the WARPSYNC it otherwise puts around each predicated LDSM / HMMA
+                keff = cute.arch.make_warp_uniform(self._k_eff(lid, mRanks, has_ranks))
+                lo = cute.arch.make_warp_uniform(cutlass.max(mStart[g] - r0, 0))
+                hi = cute.arch.make_warp_uniform(cutlass.min(mStart[g + 1] - r0, rows))
                 # v0.38: the common case (one group over the warp's rows at full rank) without the
                 # per-element row masks and per-column rank tests of the general path: the same MMAs.
                 whole = keff == RP and lo <= w_lo and hi >= w_lo + 16
@@ -376,7 +378,9 @@ if cute is not None:
                                 if r < lo or r >= hi:
                                     tCrX[None, None, kk][e] = cutlass.BFloat16(0.0)
                             for n in cutlass.range_constexpr(cute.size(tCrW, mode=[1])):
-                                if tCcW[0, n, 0][0] < keff:
+                                # the 8 rank rows of an MMA n-tile: lane-dependent row, uniform base
+                                # (keff is a multiple of 16, so testing the base is the same test)
+                                if cute.arch.make_warp_uniform(tCcW[0, n, 0][0] // 8 * 8) < keff:
                                     acc_n = _unit_modes(acc[None, 0, n], 2)
                                     cute.gemm(tiled_mma, acc_n, tCrX[None, None, kk], _unit_modes(tCrW[None, n, kk], 1),
                                               acc_n)

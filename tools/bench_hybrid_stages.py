@@ -22,7 +22,8 @@ replays with the L2 flushed before each (median, tools/gpu_timing):
                  same projection (when vLLM imports), so vllm_lora - vllm_fp8 is vLLM's adapter cost
   k1_bm<B>_st<S>_us, expand_add_bm<B>_bn<N>_us   with EPILORA_BENCH_K1SWEEP=1, K1 and expand-add
                  under the alternative configurations of k1_shrink.sweep_configs (rows per CTA,
-                 ring depth) and expand_add.sweep_configs (tile shape): CTAs per SM
+                 ring depth) and expand_add.sweep_configs (tile shape): CTAs per SM;
+                 expand_add_again_us, the selected expand-add timed again after every other column
   k1_floor_us / expand_floor_us   least DRAM traffic at the measured read bandwidth: x read +
                  codes written + the active adapters' A / y read and written + their B
   k1_cfg, k1_grid, expand_cfg, expand_grid   the launch geometry the op uses (host-side, no GPU)
@@ -228,6 +229,10 @@ def bench_hybrid_stages(quick: bool) -> list[dict]:
                         vllm_note = vllm_note or vl["_vllm_error"]
                     else:
                         fns.update(vl)
+                    if os.environ.get(K1SWEEP_ENV) == "1":
+                        # the selected expand-add once more, timed last: v0.37 found the first
+                        # expand-add column ~18 % slower than an identical later one at 8192 tokens
+                        fns["expand_add_again"] = fns["expand_add"]
                     time_stages(row, fns, timer=time_graph)
                 except Exception as e:  # noqa: BLE001 - a case that can't be built is reported
                     row["error"] = f"{type(e).__name__}: {e}"[:200]
