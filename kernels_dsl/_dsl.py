@@ -9,12 +9,25 @@ from __future__ import annotations
 import warnings
 
 import cutlass
+import numpy as np
 import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 # 4.8 deprecates cutlass.utils.SmemAllocator in favour of cutlass.memory, which 4.6 lacks.
 warnings.filterwarnings("ignore", message=".*SmemAllocator is deprecated.*")
+
+# ---------------------------------------------------------------------------------------------
+# vLLM's dynamic per-token FP8 quantization: its constants and the steps every kernel that
+# quantizes shares (the codes must be vLLM's bit for bit; epilora_cute.reference defines them)
+# ---------------------------------------------------------------------------------------------
+
+FP8_MAX = 448.0  # e4m3's largest finite value
+# min_scaling_factor: 1.0f / (448.0f * 512.0f) rounded once to fp32 (the kernel literal is that
+# fp32 value exactly)
+MIN_SCALE = float(np.float32(1.0) / np.float32(448.0 * 512.0))
+FLT_MAX = float(np.finfo(np.float32).max)
+
 
 # ---------------------------------------------------------------------------------------------
 # Device helpers (inline PTX where the DSL has no portable wrapper)
@@ -358,3 +371,34 @@ def compile_with_smem(kernel, fake_args, options: str):
     except AttributeError:  # a compiled object that refuses new attributes
         pass
     return f
+
+
+# ---------------------------------------------------------------------------------------------
+# The quantization's arithmetic (on top of the PTX helpers above)
+# ---------------------------------------------------------------------------------------------
+
+
+def fp8_scale(amax):
+    """A row's scale from its NaN-ignoring max |x|: max(amax / 448, MIN_SCALE), the division
+    correctly rounded (an infinite amax gives an infinite scale, as in vLLM)."""
+    return fmax_f32(div_rn_f32(amax, cutlass.Float32(FP8_MAX)), cutlass.Float32(MIN_SCALE))
+
+
+@cute.jit
+def fp8_quotient_operands(scale):
+    """(div, rcp) with which quot_rn_f32(x, div, rcp) is vLLM's x / scale: (scale, its correctly
+    rounded reciprocal), or for an infinite scale (an infinite element in the row) (FLT_MAX, 0),
+    which gives +-0 for finite x and NaN for +-inf and NaN, with no branch per element."""
+    div = scale
+    rcp = cutlass.Float32(0.0)
+    if scale < cutlass.Float32(float("inf")):
+        rcp = rcp_rn_f32(scale)
+    else:
+        div = cutlass.Float32(FLT_MAX)
+    return div, rcp
+
+
+def fp8_clamp(q):
+    """fmaxf(-448, fminf(q, 448)), as vLLM clamps before the conversion: NaN -> +448 (fminf
+    returns its non-NaN operand)."""
+    return fmax_f32(cutlass.Float32(-FP8_MAX), fmin_f32(q, cutlass.Float32(FP8_MAX)))

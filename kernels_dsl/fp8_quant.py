@@ -29,13 +29,13 @@ from epilora_cute.kernel_abi import TensorParam
 try:  # the DSL is needed to compile, not to launch a cached build
     import cutlass
     import cutlass.cute as cute
+
+    from ._dsl import FP8_MAX, MIN_SCALE  # vLLM's constants, shared by every quantizing kernel
 except ImportError:  # pragma: no cover - exercised on GPU machines without the DSL
     cutlass = cute = None
 
 FAMILY = "fp8_quant"
 ELEMS_PER_VECTOR = 8  # 8 bf16 = one 16-byte load
-FP8_MAX = 448.0
-MIN_SCALE = 1.0 / (448.0 * 512.0)  # exactly representable: 2^-17 / 1.75 rounds the same in fp32
 
 
 @dataclass(frozen=True)

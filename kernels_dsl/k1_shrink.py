@@ -44,7 +44,6 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from epilora_cute.kernel_abi import ScalarParam, TensorParam
@@ -62,9 +61,6 @@ except ImportError:  # pragma: no cover - GPU machines without nvidia-cutlass-ds
 FAMILY = "k1_quant_shrink"
 RUNTIME_CONTRACT = True
 
-FP8_MAX = 448.0
-MIN_SCALE = float(np.float32(1.0) / np.float32(448.0 * 512.0))
-FLT_MAX = float(np.finfo(np.float32).max)
 BK = 64  # K elements per k-block (one 128-byte swizzle row of bf16)
 P_PAD = 4  # fp32 words of padding per row of the partial tile
 MAX_SPLITS = 8  # portable cluster size
@@ -516,20 +512,13 @@ if cute is not None:
                     part.append(m_q)
                 for q in cutlass.range_constexpr(MAX_SPLITS):
                     amax = D.fmax_f32(amax, part[q])
-                scale = D.fmax_f32(D.div_rn_f32(amax, cutlass.Float32(FP8_MAX)), cutlass.Float32(MIN_SCALE))
+                scale = D.fp8_scale(amax)
                 t = mTok[r0 + r]
                 if split == 0 and sub == 0:
                     mScale[t] = scale
                 # x / scale as (x, div, rcp) quotients, bit-identical to div.rn (D.quot_rn_f32; the
-                # profile put div.rn's call sequence at ~12 % of a CTA): the row's reciprocal once,
-                # and for an infinite scale (an infinite element) the operands (FLT_MAX, 0), with
-                # which the quotient is vLLM's x / inf (+-0 for finite x, NaN otherwise).
-                div = scale
-                rcp = cutlass.Float32(0.0)
-                if scale < cutlass.Float32(float("inf")):
-                    rcp = D.rcp_rn_f32(scale)
-                else:
-                    div = cutlass.Float32(FLT_MAX)
+                # profile put div.rn's call sequence at ~12 % of a CTA): the row's operands once.
+                div, rcp = D.fp8_quotient_operands(scale)
                 units = nkb * (BK // 8)
                 g_q = cute.zipped_divide(mQ16[t, None], (4,))  # 8 codes = 4 x int16
                 for u in cutlass.range(sub, units, TPR, unroll=1):
@@ -541,9 +530,7 @@ if cute is not None:
                         for e in cutlass.range_constexpr(4):
                             q0 = D.quot_rn_f32(v[2 * e].to(cutlass.Float32), div, rcp)
                             q1 = D.quot_rn_f32(v[2 * e + 1].to(cutlass.Float32), div, rcp)
-                            q0 = D.fmax_f32(cutlass.Float32(-FP8_MAX), D.fmin_f32(q0, cutlass.Float32(FP8_MAX)))
-                            q1 = D.fmax_f32(cutlass.Float32(-FP8_MAX), D.fmin_f32(q1, cutlass.Float32(FP8_MAX)))
-                            r_q[e] = D.cvt_e4m3x2_f32(q0, q1)
+                            r_q[e] = D.cvt_e4m3x2_f32(D.fp8_clamp(q0), D.fp8_clamp(q1))
                         cute.autovec_copy(r_q, g_q[None, (k0 + u * 8) // 8])
 
         @cute.jit

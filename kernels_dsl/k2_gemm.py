@@ -49,7 +49,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ._abi import SM_COUNT_H100, CoordParam, ScalarParam, TensorParam, TmaParam, TmaSpec, struct_size
@@ -77,11 +76,8 @@ CONSUMER_REGS_2CTA = 216
 SMEM_PER_SM = 228 * 1024  # H100/H200; each resident CTA also reserves 1 KiB
 RED_PAD = 4  # fp32 words of padding per token column of the reduction buffer (bank spread)
 META_ROWS = 32  # the adapter table in smem: one row per token of the tile (bn <= 32)
-# self_quant builds: vLLM's per-token quantization (the constants of the shrink's planes) and the
-# largest cluster whose maxima a CTA combines.
-FP8_MAX = 448.0
-MIN_SCALE = float(np.float32(1.0) / np.float32(448.0 * 512.0))
-FLT_MAX = float(np.finfo(np.float32).max)
+# self_quant builds (vLLM's per-token quantization: _dsl.fp8_scale / fp8_quotient_operands /
+# fp8_clamp, as the shrink's planes and K1 quantize):
 ROWMAX_VECS = 12  # sq_rowmax: 16-byte vectors of x per consumer thread for the whole rows
 ROWMAX_ELEMS = 128 * ROWMAX_VECS * 8  # M * K up to which sq_rowmax builds skip the exchange
 MAX_CLUSTER = 16
@@ -748,17 +744,9 @@ if cute is not None:
                         amax = self._cluster_max(am_addr + ctid * 4, nsplit)
                 else:
                     amax = self._cluster_max(am_addr + ctid * 4, nsplit)
-                scale = D.fmax_f32(D.div_rn_f32(amax, cutlass.Float32(FP8_MAX)), cutlass.Float32(MIN_SCALE))
+                scale = D.fp8_scale(amax)
                 sSx[ctid] = scale
-                # The quotients' operands: (scale, its reciprocal), or for an infinite scale (an
-                # infinite element in the row) (FLT_MAX, 0), with which D.quot_rn_f32 returns
-                # vLLM's x / inf: +-0 for finite x, NaN for +-inf and NaN, and no branch per element.
-                div = scale
-                rcp = cutlass.Float32(0.0)
-                if scale < cutlass.Float32(float("inf")):
-                    rcp = D.rcp_rn_f32(scale)
-                else:
-                    div = cutlass.Float32(FLT_MAX)
+                div, rcp = D.fp8_quotient_operands(scale)  # one per row, not per element
                 sAm[BN + ctid] = rcp
                 sAm[2 * BN + ctid] = div
             cute.arch.barrier(barrier_id=1, number_of_threads=128)  # scales and reciprocals
@@ -779,7 +767,7 @@ if cute is not None:
                         for i in cutlass.range_constexpr(4):
                             el = q4 * 4 + i
                             qv = D.quot_rn_f32(r_x[el % 8, el // 8, u].to(cutlass.Float32), div, rcp)
-                            c[i] = D.fmax_f32(cutlass.Float32(-FP8_MAX), D.fmin_f32(qv, cutlass.Float32(FP8_MAX)))
+                            c[i] = D.fp8_clamp(qv)
                         w[q4] = D.cvt_e4m3x4_f32(c[0], c[1], c[2], c[3])
                     off = kb * (BN * BK) + j * BK + ((c16 ^ (j % 8)) * 16)
                     D.st_shared_v4_b32(x_base + off, w[0], w[1], w[2], w[3])

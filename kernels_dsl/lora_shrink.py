@@ -41,7 +41,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ._abi import CoordParam, TensorParam, TmaParam, TmaSpec, struct_size
@@ -61,10 +60,6 @@ FAMILY = "lora_shrink_quant"
 RUNTIME_CONTRACT = True
 
 THREADS = 128
-FP8_MAX = 448.0
-# min_scaling_factor: 1.0f / (448.0f * 512.0f) rounded once to fp32 (exactly representable in a
-# Python float, so the kernel literal is that fp32 value).
-MIN_SCALE = float(np.float32(1.0) / np.float32(448.0 * 512.0))
 RED_PAD = 4
 # Trace builds (Config.trace): per CTA ((z * Y + y) * S + x), %globaltimer ns at: kernel entry, past
 # griddepcontrol.wait, x_q published (quantization CTAs) / main loop done (down-projection), h stored;
@@ -259,7 +254,7 @@ if cute is not None:
                             for q in cutlass.range_constexpr(MAX_CLUSTER):
                                 amax = D.fmax_f32(amax, parts[q])
                         self._stamp(trace_row, 5, tidx)
-                        scale = D.fmax_f32(D.div_rn_f32(amax, cutlass.Float32(FP8_MAX)), cutlass.Float32(MIN_SCALE))
+                        scale = D.fp8_scale(amax)
                         sx_owner = tidx  # thread 0 of the token's (first) CTA writes s_x
                         if rows_split:
                             sx_owner = tidx + split * THREADS
@@ -467,9 +462,7 @@ if cute is not None:
                     for e in cutlass.range_constexpr(4):
                         q0 = D.div_rn_f32(r_x[2 * e, u].to(cutlass.Float32), scale)
                         q1 = D.div_rn_f32(r_x[2 * e + 1, u].to(cutlass.Float32), scale)
-                        q0 = D.fmax_f32(cutlass.Float32(-FP8_MAX), D.fmin_f32(q0, cutlass.Float32(FP8_MAX)))
-                        q1 = D.fmax_f32(cutlass.Float32(-FP8_MAX), D.fmin_f32(q1, cutlass.Float32(FP8_MAX)))
-                        r_q[e] = D.cvt_e4m3x2_f32(q0, q1)
+                        r_q[e] = D.cvt_e4m3x2_f32(D.fp8_clamp(q0), D.fp8_clamp(q1))
                     if j0 + THREADS * u < v_hi:
                         cute.autovec_copy(r_q, g_q[None, j0 + THREADS * u])
 
