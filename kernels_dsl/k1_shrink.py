@@ -696,11 +696,7 @@ SWEEP_SHAPES = ((3, 4096), (1, 4096), (2, 4096), (1, 12288))
 
 
 def sweep_configs(num_slices: int, k: int, rank: int, m: int | None = None) -> dict[str, Config]:
-    """name -> an alternative to select()'s configuration for the bench's sweep: the same
-    capacity with other rows per CTA / ring depths, and with m above SHALLOW_SMALL_M also wider
-    resident chunks (v0.41: "kc<C>_bm<B>_st<S>", kc a power of two up to 4x the selected one:
-    fewer splits -- a smaller cluster, more k-blocks per CTA -- with the deepest ring of <= 4
-    stages that keeps two CTAs per SM)."""
+    """name -> an alternative to select()'s configuration for the bench's sweep (same capacity)."""
     base = select(num_slices, k, rank)
     out = {}
     for bm, stages in ((base.bm, 4), (16, 4), (16, 8), (base.bm, 3), (16, 2)):
@@ -710,17 +706,6 @@ def sweep_configs(num_slices: int, k: int, rank: int, m: int | None = None) -> d
             continue
         if cfg != base and cfg.smem_bytes <= SMEM_LIMIT:
             out[f"bm{bm}_st{stages}"] = cfg
-    if m is not None and m > SHALLOW_SMALL_M:
-        for kc in (c for c in (1024, 2048, 4096) if base.kc < c <= min(k, 4 * base.kc)):
-            for bm in (16, 32):
-                for stages in (4, 3, 2):
-                    try:
-                        cfg = Config(rank=rank, num_slices=num_slices, bm=bm, kc=kc, stages=stages)
-                    except ValueError:
-                        continue
-                    if cfg.smem_bytes <= SMEM_TWO_PER_SM:
-                        out[f"kc{kc}_bm{bm}_st{stages}"] = cfg
-                        break
     return out
 
 
