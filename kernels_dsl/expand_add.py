@@ -67,15 +67,12 @@ C_PAD = 4  # fp32 words of padding per row of the epilogue staging tile (16-byte
 @dataclass(frozen=True)
 class Config:
     """rank: the buffers' rank R (vLLM's max_lora_rank). num_slices: 1..4 B buffers.
-    bm: token rows per CTA (16 per warp). bn: output columns per CTA (multiple of 16).
-    min_ctas (experiment, v0.42): 0, or the CTAs per SM the build must allow (.minnctapersm:
-    ptxas keeps the registers to 65536 / (min_ctas * threads))."""
+    bm: token rows per CTA (16 per warp). bn: output columns per CTA (multiple of 16)."""
 
     rank: int = 64
     num_slices: int = 1
     bm: int = 64
     bn: int = 128
-    min_ctas: int = 0
 
     def __post_init__(self):
         if self.rank not in RANKS:
@@ -88,8 +85,6 @@ class Config:
             raise ValueError("bn must be 64, 128 or 256")
         if self.threads // (self.rank_pad // 8) > self.bn:
             raise ValueError("the B tile copy needs threads / (rank_pad / 8) <= bn")
-        if not 0 <= self.min_ctas <= 8:
-            raise ValueError("min_ctas must be 0..8")
 
     @property
     def rank_pad(self) -> int:
@@ -101,7 +96,7 @@ class Config:
         return self.bm // 16 * 32
 
     def name(self) -> str:
-        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}" + (f"_c{self.min_ctas}" if self.min_ctas else "")
+        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}"
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -200,12 +195,9 @@ if cute is not None:
 
             self.storage = Storage
             self.smem_size = Storage.size_in_bytes()
-            # (with min_blocks_per_mp > 1 the DSL would ask the driver for the SM's shared memory at
-            # compile time unless the carveout is given; the runtime launcher sets the same 100 %)
-            bound = {"min_blocks_per_mp": cfg.min_ctas, "preferred_smem_carveout": 100} if cfg.min_ctas else {}
             self.kernel(y, h, tok, sorted_ids, row_group, active, start_loc, slot_ranks, b_bufs, n_widths,
                         has_ranks, sA_layout, sB_layout, sC_layout, tiled_mma, tiled_copy_b).launch(
-                grid=(1, 1, 1), block=(self.threads, 1, 1), smem=cfg.smem_bytes, stream=stream, **bound)
+                grid=(1, 1, 1), block=(self.threads, 1, 1), smem=cfg.smem_bytes, stream=stream)
 
         @cute.kernel
         def kernel(self, mY: cute.Tensor, mH: cute.Tensor, mTok: cute.Tensor, mSorted: cute.Tensor,
@@ -494,7 +486,7 @@ def prebuild_configs() -> list[Config]:
     cfgs |= {Config(rank=64, num_slices=s, bm=128, bn=128) for s in SLICE_COUNTS}
     for s in SWEEP_SLICES:
         cfgs.update(sweep_configs(s, 64).values())
-    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.bn, c.min_ctas))
+    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.bn))
 
 
 # The bench's expand-add sweep (`hybrid_stages` with EPILORA_BENCH_K1SWEEP=1), rank 64, Qwen3-8B's
@@ -515,8 +507,6 @@ def sweep_configs(num_slices: int, rank: int) -> dict[str, Config]:
             continue
         if cfg != base:
             out[f"bm{bm}_bn{bn}"] = cfg
-    # v0.42: the 64 x 128 tile held to 128 registers (four CTAs per SM instead of three)
-    out["bm64_bn128_c4"] = Config(rank=rank, num_slices=num_slices, bm=64, bn=128, min_ctas=4)
     return out
 
 
