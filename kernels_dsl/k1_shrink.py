@@ -684,8 +684,7 @@ def prebuild_configs() -> list[Config]:
     # GPU check compares against (still selected for K 14784 as well; the GPU machine has no DSL).
     cfgs.add(Config(rank=64, num_slices=1, bm=32, kc=2048, stages=8))
     for s, k in SWEEP_SHAPES:
-        for m in (None, SHALLOW_SMALL_M, SHALLOW_SMALL_M + 1):
-            cfgs.update(sweep_configs(s, k, 64, m).values())
+        cfgs.update(sweep_configs(s, k, 64).values())
     return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.kc, c.bm, c.stages))
 
 
@@ -695,7 +694,7 @@ def prebuild_configs() -> list[Config]:
 SWEEP_SHAPES = ((3, 4096), (1, 4096), (2, 4096), (1, 12288))
 
 
-def sweep_configs(num_slices: int, k: int, rank: int, m: int | None = None) -> dict[str, Config]:
+def sweep_configs(num_slices: int, k: int, rank: int) -> dict[str, Config]:
     """name -> an alternative to select()'s configuration for the bench's sweep (same capacity)."""
     base = select(num_slices, k, rank)
     out = {}

@@ -230,10 +230,9 @@ def test_select_by_token_count():
                     assert cfg in pre, (s, k, r, m)
                     assert cfg.kc == K1.select(s, k, r).kc  # the same capacity: the same splits rule
     for s, k in K1.SWEEP_SHAPES:
-        for m in (None, 64, 1024, 2048, 8192):  # the bench's token counts all find their builds
-            sweep = K1.sweep_configs(s, k, 64, m)
-            assert sweep and set(sweep.values()) <= pre, (s, k, m)
-            assert all(c.kc == K1.select(s, k, 64).kc and c.smem_bytes <= K1.SMEM_LIMIT for c in sweep.values())
+        sweep = K1.sweep_configs(s, k, 64)
+        assert sweep and set(sweep.values()) <= pre, (s, k)
+        assert all(c.kc == K1.select(s, k, 64).kc and c.smem_bytes <= K1.SMEM_LIMIT for c in sweep.values())
 
 
 def test_choose_zsplit():

@@ -162,7 +162,7 @@ class HybridStages:
                                                          out=self.out, path="hybrid_par")}
         if os.environ.get(K1SWEEP_ENV) == "1":
             from kernels_dsl import k1_shrink as k1mod
-            for name, cfg in k1mod.sweep_configs(len(c.proj.slices), c.proj.k, c.rank, c.m).items():
+            for name, cfg in k1mod.sweep_configs(len(c.proj.slices), c.proj.k, c.rank).items():
                 fns[f"k1_{name}"] = k1(config=cfg)
             from kernels_dsl import expand_add as eamod
             for name, cfg in eamod.sweep_configs(len(c.proj.slices), c.rank).items():
