@@ -61,11 +61,12 @@ MODES = ("graph", "eager")
 VERIFIED_PATHS = frozenset({"triton", "decode", "decode_sq", "no_adapter", "hybrid", "hybrid_par", "base"})
 # A path's variable overrides VERIFIED_PATHS when set: "1" lets an unverified path join the
 # candidates, "0" keeps a verified one out. "no_adapter" runs K2, so it follows the decode path's.
-OPT_IN_ENV = {"decode": "EPILORA_DECODE_PATH", "decode_sq": "EPILORA_DECODE_PATH", "no_adapter": "EPILORA_DECODE_PATH",
+OPT_IN_ENV = {"decode": "EPILORA_DECODE_PATH", "decode_sq": "EPILORA_DECODE_PATH", "decode_fh": "EPILORA_DECODE_PATH",
+              "no_adapter": "EPILORA_DECODE_PATH",
               "hybrid": "EPILORA_HYBRID_PATH", "hybrid_par": "EPILORA_HYBRID_PAR_PATH"}
 # What a key gets when it cannot be timed (under capture, or every candidate failed): the first of
 # these among the candidates — what "auto" took before the timed dispatch existed.
-DEFAULT_ORDER = ("base", "decode", "decode_sq", "triton", "hybrid", "hybrid_par", "no_adapter", "reference")
+DEFAULT_ORDER = ("base", "decode", "decode_sq", "decode_fh", "triton", "hybrid", "hybrid_par", "no_adapter", "reference")
 # Batches the host knows to have no adapter (vLLM's no-LoRA flag): "base" (default) computes them
 # with vLLM's own FP8 linear path only (same codes, same CUTLASS GEMM), so a projection of
 # base-model traffic returns exactly what stock vLLM's returns; in the engine that was no slower than
@@ -230,7 +231,8 @@ def applicable_paths(call: Call) -> tuple[str, ...]:
 
     "base" (vLLM's FP8 path): the host knows no token has an adapter (it drops the adapters);
     "decode": ≤ 32 tokens on sm_90a with shapes its kernels take; "decode_sq": the same at 1..8
-    tokens where the self-quantizing K2 takes K; "no_adapter": the same as "decode", and the
+    tokens where the self-quantizing K2 takes K, and "decode_fh" (K2 computing h too) with it;
+    "no_adapter": the same as "decode", and the
     host knows no token has an adapter; "hybrid" and "hybrid_par" (its K1 on a second stream beside
     the GEMM): sm_90a; "triton": any CUDA GPU. "reference" is
     never a candidate on a GPU. Whether a kernel can be loaded (cached or compiled here) shows when
@@ -243,6 +245,7 @@ def applicable_paths(call: Call) -> tuple[str, ...]:
         paths.append("decode")
         if self_quant_applies(call.tokens, call.k):
             paths.append("decode_sq")
+            paths.append("decode_fh")
         if call.host_adapters == 0:
             paths.append("no_adapter")
     if call.arch == "sm_90a":

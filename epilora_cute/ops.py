@@ -106,7 +106,7 @@ def _reference_quant_into(x, codes, scales, warn_reason: str | None):
 # The fused LoRA linear: y = quant(x) @ W_q^T * s_x * s_w + per-token adapter update.
 
 DECODE_MAX_TOKENS = 32
-PATHS = ("auto", "base", "decode", "decode_sq", "no_adapter", "hybrid", "hybrid_par", "prefill", "triton", "reference")
+PATHS = ("auto", "base", "decode", "decode_sq", "decode_fh", "no_adapter", "hybrid", "hybrid_par", "prefill", "triton", "reference")
 # The decode and no-adapter paths' variable for "auto" (dispatch.OPT_IN_ENV): "0" keeps them out of
 # the candidates, "1" lets them in if they ever leave dispatch.VERIFIED_PATHS.
 DECODE_PATH_ENV = "EPILORA_DECODE_PATH"
@@ -187,6 +187,16 @@ def _sync_buffer(device: torch.device) -> torch.Tensor:
     stream = torch.cuda.current_stream(device).cuda_stream
     return _persistent.get(("sync", device.index, stream), lambda: torch.zeros(2, dtype=torch.int32, device=device),
                            shared=("sync", device.index))
+
+
+def _fused_sync_buffer(device: torch.device) -> torch.Tensor:
+    # decode_fh: K2's producing CTAs count their published partials of h in [0] and every CTA its
+    # exit in [1]; the last one re-arms both. Its own buffer (per device and stream, like the
+    # shrink's) so that the two protocols never meet.
+    stream = torch.cuda.current_stream(device).cuda_stream
+    return _persistent.get(("fused_sync", device.index, stream),
+                           lambda: torch.zeros(2, dtype=torch.int32, device=device),
+                           shared=("fused_sync", device.index))
 
 
 def _slice_start(widths: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -301,7 +311,8 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     as its PDL dependent — two launches; ``pdl=False`` serializes them; the shrink's extra CTAs
     quantize x), "decode_sq" (the same at 1..8 tokens with K2 quantizing x itself and the shrink
     without quantization CTAs: docs/perf.md v0.29; the timed dispatch picks between the two per
-    projection), "no_adapter" (the quantization kernel + K2 without the epilogue add: for batches
+    projection), "decode_fh" (1..8 tokens, one launch: K2 quantizes x and computes h itself,
+    docs/perf.md v0.43), "no_adapter" (the quantization kernel + K2 without the epilogue add: for batches
     where no token has an adapter), "triton" (the
     portable two-kernel path), "reference" (torch, any device). "auto" takes the reference off
     CUDA; on a GPU the timed dispatch (``dispatch.py``) takes the fastest applicable path per
@@ -369,13 +380,15 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     chain = pdl and chain_pdl  # pdl=False serializes every launch
     if path == "no_adapter":
         return _k2_no_adapter(x, w_q, w_scale, widths, out, pdl, chain)
-    self_quant = path == "decode_sq"
+    self_quant = path in ("decode_sq", "decode_fh")
     if self_quant:
         from kernels_dsl import k2_gemm
 
         if not k2_gemm.self_quant_applies(m, k):
-            raise ValueError(f"path='decode_sq' does not apply: {m} tokens of K = {k} (it takes 1..8 tokens, "
+            raise ValueError(f"path={path!r} does not apply: {m} tokens of K = {k} (it takes 1..8 tokens, "
                              "K a multiple of 128 up to 32768)")
+    if path == "decode_fh":
+        return _decode_fused_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, chain)
     return _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl, chain, self_quant)
 
 
@@ -535,6 +548,39 @@ def _k2_no_adapter(x, w_q, w_scale, widths, out, pdl: bool = True, chain: bool =
     return out
 
 
+def _checked_slot_ranks(slot_ranks, a, rank, dev):
+    max_loras = int(a[0].shape[0])
+    if slot_ranks is None:
+        return _full_ranks(max_loras, rank, dev)
+    if slot_ranks.dtype != torch.int32 or slot_ranks.numel() != max_loras:
+        raise ValueError(f"slot_ranks must be int32 [{max_loras}]")
+    return slot_ranks
+
+
+def _decode_fused_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, chain=False):
+    """decode_fh: one K2 launch that quantizes x, computes h (its first CTAs, partials over K in a
+    workspace) and adds h.B^T in its epilogue. Chained, it is launched with PDL behind the kernel
+    before it and waits for it before it reads x; it reads the metadata before that wait (the
+    assumption documented on lora_linear_fp8)."""
+    from kernels_dsl import k2_gemm
+
+    made = _persistent.made
+    m, k = x.shape
+    n = w_q.shape[0]
+    dev = x.device
+    slot_ranks = _checked_slot_ranks(slot_ranks, a, rank, dev)
+    sync = _fused_sync_buffer(dev)
+    cfg, _ = k2_gemm.select(widths, m, rank, fused_h=True)
+    partials = torch.empty(k2_gemm.fused_h_workspace_shape(cfg, k), dtype=torch.float32, device=dev)
+    spec = k2_gemm.launch(cfg, w_q=w_q, w_scale=w_scale, y=out, split=k2_gemm.split_for(cfg, n, k), x=x,
+                          sync=sync, h=partials, token_lora=meta.token_lora_mapping[:m],
+                          active_lora_ids=meta.active_lora_ids, num_active=meta.num_active,
+                          slot_ranks=slot_ranks, slice_start=_slice_start(widths, dev), lora_b=b, lora_a=a)
+    chain = chain and _persistent.made == made
+    _launch_spec(get_kernel(k2_gemm, cfg, "sm_90a"), spec, pdl=chain)
+    return out
+
+
 def _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl, chain=False, self_quant=False):
     from kernels_dsl import k2_gemm, lora_shrink
 
@@ -543,10 +589,7 @@ def _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl
     n = w_q.shape[0]
     dev = x.device
     max_loras = int(a[0].shape[0])
-    if slot_ranks is None:
-        slot_ranks = _full_ranks(max_loras, rank, dev)
-    elif slot_ranks.dtype != torch.int32 or slot_ranks.numel() != max_loras:
-        raise ValueError(f"slot_ranks must be int32 [{max_loras}]")
+    slot_ranks = _checked_slot_ranks(slot_ranks, a, rank, dev)
     h = torch.empty(len(widths), m, rank, dtype=torch.float32, device=dev)
     token_lora = meta.token_lora_mapping[:m]
     split_s = lora_shrink.choose_split(k, len(widths), rank, min(m, max_loras + 1))

@@ -273,6 +273,23 @@ def ld_acquire_gpu_s32(addr_i64, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def ld_relaxed_gpu_f32(addr_i64, *, loc=None, ip=None):
+    """ld.relaxed.gpu of an fp32 at a global address: data other CTAs of this grid published
+    before a flag this CTA acquired (never a stale L1 line)."""
+    return cutlass.Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [cutlass.Int64(addr_i64).ir_value(loc=loc, ip=ip)],
+            "ld.relaxed.gpu.global.f32 $0, [$1];",
+            "=f,l",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
 def atom_add_acqrel_gpu_s32(addr_i64, val, *, loc=None, ip=None):
     """atom.acq_rel.gpu.global.add.s32: returns the old value."""
     return cutlass.Int32(

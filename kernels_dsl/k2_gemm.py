@@ -87,6 +87,14 @@ MAX_CLUSTER = 16
 TRACE_SLOTS = 8
 # Self-quantizing builds also: the CTA's token maxima in smem (6), the scales after the cluster's
 # exchange (7); xq_ready (1) is then its codes stored.
+# fused_h builds (the adapter's down-projection inside K2, docs/perf.md v0.43): a work unit is
+# FH_ROWS rank rows x FH_KC elements of K of one slice's A for one adapter group; only the first
+# FH_PRODUCERS CTAs of the grid take units, so the CTAs that wait for h never keep a producer off
+# the GPU (CTAs are dispatched in index order, and 128 <= the CTAs of the first wave on any sm_90).
+FH_KC = 512
+FH_ROWS = 16
+FH_PRODUCERS = 128
+FH_SUM = 8  # partials summed per round of loads in the epilogue (all in flight at once)
 TRACE_K2 = ("start", "xq_ready", "mainloop_done", "h_ready", "partials_written", "end", "sq_cta_max", "sq_scales")
 
 
@@ -127,6 +135,13 @@ class Config:
     # ROWMAX_ELEMS elements, every CTA takes its token maxima over the whole rows itself (no
     # cluster exchange, no DSMEM); larger batches exchange as the default builds do.
     sq_rowmax: bool = False
+    # The adapter's down-projection inside K2 (self_quant adapter builds of bn 8; the path
+    # "decode_fh", one launch per projection, no shrink kernel): the first CTAs of the grid compute
+    # per-K-chunk partials of h = x.A^T into a workspace (`h` is then [slices, nkc * bn, R] fp32, nkc
+    # = ceil(K / FH_KC)) and publish them with one release-increment per CTA on sync[0]; each CTA's
+    # epilogue acquires sync[0] and sums a token's partials in the fixed order of K. The grid's last
+    # CTA re-arms sync (sync[1] counts the CTAs done).
+    fused_h: bool = False
 
     def __post_init__(self):
         if (self.bm + RED_PAD) * self.bn * 4 > self.bm * self.bk * self.stages:
@@ -145,6 +160,9 @@ class Config:
             raise ValueError("self_quant builds take bn 8 or 16, bk 128 and no early stages")
         if self.sq_rowmax and not self.self_quant:
             raise ValueError("sq_rowmax is a variant of the self_quant builds")
+        if self.fused_h and not (self.self_quant and self.lora and self.bn == 8 and not self.sq_rowmax
+                                 and not self.trace):
+            raise ValueError("fused_h is a variant of the self_quant adapter builds of bn 8 (no trace)")
         if self.lora:
             if self.rank not in (8, 16, 32, 64, 128, 256):
                 raise ValueError("rank must be 8..256, a power of two")
@@ -175,6 +193,7 @@ class Config:
             s += "_nolora"
         return (s + ("_c2" if self.ctas == 2 else "") + (f"_e{self.early}" if self.early else "")
                 + ("_sq" if self.self_quant else "") + ("_rowmax" if self.sq_rowmax else "")
+                + ("_fh" if self.fused_h else "")
                 + ("_trace" if self.trace else ""))
 
     @property
@@ -225,7 +244,9 @@ if cute is not None:
                      h: cute.Tensor = None, tok_lora: cute.Tensor = None, active_ids: cute.Tensor = None,
                      num_active: cute.Tensor = None, slot_ranks: cute.Tensor = None,
                      slice_start: cute.Tensor = None, b0: cute.Tensor = None, b1: cute.Tensor = None,
-                     b2: cute.Tensor = None, b3: cute.Tensor = None, trace: cute.Tensor = None):
+                     b2: cute.Tensor = None, b3: cute.Tensor = None, trace: cute.Tensor = None,
+                     a0: cute.Tensor = None, a1: cute.Tensor = None, a2: cute.Tensor = None,
+                     a3: cute.Tensor = None):
             # Flat arguments (no tuples): export_to_c, used by tools/capture, only takes flat ones.
             cfg = self.cfg
             fp8 = w.element_type
@@ -262,6 +283,10 @@ if cute is not None:
                     mBs.append(tt)
                 lora_pack = (tuple(tma_bs), tuple(mBs), h, tok_lora, active_ids, num_active, slot_ranks,
                              slice_start)
+                if cutlass.const_expr(cfg.fused_h):
+                    bufs_a = tuple(a for a in (a0, a1, a2, a3) if a is not None)
+                    assert len(bufs_a) == cfg.num_slices
+                    lora_pack = lora_pack + (bufs_a,)
             else:
                 # None, not an empty tuple: an empty tuple would still become a 1-byte parameter.
                 lora_pack = None
@@ -333,7 +358,9 @@ if cute is not None:
             cfg = self.cfg
             BM, BN, BK, RC, NB, STAGES = self.bm, self.bn, self.bk, self.rc, self.nb, self.stages
             R = cfg.rank
-            if cutlass.const_expr(cfg.lora):
+            if cutlass.const_expr(cfg.fused_h):
+                tma_bs, mBs, mH, mTok, mActive, mNumActive, mSlotRanks, mSliceStart, mAs = lora_pack
+            elif cutlass.const_expr(cfg.lora):
                 tma_bs, mBs, mH, mTok, mActive, mNumActive, mSlotRanks, mSliceStart = lora_pack
             # Built here, not passed: a TiledMma kernel argument becomes a 1-byte dummy parameter.
             kmaj = cute.nvgpu.warpgroup.OperandMajorMode.K
@@ -535,6 +562,10 @@ if cute is not None:
                     rowmax = M * K <= ROWMAX_ELEMS
                 if cutlass.const_expr(cfg.self_quant):
                     self._quantize_x(ctid, mX, st, sSx, kb_lo, nloc, M, nsplit, trace_row, rowmax)
+                n_prod = cutlass.Int32(0)  # fused_h: the CTAs that publish partials of h
+                if cutlass.const_expr(cfg.fused_h):
+                    n_prod = self._h_units(ctid, mX, mAs, mH, mSync, st, M, K, tile * nsplit + split,
+                                           nsplit * cute.arch.grid_dim()[1])
 
                 for i in cutlass.range(nloc, unroll=1):
                     s = i % STAGES
@@ -563,7 +594,15 @@ if cute is not None:
                     # h comes from the shrink kernel: wait for it here, after the main loop, and not
                     # a moment earlier.
                     cute.arch.mbarrier_wait(st.meta_ready.data_ptr(), 0)
-                    cute.arch.griddepcontrol_wait()
+                    if cutlass.const_expr(cfg.fused_h):
+                        # h's partials come from the first CTAs of this grid (_h_units): acquire
+                        # their count, then the whole consumer reads them.
+                        if ctid == 0:
+                            while D.ld_acquire_gpu_s32(mSync.iterator.toint()) < n_prod:
+                                D.nanosleep(32)
+                        cute.arch.barrier(barrier_id=1, number_of_threads=128)
+                    else:
+                        cute.arch.griddepcontrol_wait()
                     self._stamp(trace_row, 3, ctid)
                     self._lora_epilogue(ctid, acc_l, tiled_mma_l, st, sB_layout, sH_layout, bfull, bempty,
                                         mH, sl, M, split, nsplit)
@@ -619,6 +658,17 @@ if cute is not None:
                 # Keep this CTA's smem alive until every CTA of the cluster has read it.
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
+                if cutlass.const_expr(cfg.fused_h):
+                    if ctid == 0:
+                        # This CTA is past its wait for h: count it done; the last one re-arms sync
+                        # for the next call (which touches sync only after its griddepcontrol.wait,
+                        # i.e. after this grid has completed).
+                        gdim = cute.arch.grid_dim()
+                        sync_addr = mSync.iterator.toint()
+                        old = D.atom_add_acqrel_gpu_s32(sync_addr + 4, 1)
+                        if old == gdim[0] * gdim[1] * gdim[2] - 1:
+                            D.st_relaxed_gpu_s32(sync_addr, 0)
+                            D.st_relaxed_gpu_s32(sync_addr + 4, 0)
                 self._stamp(trace_row, 5, ctid)
 
         # -----------------------------------------------------------------------------------------
@@ -674,11 +724,11 @@ if cute is not None:
             cfg = self.cfg
             BN, BK = self.bn, self.bk
             IT = BN * cfg.sq_kblocks * 8 // 128  # units per thread at most
-            if cutlass.const_expr(not cfg.lora):
-                # Launched with PDL behind the kernel that writes x (chained no-adapter calls): wait
-                # for it here, after the weight stages were requested. (Adapter builds are the
-                # shrink's dependent, launched only after the shrink passed its own wait: x is
-                # complete when they start.)
+            if cutlass.const_expr(not cfg.lora or cfg.fused_h):
+                # Launched with PDL behind the kernel that writes x (chained no-adapter or fused_h
+                # calls): wait for it here, after the weight stages were requested. (The other
+                # adapter builds are the shrink's dependent, launched only after the shrink passed
+                # its own wait: x is complete when they start.)
                 cute.arch.griddepcontrol_wait()
             mv = cutlass.min(M, BN)
             nch = nloc * 8
@@ -777,6 +827,101 @@ if cute is not None:
             self._stamp(trace_row, 1, ctid)
 
         @cute.jit
+        def _h_units(self, ctid, mX, mAs: tuple, mP, mSync, st, M, K, cta, ncta):
+            """Consumer of fused_h builds: this CTA's share of h = x.A^T as partials over K, then one
+            release-increment of sync[0]. Returns the number of CTAs that increment it.
+
+            Units are (slice, adapter group, FH_ROWS rank rows, FH_KC-wide chunk of K), slice-major,
+            the groups in the table's order (first token of each slot with a non-zero effective
+            rank); units past a group's effective rank are skipped (their partials are never read).
+            Unit u goes to CTA u mod n_prod, n_prod = min(CTAs, FH_PRODUCERS, units): only the
+            grid's first CTAs produce, and none of them waits for anything of this grid before it
+            has published. Per unit, warp w takes rank rows 4w..4w+3 and lane l the 16 elements of K
+            at l*16: every load of the unit (4 A rows x 2 vectors, each group token's 2 vectors of x)
+            is issued before any is used; each (token, row) dot product is summed in a fixed order
+            over its 16 elements and then over the lanes (butterfly shuffles), and lane 0 stores it
+            into partial[slice, chunk * bn + token, row]."""
+            cfg = self.cfg
+            BN, R, NS = self.bn, cfg.rank, cfg.num_slices
+            FR = min(R, FH_ROWS)
+            bf16 = mX.element_type
+            sTok = st.sTok.get_tensor(cute.make_layout(META_ROWS))
+            sReff = st.sReff.get_tensor(cute.make_layout(META_ROWS))
+            cute.arch.mbarrier_wait(st.meta_ready.data_ptr(), 0)
+            warp = cute.arch.make_warp_uniform(ctid // 32)
+            lane = ctid % 32
+            mv = cutlass.min(M, BN)
+            n_groups = cutlass.Int32(0)
+            for j in cutlass.range_constexpr(BN):
+                if j < mv:
+                    if sReff[j] > 0:
+                        n_groups = n_groups + 1
+            nkc = (K + FH_KC - 1) // FH_KC
+            per_group = (R // FR) * nkc
+            per_slice = n_groups * per_group
+            total = NS * per_slice
+            n_prod = cutlass.min(cutlass.min(ncta, FH_PRODUCERS), total)
+            if cta < n_prod:
+                r_a = cute.make_rmem_tensor(cute.make_layout((8, 8)), bf16)  # 4 rows x 2 vectors
+                r_h = cute.make_rmem_tensor(cute.make_layout((8, 2 * BN)), bf16)  # x: 2 vectors per token
+                for u in cutlass.range(cta, total, n_prod, unroll=1):
+                    sl = u // per_slice
+                    rem = u - sl * per_slice
+                    gi = rem // per_group
+                    rem = rem - gi * per_group
+                    rc = rem // nkc
+                    kc = rem - rc * nkc
+                    # The gi-th group of the table: its slot and effective rank.
+                    lid = cutlass.Int32(-1)
+                    rg = cutlass.Int32(0)
+                    cnt = cutlass.Int32(0)
+                    for j in cutlass.range_constexpr(BN):
+                        if j < mv:
+                            r_j = sReff[j]
+                            if r_j > 0:
+                                if cnt == gi:
+                                    lid = sTok[j]
+                                    rg = r_j
+                                cnt = cnt + 1
+                    if rc * FR < rg:
+                        k0 = kc * FH_KC + lane * 16
+                        kin = k0 < K
+                        for i in cutlass.range_constexpr(4):
+                            if warp * 4 + i < FR:
+                                if kin:
+                                    for q in cutlass.range_constexpr(NS):
+                                        if sl == q:
+                                            g_a = cute.zipped_divide(mAs[q][lid * R + rc * FR + warp * 4 + i, None], (8,))
+                                            cute.autovec_copy(g_a[None, k0 // 8], r_a[None, 2 * i])
+                                            cute.autovec_copy(g_a[None, k0 // 8 + 1], r_a[None, 2 * i + 1])
+                        for j in cutlass.range_constexpr(BN):
+                            if j < mv:
+                                if sTok[j] == lid:
+                                    if kin:
+                                        g_x = cute.zipped_divide(mX[j, None], (8,))
+                                        cute.autovec_copy(g_x[None, k0 // 8], r_h[None, 2 * j])
+                                        cute.autovec_copy(g_x[None, k0 // 8 + 1], r_h[None, 2 * j + 1])
+                        for j in cutlass.range_constexpr(BN):
+                            if j < mv:
+                                if sTok[j] == lid:  # warp-uniform: the shuffles below need every lane
+                                    for i in cutlass.range_constexpr(4):
+                                        if warp * 4 + i < FR:
+                                            d = cutlass.Float32(0.0)
+                                            if kin:
+                                                for e in cutlass.range_constexpr(16):
+                                                    d = d + (r_h[e % 8, 2 * j + e // 8].to(cutlass.Float32)
+                                                             * r_a[e % 8, 2 * i + e // 8].to(cutlass.Float32))
+                                            for m in (16, 8, 4, 2, 1):
+                                                d = d + D.shfl_bfly_f32(d, m)
+                                            if lane == 0:
+                                                mP[sl, kc * BN + j, rc * FR + warp * 4 + i] = d
+                # Every thread's partials are stored; one release publishes them for the grid.
+                cute.arch.barrier(barrier_id=1, number_of_threads=128)
+                if ctid == 0:
+                    D.red_release_gpu_add_s32(mSync.iterator.toint(), 1)
+            return n_prod
+
+        @cute.jit
         def _unit_maxima(self, r_x, ctid, nunits, nch, am_addr):
             """Each of this thread's work units' |x| maximum into its token's smem word (red.max)."""
             IT = self.bn * self.cfg.sq_kblocks * 8 // 128
@@ -863,6 +1008,33 @@ if cute is not None:
                         t = t + 1
 
         @cute.jit
+        def _h_from_partials(self, hv, ctid, mP, sTok, sl, lid, rg, c, M):
+            """fused_h: this thread's hmask elements of rank chunk c, each the sum of its token's
+            partials over K's chunks in order (FH_SUM loads in flight per element and round);
+            elements past the group's effective rank stay 0 (their partials were not computed)."""
+            BN, RC, R = self.bn, self.rc, self.cfg.rank
+            HU = BN * RC // 128
+            nkc = cute.size(mP, mode=[1]) // BN  # the workspace is [slices, nkc * bn, R]
+            p_base = mP.iterator.toint()
+            for u in cutlass.range_constexpr(HU):
+                hv[u] = cutlass.Float32(0.0)
+            for kc0 in cutlass.range(0, nkc, FH_SUM, unroll=1):
+                parts = cute.make_rmem_tensor((HU * FH_SUM,), cutlass.Float32)
+                for u in cutlass.range_constexpr(HU):
+                    e = ctid + 128 * u
+                    j = e // RC
+                    col = c * RC + e - j * RC
+                    for q in cutlass.range_constexpr(FH_SUM):
+                        parts[u * FH_SUM + q] = cutlass.Float32(0.0)
+                        if j < M and col < rg and kc0 + q < nkc:
+                            if sTok[j] == lid:
+                                off = ((sl * nkc + kc0 + q) * BN + j) * R + col
+                                parts[u * FH_SUM + q] = D.ld_relaxed_gpu_f32(p_base + cutlass.Int64(off) * 4)
+                for u in cutlass.range_constexpr(HU):
+                    for q in cutlass.range_constexpr(FH_SUM):
+                        hv[u] = hv[u] + parts[u * FH_SUM + q]
+
+        @cute.jit
         def _lora_epilogue(self, ctid, acc_l, tiled_mma_l, st, sB_layout, sH_layout, bfull, bempty,
                            mH, sl, M, split, nsplit):
             """Consumer: acc_l += B_chunk . hmask^T for this CTA's items, in the table's order."""
@@ -890,14 +1062,17 @@ if cute is not None:
                             b = q % NB
                             # hmask chunk: bf16(h) of this group's tokens, 0 elsewhere. Loads first,
                             # all independent (one round trip), then the smem stores.
-                            for u in cutlass.range_constexpr(HU):
-                                e = ctid + 128 * u
-                                j = e // RC
-                                rr = e - j * RC
-                                hv[u] = cutlass.Float32(0.0)
-                                if j < M and c * RC + rr < R:
-                                    if sTok[j] == lid:
-                                        hv[u] = mH[sl, j, c * RC + rr]
+                            if cutlass.const_expr(cfg.fused_h):
+                                self._h_from_partials(hv, ctid, mH, sTok, sl, lid, rg, c, M)
+                            else:
+                                for u in cutlass.range_constexpr(HU):
+                                    e = ctid + 128 * u
+                                    j = e // RC
+                                    rr = e - j * RC
+                                    hv[u] = cutlass.Float32(0.0)
+                                    if j < M and c * RC + rr < R:
+                                        if sTok[j] == lid:
+                                            hv[u] = mH[sl, j, c * RC + rr]
                             for u in cutlass.range_constexpr(HU):
                                 e = ctid + 128 * u
                                 j = e // RC
@@ -934,8 +1109,10 @@ def _fake_args(cfg: Config):
     w = D.fake_rowmajor(f8, (N, K))
     sw = D.fake_rowmajor(f32, (1,), align=4)
     y = D.fake_rowmajor(bf16, (D.sym(1), D.sym(8)))
-    if cfg.self_quant:  # bf16 x in the x_q position; no s_x, no sync
+    if cfg.self_quant:  # bf16 x in the x_q position; no s_x, no sync (fused_h: its counters)
         xq, sx, sync = D.fake_rowmajor(bf16, (D.sym(1), D.sym(128))), None, None
+        if cfg.fused_h:
+            sync = D.fake_rowmajor(i32, (2,), align=8)
     else:
         xq = D.fake_rowmajor(f8, (D.sym(1), D.sym(16)))
         sx = D.fake_rowmajor(f32, (D.sym(1),), align=4)
@@ -954,6 +1131,9 @@ def _fake_args(cfg: Config):
     else:
         args = (w, xq, sx, sw, y, sync, cutlass.Int32(0), D.fake_stream())
         pad = 10  # h .. slice_start, b0 .. b3
+    if cfg.fused_h:  # after `trace` (None): A of each slice, [max_loras * R, K]
+        bufs_a = tuple(D.fake_rowmajor(bf16, (D.sym(1), D.sym(128))) for _ in range(cfg.num_slices))
+        return args + (None,) * pad + (None,) + bufs_a
     if not cfg.trace:
         return args
     return args + (None,) * pad + (D.fake_rowmajor(cutlass.Int64, (D.sym(1), TRACE_SLOTS)),)
@@ -982,8 +1162,10 @@ def params(config: Config) -> list:
             TensorParam("x", bf16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16),  # [M, K]
             TensorParam("s_w", f32, 1, align=4),  # [1]
             TensorParam("y", bf16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16),  # [M, N]
-            ScalarParam("n_quant", "i"),  # unused (always 0)
         ]
+        if config.fused_h:
+            p.append(TensorParam("sync", i32, 1, align=8))  # [2]: h's partials published / CTAs done
+        p.append(ScalarParam("n_quant", "i"))  # unused (always 0)
     else:
         p += [
             TmaParam("tma_xq", TmaSpec(f8, (bk, bn)), "x_q [M, K] e4m3 (M <= bn; rows >= M are never stored)"),
@@ -1010,6 +1192,9 @@ def params(config: Config) -> list:
             TensorParam("slot_ranks", i32, 1, dynamic_shape=(0,), align=4),  # [max_loras]
             TensorParam("slice_start", i32, 1, align=4),  # [num_slices+1]: 0, n_0, n_0+n_1, ..., N
         ]
+        if config.fused_h:  # `h` above is then the partials' workspace [slices, nkc * bn, R]
+            p += [TensorParam(f"a{s}", bf16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16)
+                  for s in range(config.num_slices)]  # A_s [max_loras, 1, R, K] viewed as [max_loras*R, K]
     if config.trace:
         p.append(TensorParam("trace", torch.int64, 2, dynamic_shape=(0,), align=16))  # [CTAs, 8] ns
     return p
@@ -1017,12 +1202,15 @@ def params(config: Config) -> list:
 
 def launch(config: Config, *, w_q, w_scale, y, split: int, x_q=None, x_scale=None, sync=None, n_quant: int = 0,
            x=None, h=None, token_lora=None, active_lora_ids=None, num_active=None, slot_ranks=None,
-           slice_start=None, lora_b=None, trace=None) -> dict:
+           slice_start=None, lora_b=None, trace=None, lora_a=None) -> dict:
     """Arguments (in params() order) and launch geometry for one K2 call.
 
     x_q, x_scale, sync, n_quant: the activations quantized by another kernel (see the module
     docstring); x instead (bf16 [M, K], K a multiple of 128) for self_quant builds, which need
     split >= min_split(config, K) so that no CTA owns more than sq_kblocks k-blocks.
+    fused_h builds also take lora_a (vLLM's A buffers, one per slice), sync (int32 [2], zero before
+    the first call; the kernel re-arms it) and as h the partials' workspace
+    fused_h_workspace_shape(config, K) fp32, contiguous.
     Returns dict(args, grid, block, cluster, smem, pdl). Launch with cluster dims (split, 1, 1)
     and, for the adapter variant, PDL (programmatic stream serialization) as the dependent of the
     shrink kernel.
@@ -1050,6 +1238,10 @@ def launch(config: Config, *, w_q, w_scale, y, split: int, x_q=None, x_scale=Non
         if split < min_split(config, K):
             raise ValueError(f"split {split} leaves a CTA more than {config.sq_kblocks} k-blocks of K = {K}")
         args = [w_q, (N, K), x, w_scale.reshape(-1), y, 0]
+        if config.fused_h:
+            if sync is None or sync.dtype != torch.int32 or sync.numel() < 2:
+                raise ValueError("a fused_h build takes sync, int32 [2]")
+            args = [w_q, (N, K), x, w_scale.reshape(-1), y, sync, 0]
     else:
         args = [w_q, (N, K), x_q, (M, K), x_scale.reshape(-1), w_scale.reshape(-1), y, sync, int(n_quant)]
     if config.lora:
@@ -1065,13 +1257,33 @@ def launch(config: Config, *, w_q, w_scale, y, split: int, x_q=None, x_scale=Non
                 raise ValueError(f"slice width {b3.shape[1]} is not a multiple of bm={config.bm}")
             views.append(b3.reshape(-1, config.rank))
         args += views + [(v.shape[0],) for v in views]
+        if config.fused_h:
+            want = fused_h_workspace_shape(config, K)
+            if h is None or tuple(h.shape) != want or h.dtype != torch.float32 or not h.is_contiguous():
+                raise ValueError(f"a fused_h build takes as h the partials' workspace, fp32 {want}, contiguous")
         args += [h, token_lora, active_lora_ids, num_active, slot_ranks, slice_start]
+        if config.fused_h:
+            bufs_a = list(lora_a) if lora_a is not None else []
+            if len(bufs_a) != config.num_slices:
+                raise ValueError(f"{config.num_slices} A buffers expected")
+            for a in bufs_a:
+                a3 = a[:, 0] if a.dim() == 4 else a
+                if a3.shape[1] != config.rank or a3.shape[2] != K or a3.dtype != torch.bfloat16:
+                    raise ValueError(f"A buffer {tuple(a.shape)} does not match rank {config.rank}, K {K}")
+                if not a3.is_contiguous() or a3.data_ptr() % 16:
+                    raise ValueError("A buffers must be contiguous and 16-byte aligned")
+                args.append(a3.reshape(-1, K))
     if config.trace:
         if trace is None or trace.shape != (split * (N // config.bm), TRACE_SLOTS) or trace.dtype != torch.int64:
             raise ValueError(f"a trace build needs trace = int64 [{split * (N // config.bm)}, {TRACE_SLOTS}]")
         args.append(trace)
     return dict(args=tuple(args), grid=(split, N // config.bm, 1), block=config.block, cluster=(split, 1, 1),
                 smem=config.smem_bytes(), pdl=config.lora)
+
+
+def fused_h_workspace_shape(config: Config, k: int) -> tuple[int, int, int]:
+    """The fused_h partials' workspace: [slices, ceil(K / FH_KC) * bn, R] fp32."""
+    return (config.num_slices, -(-k // FH_KC) * config.bn, config.rank)
 
 
 def choose_split(n_out: int, k: int, bm: int = 128, bk: int = 128, sms: int = SM_COUNT_H100,
@@ -1137,16 +1349,18 @@ def default_config(bn: int, bm: int, **kw) -> Config:
 
 
 def select(widths, m: int, rank: int | None = None, ctas: int | None = None, stages: int | None = None,
-           self_quant: bool = False):
+           self_quant: bool = False, fused_h: bool = False):
     """(adapter config or None, no-adapter config) for a projection with these slice widths.
 
     ctas / stages ask for an experimental build that tools/bench_stages.py times against the
     default (prebuilt for rank 64 and no adapter: the former default, one CTA per SM with 4
     stages, and one CTA per SM with 8 stages); without such a build the default is returned.
-    self_quant: the builds that quantize x themselves (see self_quant_applies)."""
+    self_quant: the builds that quantize x themselves (see self_quant_applies); fused_h: those that
+    also compute h (the path "decode_fh"; the same tokens and K)."""
     bm, bn = bm_for(widths), token_tile(m)
-    if self_quant:
-        return ((default_config(bn, bm, lora=True, num_slices=len(widths), rank=rank, self_quant=True)
+    if self_quant or fused_h:
+        fh = dict(fused_h=True) if fused_h else {}
+        return ((default_config(bn, bm, lora=True, num_slices=len(widths), rank=rank, self_quant=True, **fh)
                  if rank else None), default_config(bn, bm, lora=False, self_quant=True))
 
     def pick(**kw):
@@ -1237,11 +1451,14 @@ def prebuild_configs() -> list[Config]:
             cfgs.add(default_config(bn, bm, lora=False, self_quant=True))
             for r in RANKS:
                 cfgs.add(default_config(bn, bm, lora=True, num_slices=len(widths), rank=r, self_quant=True))
+                cfgs.add(default_config(bn, bm, lora=True, num_slices=len(widths), rank=r, self_quant=True,
+                                        fused_h=True))
     cfgs.update(sweep_configs())
     cfgs.update(trace_configs())
     cfgs.update(early_configs())
     cfgs.update(rowmax_configs())
-    return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank, c.ctas, c.stages, c.trace))
+    return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank, c.ctas, c.stages, c.trace,
+                                       c.fused_h))
 
 
 def early_configs() -> list[Config]:

@@ -128,12 +128,13 @@ def _without_hybrid_par(monkeypatch):
 
 def test_candidates_follow_applicability_and_opt_in(monkeypatch):
     monkeypatch.delenv("EPILORA_HYBRID_PAR_PATH")
-    # decode_sq: the decode path's 1..8-token variant (the default call has 12 tokens).
+    # decode_sq / decode_fh: the decode path's 1..8-token variants (the default call has 12 tokens).
     H = ("hybrid", "hybrid_par")
-    assert d.applicable_paths(call(tokens=7)) == ("decode", "decode_sq", *H, "triton")
+    SQ = ("decode_sq", "decode_fh")
+    assert d.applicable_paths(call(tokens=7)) == ("decode", *SQ, *H, "triton")
     assert d.applicable_paths(call()) == ("decode", *H, "triton")
     assert d.applicable_paths(call(tokens=7, k=4096 + 64)) == ("decode", *H, "triton")  # K % 128
-    assert d.applicable_paths(call(tokens=7, host_adapters=0)) == ("base", "decode", "decode_sq", "no_adapter",
+    assert d.applicable_paths(call(tokens=7, host_adapters=0)) == ("base", "decode", *SQ, "no_adapter",
                                                                    *H, "triton")
     assert d.applicable_paths(call(tokens=64, decode_reason="64 tokens")) == (*H, "triton")
     assert d.applicable_paths(call(arch=None, decode_reason="needs sm_90a")) == ("triton",)
@@ -157,11 +158,11 @@ def test_candidates_follow_applicability_and_opt_in(monkeypatch):
     monkeypatch.setattr(d, "VERIFIED_PATHS", frozenset({"triton"}))
     monkeypatch.delenv("EPILORA_HYBRID_PATH")
     monkeypatch.setenv("EPILORA_DECODE_PATH", "1")
-    assert allowed(call(tokens=7, host_adapters=0)) == ["decode", "decode_sq", "no_adapter", "triton"]
+    assert allowed(call(tokens=7, host_adapters=0)) == ["decode", *SQ, "no_adapter", "triton"]
     monkeypatch.setenv("EPILORA_HYBRID_PATH", "1")
     assert allowed(call()) == ["decode", "hybrid", "triton"]
     assert "reference" not in d.applicable_paths(call())
-    assert d.OPT_IN_ENV["decode"] == d.OPT_IN_ENV["decode_sq"] == ops.DECODE_PATH_ENV
+    assert d.OPT_IN_ENV["decode"] == d.OPT_IN_ENV["decode_sq"] == d.OPT_IN_ENV["decode_fh"] == ops.DECODE_PATH_ENV
     # hybrid_par (v0.34, run13) has a variable of its own: "0" keeps it out
     monkeypatch.setattr(d, "VERIFIED_PATHS", SHIPPED_VERIFIED)
     monkeypatch.delenv("EPILORA_HYBRID_PATH")

@@ -43,6 +43,10 @@ FAST_K2 = [
     k2_gemm.default_config(8, 128, lora=False, self_quant=True),
     k2_gemm.default_config(8, 128, lora=True, num_slices=3, rank=64, self_quant=True),
     k2_gemm.default_config(8, 64, lora=True, num_slices=2, rank=16, self_quant=True),
+    # K2 computing h too (decode_fh): rank 8 (a partial rank chunk of rows) and 256 (several).
+    k2_gemm.default_config(8, 128, lora=True, num_slices=3, rank=64, self_quant=True, fused_h=True),
+    k2_gemm.default_config(8, 64, lora=True, num_slices=1, rank=8, self_quant=True, fused_h=True),
+    k2_gemm.default_config(8, 128, lora=True, num_slices=2, rank=256, self_quant=True, fused_h=True),
 ]
 FAST_SHRINK = [
     lora_shrink.select(3, 16, 64),  # the decode path's build (8 stages)
@@ -98,6 +102,25 @@ def k2_ptx_problems(cfg: k2_gemm.Config, ptx: str) -> list[str]:
                 "ld.shared::cluster.f32") + protocol:
         if ins not in ptx:
             bad.append(f"missing {ins}")
+    if cfg.fused_h:
+        # h inside K2: the partials are published (red.release) before the main loop, acquired
+        # after it and before the epilogue's WGMMA, read with ld.relaxed.gpu; the only
+        # griddepcontrol.wait is the one before x is loaded (chained behind the previous kernel).
+        rel = _lines_index(ptx, r"red\.release\.gpu\.global\.add\.s32")
+        acq = _entry_points(ptx, _lines_index(ptx, r"ld\.acquire\.gpu\.global\.s32"))
+        if not rel or (fp8 and not max(rel) < min(fp8)):
+            bad.append("h's partials are not published before the main loop")
+        if not acq or (fp8 and not min(acq) > max(fp8)) or (bf and not max(acq) < min(bf)):
+            bad.append("h's partials are not acquired between the main loop and the epilogue WGMMA")
+        for ins in ("ld.relaxed.gpu.global.f32", "atom.acq_rel.gpu.global.add.s32", "st.relaxed.gpu.global.s32"):
+            if ins not in ptx:
+                bad.append(f"missing {ins}")
+        ldx = _lines_index(ptx, r"ld\.global\.(nc\.)?v4")
+        if len(wait) != 1 or (ldx and not wait[0] < min(ldx)):
+            bad.append("expected one griddepcontrol.wait, before the loads of x")
+        if not bf:
+            bad.append("no bf16 epilogue WGMMA")
+        return bad + _trigger_problems(ptx, fp8)
     if cfg.self_quant:
         for ins in ("ld.acquire.gpu", "atom.acq_rel.gpu", "red.release.gpu"):
             if ins in ptx:

@@ -81,11 +81,19 @@ def init_projection(obj, widths, K, rank, max_loras, M, seed, slot_ranks, dev) -
 
 class DecodePath:
     """Buffers + the two launches of one projection. self_quant (default): at 1..8 tokens the
-    decode_sq pairing (k2_gemm.self_quant_applies), else the quantization planes (path "decode")."""
+    decode_sq pairing (k2_gemm.self_quant_applies), else the quantization planes (path "decode").
+    fused: the one launch of path "decode_fh" (K2 computing h too; 1..8 tokens)."""
 
-    def __init__(self, widths, K, rank, max_loras, M, seed=0, slot_ranks=None, dev="cuda", self_quant=True):
+    def __init__(self, widths, K, rank, max_loras, M, seed=0, slot_ranks=None, dev="cuda", self_quant=True,
+                 fused=False):
         init_projection(self, widths, K, rank, max_loras, M, seed, slot_ranks, dev)
         self.self_quant = self_quant and k2_gemm.self_quant_applies(M, K)
+        self.fused = fused
+        if fused:
+            assert self.self_quant, "decode_fh takes 1..8 tokens"
+            self.f_cfg, _ = k2_gemm.select(widths, M, rank, fused_h=True)
+            self.partials = torch.empty(k2_gemm.fused_h_workspace_shape(self.f_cfg, K), dtype=torch.float32,
+                                        device=dev)
         N = sum(widths)
         self.h = torch.empty(len(widths), M, rank, dtype=torch.float32, device=dev)
         self.x_q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=dev)
@@ -102,6 +110,8 @@ class DecodePath:
             self.h.fill_(float("nan"))
             self.x_q.view(torch.uint8).fill_(0x7F)
             self.x_scale.fill_(float("nan"))
+        if self.fused:
+            return self._run_fused(x, meta, pdl, split_k2, poison)
         sq = self.self_quant
         s_cfg = shrink_mod.select(len(self.widths), M, self.rank, quant=not sq)
         groups = min(M, self.L + 1)
@@ -123,6 +133,20 @@ class DecodePath:
         _launch(_kernel(k2_gemm, k_cfg), kspec, pdl=pdl)
         return self.y
 
+    def _run_fused(self, x, meta, pdl, split_k2, poison):
+        M, K, N = self.M, self.K, sum(self.widths)
+        cfg = self.f_cfg
+        if poison:  # partials past an effective rank are never written, and must never be read
+            self.partials.fill_(float("nan"))
+        sk = max(split_k2, k2_gemm.min_split(cfg, K)) if split_k2 else k2_gemm.split_for(cfg, N, K)
+        spec = k2_gemm.launch(cfg, w_q=self.w_codes, w_scale=self.w_scale, y=self.y, split=sk, x=x, sync=self.sync,
+                              h=self.partials, token_lora=meta.token_lora_mapping[:M],
+                              active_lora_ids=meta.active_lora_ids, num_active=meta.num_active,
+                              slot_ranks=self.slot_ranks, slice_start=self.slice_start, lora_b=self.lora_b,
+                              lora_a=self.lora_a)
+        _launch(_kernel(k2_gemm, cfg), spec, pdl=pdl)
+        return self.y
+
     def check(self, x, tok, y):
         # The fp32 reference of y runs on the GPU (same torch code, fp32 without TF32): the CPU
         # references of the 72B shapes dominated this file's time on the H200 host.
@@ -133,13 +157,15 @@ class DecodePath:
             assert torch.equal(self.x_q.cpu().view(torch.uint8), xq_ref.view(torch.uint8)), "x_q differs"
             assert torch.equal(self.x_scale.cpu(), sx_ref.reshape(-1)), "s_x differs"
         href = lora_shrink(x.cpu(), [a.cpu() for a in self.lora_a], tok.cpu())
+        if self.fused:  # (h exists only as partials in K2's workspace)
+            href = []
         # h is the decode path's own buffer: the shrink writes, for a token's slot, the 64-row rank
         # chunks below the slot's effective rank (K2 reads nothing else); the rest stays as it was.
         for j, slot in enumerate(tok.cpu().tolist()):
             if slot < 0:
                 continue
             cols = min(self.rank, -(-max(min(self.slot_ranks_list[slot], self.rank), 0) // 64) * 64)
-            for s in range(len(self.widths)):
+            for s in range(len(href)):
                 torch.testing.assert_close(self.h[s, j, :cols].cpu(), href[s][j, :cols], rtol=1e-4, atol=1e-4)
         assert not torch.isnan(y).any(), "y not fully written"
         torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
@@ -311,6 +337,73 @@ def test_no_adapter_variant():
     _launch(_kernel(k2_gemm, cfg), spec, pdl=False)
     ref = (xq.float() * sx) @ (dp.w_codes.float() * dp.w_scale).t()
     torch.testing.assert_close(dp.y.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+# --- decode_fh: K2 computing h itself (one launch) -------------------------------------------
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}-tp{s[1]}-{s[2]}")
+@pytest.mark.parametrize("M", [1, 7])
+def test_fused_h_model_shapes(shape, M):
+    _hopper()
+    _, _, _, widths, K = shape
+    dp = DecodePath(widths, K, 64, 4, M, seed=M + 7, fused=True)
+    x, tok = _x(M, K, M + 7), _tokens(M, 3, M + 7)
+    dp.check(x, tok, dp.run(x, tok))
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 7, 8])
+@pytest.mark.parametrize("rank", [8, 16, 64, 128, 256])
+def test_fused_h_tokens_ranks(M, rank):
+    _hopper()
+    widths, K = (4096, 1024, 1024), 4096  # Qwen3-8B qkv
+    dp = DecodePath(widths, K, rank, 8, M, seed=rank + M + 3, fused=True)
+    x, tok = _x(M, K, rank * 100 + M + 3), _tokens(M, min(8, M), rank + M + 3)
+    dp.check(x, tok, dp.run(x, tok, pdl=M % 2 == 0))
+
+
+@pytest.mark.parametrize("widths,K", [((12288, 12288), 4096), ((4096,), 12288), ((29568 // 2,), 8192)],
+                         ids=["gate_up", "down", "72b-tp2-gate"])
+def test_fused_h_many_adapters_many_units(widths, K):
+    """8 tokens of 8 rank-256 adapters: more units than producing CTAs (each takes several)."""
+    _hopper()
+    dp = DecodePath(widths, K, 256, 8, 8, seed=11, fused=True)
+    x, tok = _x(8, K, 11), torch.arange(8, dtype=torch.int32)
+    dp.check(x, tok, dp.run(x, tok))
+
+
+def test_fused_h_mixed_effective_ranks_and_no_adapter_tokens():
+    _hopper()
+    widths, K = (4096, 1024, 1024), 4096
+    sr = [128, 8, 64, 16, 0, 100, 128, 33]
+    dp = DecodePath(widths, K, 128, 8, 8, seed=5, slot_ranks=sr, fused=True)
+    x = _x(8, K, 5)
+    tok = torch.tensor([-1, 4, 1, 2, 5, 7, 1, -1], dtype=torch.int32)
+    dp.check(x, tok, dp.run(x, tok))
+
+
+@pytest.mark.parametrize("split", [2, 3, 5, 8, 16])
+def test_fused_h_split_k_values(split):
+    _hopper()
+    widths, K = (14336, 14336), 4096  # Llama-3.1-8B gate/up
+    dp = DecodePath(widths, K, 16, 4, 5, seed=split, fused=True)
+    x, tok = _x(5, K, split), _tokens(5, 4, split)
+    dp.check(x, tok, dp.run(x, tok, split_k2=split))
+
+
+def test_fused_h_all_tokens_without_adapter_and_bitwise_repeats():
+    _hopper()
+    widths, K = (12288, 12288), 4096
+    dp = DecodePath(widths, K, 64, 4, 5, seed=9, fused=True)
+    x, tok = _x(5, K, 9), torch.full((5,), -1, dtype=torch.int32)
+    dp.check(x, tok, dp.run(x, tok))
+    x, tok = _x(8, K, 10), _tokens(8, 4, 10)
+    dp = DecodePath(widths, K, 64, 4, 8, seed=10, fused=True)
+    first = dp.run(x, tok).clone()
+    dp.check(x, tok, first)
+    for _ in range(9):
+        assert torch.equal(dp.run(x, tok).view(torch.int16), first.view(torch.int16))
+        assert dp.sync.cpu().tolist() == [0, 0]
 
 
 # (byte, bit) of the descriptor set by the DSL's packer and not reachable through the driver API.

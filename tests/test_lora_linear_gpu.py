@@ -33,11 +33,11 @@ def _reference(x, wq, ws, a, b, mapping):
 @pytest.mark.parametrize("proj", list(QWEN3_8B))
 @pytest.mark.parametrize("m", [1, 3, 8, 16, 31, 32])
 @pytest.mark.parametrize("path,chain", [("decode", False), ("decode", True), ("decode_sq", False), ("decode_sq", True),
-                                        ("auto", False), ("auto", True)])
+                                        ("decode_fh", False), ("decode_fh", True), ("auto", False), ("auto", True)])
 def test_decode_path_matches_reference(proj, m, path, chain, monkeypatch):
     monkeypatch.setenv("EPILORA_DECODE_PATH", "1")
-    if path == "decode_sq" and m > 8:
-        pytest.skip("decode_sq takes 1..8 tokens")
+    if path in ("decode_sq", "decode_fh") and m > 8:
+        pytest.skip(f"{path} takes 1..8 tokens")
     widths, k = QWEN3_8B[proj]
     x, wq, ws, a, b, mapping = _case(widths, k, m, seed=m)
     meta = build_meta(mapping, 4)
@@ -49,7 +49,8 @@ def test_decode_path_matches_reference(proj, m, path, chain, monkeypatch):
     assert _rel_err(y, _reference(x, wq, ws, a, b, mapping)) < 1e-2
 
 
-@pytest.mark.parametrize("m,path", [(1, "decode"), (16, "decode"), (32, "decode"), (1, "decode_sq"), (8, "decode_sq")])
+@pytest.mark.parametrize("m,path", [(1, "decode"), (16, "decode"), (32, "decode"), (1, "decode_sq"), (8, "decode_sq"),
+                                    (1, "decode_fh"), (8, "decode_fh")])
 def test_pdl_off_is_identical_and_runs_are_bitwise_reproducible(m, path):
     widths, k = QWEN3_8B["qkv"]
     x, wq, ws, a, b, mapping = _case(widths, k, m, seed=100 + m)
@@ -77,7 +78,7 @@ def test_no_adapter_path_is_the_base_gemm(chain):
                        ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="decode"))
 
 
-@pytest.mark.parametrize("path", ["decode", "decode_sq"])
+@pytest.mark.parametrize("path", ["decode", "decode_sq", "decode_fh"])
 def test_decode_path_in_a_cuda_graph_with_new_inputs(path):
     widths, k = QWEN3_8B["gate_up"]
     x, wq, ws, a, b, mapping = _case(widths, k, 8, seed=9)
@@ -104,7 +105,9 @@ def test_decode_path_in_a_cuda_graph_with_new_inputs(path):
 CHAIN = [("o", "decode", None), ("qkv", "decode", 0), ("gate_up", "decode", 0), ("down", "decode", None),
          ("o", "no_adapter", 3), ("qkv", "decode", 4), ("o", "no_adapter", 4), ("o", "decode", 6),
          ("o", "decode_sq", 7), ("qkv", "decode_sq", 8), ("o", "decode", 8), ("gate_up", "decode_sq", 10),
-         ("o", "decode_sq", 10), ("down", "decode_sq", None)]
+         ("o", "decode_sq", 10), ("down", "decode_sq", None), ("o", "decode_fh", 12), ("qkv", "decode_fh", 14),
+         ("gate_up", "decode_fh", 14), ("down", "decode", None), ("o", "decode_fh", 14), ("o", "decode_sq", 18),
+         ("qkv", "decode_fh", 19)]
 
 
 class _Chain:
@@ -131,7 +134,7 @@ class _Chain:
             x = outs[src]
         if path == "no_adapter":
             mapping, meta = self.none
-        if path == "decode_sq" and self.m > 8:
+        if path in ("decode_sq", "decode_fh") and self.m > 8:
             path = "decode"
         y = ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=outs[i], path=path, chain_pdl=chain)
         return x, mapping, y

@@ -9,7 +9,8 @@ Columns, all from one run (CUDA-graph replays, L2 flushed before each, median):
                  projection's K2 (lora_linear_fp8(chain_pdl=True)): in the layer rows that hides
                  a launch and prologue per projection boundary, in the per-projection rows (one
                  projection per graph) they should equal their unchained columns; the decode_sq
-                 columns: 1..8 tokens with K2 quantizing x itself (docs/perf.md v0.29)
+                 columns: 1..8 tokens with K2 quantizing x itself (docs/perf.md v0.29); decode_fh:
+                 the same K2 computing h too, one launch per projection (v0.43)
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ OUR_PATHS: dict[str, object] = {}
 OUR_PATH_ARGS = {"no_adapter": ("no_adapter", True, False), "decode": ("decode", True, False),
                  "decode_nopdl": ("decode", False, False), "triton": ("triton", True, False),
                  "decode_chain": ("decode", True, True), "no_adapter_chain": ("no_adapter", True, True),
-                 "decode_sq": ("decode_sq", True, False), "decode_sq_chain": ("decode_sq", True, True)}
+                 "decode_sq": ("decode_sq", True, False), "decode_sq_chain": ("decode_sq", True, True),
+                 "decode_fh": ("decode_fh", True, False), "decode_fh_chain": ("decode_fh", True, True)}
 
 
 def _register_our_paths() -> None:

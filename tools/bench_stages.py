@@ -30,6 +30,8 @@ CUDA-graph replays with the L2 flushed (median), all in one run:
                     given) and as the decode pair (docs/perf.md v0.29): the path "decode_sq", which
                     the timed dispatch weighs against "decode" (the rows above: the quantization in
                     the shrink kernel)
+  decode_fh_us      1..8 tokens: the self-quantizing K2 computing h itself (the path "decode_fh",
+                    one launch, no shrink; docs/perf.md v0.43)
   k2_sqr_us, decode_sqr_us   the same with the sq_rowmax builds (each CTA takes the token maxima
                     over the whole rows where M * K <= k2_gemm.ROWMAX_ELEMS: no cluster exchange)
   k2_fixed_us, k2_epilogue_fixed_us   the k2 / k2_epilogue rows' build, grid and cluster on one
@@ -150,6 +152,13 @@ class DecodeStages:
             # (one shrink spec for both pairs: without quantization planes it has no counter)
             sspec = lora_shrink.launch(self.s_cfg_nq, **shrink_args)
             self.pairs["decode_sq"] = (self.s_cfg_nq, sspec, lq, k2_gemm.launch(lq, **sq_common, **lora_args))
+            # decode_fh: the same K2 computing h too (one launch; its own counters and workspace).
+            lf, _ = k2_gemm.select(widths, m, c.rank, fused_h=True)
+            self.sync_fh = torch.zeros(2, dtype=torch.int32, device=dev)
+            self.partials = torch.empty(k2_gemm.fused_h_workspace_shape(lf, k), dtype=torch.float32, device=dev)
+            self.fixed["decode_fh"] = (lf, k2_gemm.launch(
+                lf, **dict(sq_common, split=k2_gemm.split_for(lf, n, k)), sync=self.sync_fh,
+                **dict(lora_args, h=self.partials), lora_a=c.lora_a))
             lr, nr = (dataclasses.replace(cf, sq_rowmax=True) for cf in (lq, nq))
             if lr in k2_gemm.rowmax_configs() and nr in k2_gemm.rowmax_configs():
                 self.fixed["k2_sqr"] = (nr, k2_gemm.launch(nr, **nq_common))
