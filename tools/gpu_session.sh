@@ -17,7 +17,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile or k1}
+mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, k1 or fh}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -137,6 +137,23 @@ case $mode in
     EPILORA_BENCH_K1SWEEP=1 EPILORA_BENCH_TOKENS=${K1_TOKENS:-64,256,2048} EPILORA_BENCH_ADAPTERS=${K1_ADAPTERS:-1,8,32} \
       timeout -s KILL 200 python3 tools/bench.py --quick --sections hybrid_stages --out "$OUT/hs" 2>&1 | tail -45
     (cd "$OUT" && [[ -d hs ]] && tar czf hs.tgz hs && rm -rf hs)
+    ;;
+  fh)
+    # After decode-path kernel changes at 1..8 tokens (perf.md v0.43, decode_fh; carry the cache,
+    # and .devvllm/2 after call A for vLLM's layer anchors; ~3-5 min): decode_fh's K2 tests, the
+    # op-level decode tests (every path incl. chained sequences and CUDA graphs), `stages` at 1 / 8
+    # tokens and `layer` at 1 / 4 / 8 tokens with the chained columns. A hang is cut by its timeout.
+    unpack_vllm
+    timeout -s KILL 240 python3 -m pytest -q -x -m gpu tests/test_k2_gpu.py -k "fused_h or self_quant_codes" 2>&1 \
+      | tail -8 | tee "$OUT/tests_fh.log"
+    timeout -s KILL 200 python3 -m pytest -q -x -m gpu tests/test_lora_linear_gpu.py -k "decode" 2>&1 | tail -8 \
+      | tee -a "$OUT/tests_fh.log"
+    EPILORA_BENCH_TOKENS=${FH_TOKENS:-1,8} timeout -s KILL 150 python3 tools/bench.py --quick --sections stages \
+      --out "$OUT/st" 2>&1 | grep -E "^stages|Error" | tail -12
+    EPILORA_BENCH_TOKENS=${FH_LAYER_TOKENS:-1,4,8} \
+      EPILORA_BENCH_OURS=${FH_OURS:-no_adapter_chain,decode_chain,decode_sq_chain,decode_fh_chain,decode_sq,decode_fh} \
+      timeout -s KILL 150 python3 tools/bench.py --quick --sections layer --out "$OUT/ly" 2>&1 | tail -30
+    (cd "$OUT" && for d in st ly; do [[ -d $d ]] && tar czf $d.tgz $d && rm -rf $d; done)
     ;;
   profile)
     # Nsight Compute on the large-batch kernels (K1, expand-add; tools/profile_kernels.py launches
