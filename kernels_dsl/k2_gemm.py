@@ -86,7 +86,8 @@ MAX_CLUSTER = 16
 # griddepcontrol.wait passed; adapter builds), partials written, done (after the last cluster barrier).
 TRACE_SLOTS = 8
 # Self-quantizing builds also: the CTA's token maxima in smem (6), the scales after the cluster's
-# exchange (7); xq_ready (1) is then its codes stored.
+# exchange (7); xq_ready (1) is then its codes stored. fused_h builds instead: this CTA's units of h
+# computed and stored (6), published (7; CTAs without units stamp neither).
 # fused_h builds (the adapter's down-projection inside K2, docs/perf.md v0.43): a work unit is
 # FH_ROWS rank rows x FH_KC elements of K of one slice's A for one adapter group; only the first
 # FH_PRODUCERS CTAs of the grid take units, so the CTAs that wait for h never keep a producer off
@@ -96,6 +97,7 @@ FH_ROWS = 16
 FH_PRODUCERS = 128
 FH_SUM = 8  # partials summed per round of loads in the epilogue (all in flight at once)
 TRACE_K2 = ("start", "xq_ready", "mainloop_done", "h_ready", "partials_written", "end", "sq_cta_max", "sq_scales")
+TRACE_K2_FH = TRACE_K2[:6] + ("fh_units_done", "fh_published")
 
 
 @dataclass(frozen=True)
@@ -160,9 +162,8 @@ class Config:
             raise ValueError("self_quant builds take bn 8 or 16, bk 128 and no early stages")
         if self.sq_rowmax and not self.self_quant:
             raise ValueError("sq_rowmax is a variant of the self_quant builds")
-        if self.fused_h and not (self.self_quant and self.lora and self.bn == 8 and not self.sq_rowmax
-                                 and not self.trace):
-            raise ValueError("fused_h is a variant of the self_quant adapter builds of bn 8 (no trace)")
+        if self.fused_h and not (self.self_quant and self.lora and self.bn == 8 and not self.sq_rowmax):
+            raise ValueError("fused_h is a variant of the self_quant adapter builds of bn 8")
         if self.lora:
             if self.rank not in (8, 16, 32, 64, 128, 256):
                 raise ValueError("rank must be 8..256, a power of two")
@@ -565,7 +566,7 @@ if cute is not None:
                 n_prod = cutlass.Int32(0)  # fused_h: the CTAs that publish partials of h
                 if cutlass.const_expr(cfg.fused_h):
                     n_prod = self._h_units(ctid, mX, mAs, mH, mSync, st, M, K, tile * nsplit + split,
-                                           nsplit * cute.arch.grid_dim()[1])
+                                           nsplit * cute.arch.grid_dim()[1], trace_row)
 
                 for i in cutlass.range(nloc, unroll=1):
                     s = i % STAGES
@@ -774,7 +775,8 @@ if cute is not None:
                     self._unit_maxima(r_x, ctid, nunits, nch, am_addr)
             else:
                 self._unit_maxima(r_x, ctid, nunits, nch, am_addr)
-            self._stamp(trace_row, 6, ctid)
+            if cutlass.const_expr(not cfg.fused_h):  # (fused_h trace builds: slots 6, 7 are h's)
+                self._stamp(trace_row, 6, ctid)
             if cutlass.const_expr(cfg.sq_rowmax):
                 if rowmax:
                     cute.arch.barrier(barrier_id=1, number_of_threads=128)  # the CTA's maxima are the rows'
@@ -800,7 +802,8 @@ if cute is not None:
                 sAm[BN + ctid] = rcp
                 sAm[2 * BN + ctid] = div
             cute.arch.barrier(barrier_id=1, number_of_threads=128)  # scales and reciprocals
-            self._stamp(trace_row, 7, ctid)
+            if cutlass.const_expr(not cfg.fused_h):
+                self._stamp(trace_row, 7, ctid)
             x_base = st.sX.data_ptr().toint()
             for u in cutlass.range_constexpr(IT):
                 e = ctid + 128 * u
@@ -827,7 +830,7 @@ if cute is not None:
             self._stamp(trace_row, 1, ctid)
 
         @cute.jit
-        def _h_units(self, ctid, mX, mAs: tuple, mP, mSync, st, M, K, cta, ncta):
+        def _h_units(self, ctid, mX, mAs: tuple, mP, mSync, st, M, K, cta, ncta, trace_row):
             """Consumer of fused_h builds: this CTA's share of h = x.A^T as partials over K, then one
             release-increment of sync[0]. Returns the number of CTAs that increment it.
 
@@ -901,24 +904,48 @@ if cute is not None:
                                         g_x = cute.zipped_divide(mX[j, None], (8,))
                                         cute.autovec_copy(g_x[None, k0 // 8], r_h[None, 2 * j])
                                         cute.autovec_copy(g_x[None, k0 // 8 + 1], r_h[None, 2 * j + 1])
+                        # Dot products, each summed over the lane's 16 elements in order: token j,
+                        # row i -> vals[4 j + i] (tokens outside the group, rows past FR: 0).
+                        a_f = cute.make_rmem_tensor((64,), cutlass.Float32)
+                        for i in cutlass.range_constexpr(4):
+                            for e in cutlass.range_constexpr(16):
+                                a_f[i * 16 + e] = cutlass.Float32(0.0)
+                                if warp * 4 + i < FR:
+                                    if kin:
+                                        a_f[i * 16 + e] = r_a[e % 8, 2 * i + e // 8].to(cutlass.Float32)
+                        vals = cute.make_rmem_tensor((4 * BN,), cutlass.Float32)
+                        for q in cutlass.range_constexpr(4 * BN):
+                            vals[q] = cutlass.Float32(0.0)
                         for j in cutlass.range_constexpr(BN):
                             if j < mv:
-                                if sTok[j] == lid:  # warp-uniform: the shuffles below need every lane
-                                    for i in cutlass.range_constexpr(4):
-                                        if warp * 4 + i < FR:
-                                            d = cutlass.Float32(0.0)
-                                            if kin:
-                                                for e in cutlass.range_constexpr(16):
-                                                    d = d + (r_h[e % 8, 2 * j + e // 8].to(cutlass.Float32)
-                                                             * r_a[e % 8, 2 * i + e // 8].to(cutlass.Float32))
-                                            for m in (16, 8, 4, 2, 1):
-                                                d = d + D.shfl_bfly_f32(d, m)
-                                            if lane == 0:
-                                                mP[sl, kc * BN + j, rc * FR + warp * 4 + i] = d
+                                if sTok[j] == lid:
+                                    if kin:
+                                        for e in cutlass.range_constexpr(16):
+                                            xe = r_h[e % 8, 2 * j + e // 8].to(cutlass.Float32)
+                                            for i in cutlass.range_constexpr(4):
+                                                vals[4 * j + i] = vals[4 * j + i] + xe * a_f[i * 16 + e]
+                        # Over the lanes: a reduce-scatter (31 shuffles for the 32 sums, in a fixed
+                        # tree); afterwards lane l holds the sum of vals[l] over the warp.
+                        n = 4 * BN
+                        for m in (16, 8, 4, 2, 1):
+                            half = n // 2
+                            upper = (lane & m) != 0
+                            for q in cutlass.range_constexpr(half):
+                                send = cutlass.Float32(cutlass.select_(upper, vals[q], vals[q + half]))
+                                keep = cutlass.Float32(cutlass.select_(upper, vals[q + half], vals[q]))
+                                vals[q] = keep + cute.arch.shuffle_sync_bfly(send, offset=m)
+                            n = half
+                        jl = lane // 4
+                        il = lane % 4
+                        if jl < mv and warp * 4 + il < FR:
+                            if sTok[jl] == lid:
+                                mP[sl, kc * BN + jl, rc * FR + warp * 4 + il] = vals[0]
+                self._stamp(trace_row, 6, ctid)
                 # Every thread's partials are stored; one release publishes them for the grid.
                 cute.arch.barrier(barrier_id=1, number_of_threads=128)
                 if ctid == 0:
                     D.red_release_gpu_add_s32(mSync.iterator.toint(), 1)
+                self._stamp(trace_row, 7, ctid)
             return n_prod
 
         @cute.jit
@@ -1131,9 +1158,10 @@ def _fake_args(cfg: Config):
     else:
         args = (w, xq, sx, sw, y, sync, cutlass.Int32(0), D.fake_stream())
         pad = 10  # h .. slice_start, b0 .. b3
-    if cfg.fused_h:  # after `trace` (None): A of each slice, [max_loras * R, K]
+    trace = D.fake_rowmajor(cutlass.Int64, (D.sym(1), TRACE_SLOTS)) if cfg.trace else None
+    if cfg.fused_h:  # after `trace`: A of each slice, [max_loras * R, K]
         bufs_a = tuple(D.fake_rowmajor(bf16, (D.sym(1), D.sym(128))) for _ in range(cfg.num_slices))
-        return args + (None,) * pad + (None,) + bufs_a
+        return args + (None,) * pad + (trace,) + bufs_a
     if not cfg.trace:
         return args
     return args + (None,) * pad + (D.fake_rowmajor(cutlass.Int64, (D.sym(1), TRACE_SLOTS)),)
@@ -1477,10 +1505,12 @@ def rowmax_configs() -> list[Config]:
 
 def trace_configs() -> list[Config]:
     """The timeline builds tools/bench_timeline.py launches: the decode path's rank-64 adapter builds
-    of bn 8 (1..8 tokens) for 1, 2 and 3 slices (bm 128: the Qwen3-8B projections), x_q given and
-    self-quantizing."""
-    return [default_config(8, 128, lora=True, num_slices=ns, rank=64, trace=True, self_quant=sq)
-            for ns in (1, 2, 3) for sq in (False, True)]
+    of bn 8 (1..8 tokens) for 1, 2 and 3 slices (bm 128: the Qwen3-8B projections), x_q given,
+    self-quantizing, and self-quantizing with h computed inside (decode_fh)."""
+    return ([default_config(8, 128, lora=True, num_slices=ns, rank=64, trace=True, self_quant=sq)
+             for ns in (1, 2, 3) for sq in (False, True)]
+            + [default_config(8, 128, lora=True, num_slices=ns, rank=64, trace=True, self_quant=True, fused_h=True)
+               for ns in (1, 2, 3)])
 
 
 def sweep_configs() -> list[Config]:

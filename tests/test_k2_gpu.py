@@ -347,6 +347,8 @@ def test_no_adapter_variant():
 def test_fused_h_model_shapes(shape, M):
     _hopper()
     _, _, _, widths, K = shape
+    if not k2_gemm.self_quant_applies(M, K):
+        pytest.skip(f"decode_fh does not take K = {K} (not a multiple of 128)")
     dp = DecodePath(widths, K, 64, 4, M, seed=M + 7, fused=True)
     x, tok = _x(M, K, M + 7), _tokens(M, 3, M + 7)
     dp.check(x, tok, dp.run(x, tok))

@@ -13,7 +13,8 @@ stamps show what `stages` can only infer: how late K2's CTAs start, how long the
 and whether the epilogue waits for h. `pair_sq` / `k2_sq_alone`: the same for the self-quantizing
 K2 beside the shrink without quantization planes (the path "decode_sq" at 1..8 tokens), with
 K2's own quantization steps (its CTA's token maxima, the scales after the cluster's exchange, the
-codes stored = x_q ready).
+codes stored = x_q ready). `fh`: the K2 of the path "decode_fh" alone (it computes h itself): its
+CTA's units of h done and published, h ready = the epilogue past its wait for every unit.
 """
 
 from __future__ import annotations
@@ -107,6 +108,14 @@ class Timeline:
             self.kq_trace_alone = torch.zeros_like(self.kq_trace)
             self.kq_spec = k2_gemm.launch(self.kq_cfg, trace=self.kq_trace, **kq_common)
             self.kq_spec_alone = k2_gemm.launch(self.kq_cfg, trace=self.kq_trace_alone, **kq_common)
+            # decode_fh: the same K2 computing h itself (one launch, its own counters and workspace).
+            self.kf_cfg = dataclasses.replace(self.kq_cfg, fused_h=True)
+            self.kf_sync = torch.zeros(2, dtype=torch.int32, device=dev)
+            self.kf_partials = torch.empty(k2_gemm.fused_h_workspace_shape(self.kf_cfg, k), dtype=torch.float32,
+                                           device=dev)
+            self.kf_trace = torch.zeros_like(self.kq_trace)
+            self.kf_spec = k2_gemm.launch(self.kf_cfg, trace=self.kf_trace, sync=self.kf_sync, lora_a=c.lora_a,
+                                          **dict(kq_common, h=self.kf_partials))
 
     def _run(self, mod, cfg, spec, pdl=False):
         from epilora_cute.kernels import get_kernel
@@ -125,9 +134,10 @@ class Timeline:
             kq_pdl = self._run(self.k2, self.kq_cfg, self.kq_spec, pdl=True)
             out["pair_sq"] = (lambda: (shrink_nq(), kq_pdl()), (self.s_trace_nq, self.kq_trace))
             out["k2_sq_alone"] = (self._run(self.k2, self.kq_cfg, self.kq_spec_alone), (None, self.kq_trace_alone))
+            out["fh"] = (self._run(self.k2, self.kf_cfg, self.kf_spec), (None, self.kf_trace))
         return out
 
-    def summarize(self, s_trace, k_trace, planes: int | None = None) -> dict:
+    def summarize(self, s_trace, k_trace, planes: int | None = None, k_names=None) -> dict:
         """planes: the shrink's quantization planes (default: the quantizing build's; 0 for pair_sq)."""
         per = self.s_grid[0] * self.s_grid[1]
         zq = self.zq if planes is None else planes
@@ -139,7 +149,7 @@ class Timeline:
             kinds = ["shrink-quant" if i // per < zq else "shrink-down" for i in range(s_trace.shape[0])]
             ev.update(_events(s_trace, self.shrink.TRACE_SHRINK, t0, kinds))
         if k_trace is not None:
-            ev.update({("k2", e): v for (_, e), v in _events(k_trace, self.k2.TRACE_K2, t0).items()})
+            ev.update({("k2", e): v for (_, e), v in _events(k_trace, k_names or self.k2.TRACE_K2, t0).items()})
         return ev
 
 
@@ -172,7 +182,8 @@ def bench_timeline(quick: bool) -> list[dict]:
                         _flush()
                         g.replay()
                         torch.cuda.synchronize()
-                        samples.append(tl.summarize(s_tr, k_tr, planes=0 if case.endswith("_sq") else None))
+                        samples.append(tl.summarize(s_tr, k_tr, planes=0 if case.endswith("_sq") else None,
+                                                    k_names=tl.k2.TRACE_K2_FH if case == "fh" else None))
                 except Exception as e:  # noqa: BLE001
                     rows.append(base | {"case": case, "error": f"{type(e).__name__}: {e}"[:200]})
                     continue
