@@ -306,6 +306,22 @@ def atom_add_acqrel_gpu_s32(addr_i64, val, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def atom_add_relaxed_gpu_s32(addr_i64, val, *, loc=None, ip=None):
+    """atom.relaxed.gpu.global.add.s32: returns the old value (a count with no data behind it)."""
+    return cutlass.Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [cutlass.Int64(addr_i64).ir_value(loc=loc, ip=ip), cutlass.Int32(val).ir_value(loc=loc, ip=ip)],
+            "atom.relaxed.gpu.global.add.s32 $0, [$1], $2;",
+            "=r,l,r",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
 def red_release_gpu_add_s32(addr_i64, val, *, loc=None, ip=None):
     """red.release.gpu.global.add.s32: publish (after this CTA's writes) one increment."""
     llvm.inline_asm(

@@ -561,12 +561,17 @@ if cute is not None:
                 rowmax = False  # sq_rowmax builds: this batch's maxima without the cluster exchange
                 if cutlass.const_expr(cfg.sq_rowmax):
                     rowmax = M * K <= ROWMAX_ELEMS
-                if cutlass.const_expr(cfg.self_quant):
-                    self._quantize_x(ctid, mX, st, sSx, kb_lo, nloc, M, nsplit, trace_row, rowmax)
                 n_prod = cutlass.Int32(0)  # fused_h: the CTAs that publish partials of h
                 if cutlass.const_expr(cfg.fused_h):
-                    n_prod = self._h_units(ctid, mX, mAs, mH, mSync, st, M, K, tile * nsplit + split,
-                                           nsplit * cute.arch.grid_dim()[1], trace_row)
+                    # The first unit's A rows (loaded during the quantization), its x (after it).
+                    r_a = cute.make_rmem_tensor(cute.make_layout((8, 8)), mX.element_type)  # 4 rows x 2 vectors
+                    r_h = cute.make_rmem_tensor(cute.make_layout((8, 2 * BN)), mX.element_type)  # 2 per token
+                    cta = tile * nsplit + split
+                    n_prod, total = self._quantize_x(ctid, mX, st, sSx, kb_lo, nloc, M, nsplit, trace_row, rowmax,
+                                                     (cta, nsplit * cute.arch.grid_dim()[1], mAs, r_a, r_h))
+                    self._h_units(ctid, mX, mAs, mH, mSync, st, M, K, cta, n_prod, total, r_a, r_h, trace_row)
+                elif cutlass.const_expr(cfg.self_quant):
+                    self._quantize_x(ctid, mX, st, sSx, kb_lo, nloc, M, nsplit, trace_row, rowmax)
 
                 for i in cutlass.range(nloc, unroll=1):
                     s = i % STAGES
@@ -666,7 +671,9 @@ if cute is not None:
                         # i.e. after this grid has completed).
                         gdim = cute.arch.grid_dim()
                         sync_addr = mSync.iterator.toint()
-                        old = D.atom_add_acqrel_gpu_s32(sync_addr + 4, 1)
+                        # (relaxed: this thread's spin load on sync[0] has returned, its value
+                        # decided the branch that got here, before this atomic is issued)
+                        old = D.atom_add_relaxed_gpu_s32(sync_addr + 4, 1)
                         if old == gdim[0] * gdim[1] * gdim[2] - 1:
                             D.st_relaxed_gpu_s32(sync_addr, 0)
                             D.st_relaxed_gpu_s32(sync_addr + 4, 0)
@@ -701,7 +708,7 @@ if cute is not None:
                 cute.copy(tma_w, tWg[(None, kb_lo + i)], tWs[(None, s)], tma_bar_ptr=full + s)
 
         @cute.jit
-        def _quantize_x(self, ctid, mX, st, sSx, kb_lo, nloc, M, nsplit, trace_row, rowmax):
+        def _quantize_x(self, ctid, mX, st, sSx, kb_lo, nloc, M, nsplit, trace_row, rowmax, fh=None):
             """Consumer (128 threads) of self_quant builds: x_q of this CTA's k-blocks into smem, s_x
             of the batch's tokens into sSx, bit for bit as vLLM (the codes of the shrink's
             quantization planes, epilora_cute.reference.quantize_fp8_per_token).
@@ -721,7 +728,11 @@ if cute is not None:
 
             rowmax (sq_rowmax builds, M * K <= ROWMAX_ELEMS): the maxima come from the whole rows,
             loaded by this CTA (ROWMAX_VECS vectors per thread); the cluster barrier's first phase
-            is then arrived at here and waited for only before the partials' phase."""
+            is then arrived at here and waited for only before the partials' phase.
+
+            fh (fused_h builds: cta, CTAs, A buffers, the first unit's registers): after x's loads,
+            the plan of h's units and this CTA's first unit's A rows go out before the weights may
+            (barrier 2); returns (n_prod, units) for _h_units."""
             cfg = self.cfg
             BN, BK = self.bn, self.bk
             IT = BN * cfg.sq_kblocks * 8 // 128  # units per thread at most
@@ -759,6 +770,13 @@ if cute is not None:
                             j = v // nvr
                             g_r = cute.zipped_divide(mX[j, None], (8,))
                             cute.autovec_copy(g_r[None, v - j * nvr], r_f[None, i])
+            plan = None
+            if cutlass.const_expr(fh is not None):
+                cta, ncta, mAs, r_a, r_h = fh
+                n_prod, total = self._h_plan(st, M, cute.size(mX, mode=[1]), ncta)
+                if cta < n_prod:
+                    self._h_unit(cta, ctid, mX, mAs, None, st, M, cute.size(mX, mode=[1]), r_a, r_h, True, False)
+                plan = (n_prod, total)
             if cutlass.const_expr(cfg.lora):
                 cute.arch.barrier_arrive(barrier_id=2, number_of_threads=160)  # the weights may go now
             cute.arch.barrier(barrier_id=1, number_of_threads=128)  # the maxima are zeroed
@@ -828,125 +846,140 @@ if cute is not None:
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=1, number_of_threads=128)
             self._stamp(trace_row, 1, ctid)
+            return plan
 
         @cute.jit
-        def _h_units(self, ctid, mX, mAs: tuple, mP, mSync, st, M, K, cta, ncta, trace_row):
-            """Consumer of fused_h builds: this CTA's share of h = x.A^T as partials over K, then one
-            release-increment of sync[0]. Returns the number of CTAs that increment it.
+        def _h_plan(self, st, M, K, ncta):
+            """fused_h: (n_prod, units) of this call from the adapter table (waits for it).
 
             Units are (slice, adapter group, FH_ROWS rank rows, FH_KC-wide chunk of K), slice-major,
             the groups in the table's order (first token of each slot with a non-zero effective
             rank); units past a group's effective rank are skipped (their partials are never read).
             Unit u goes to CTA u mod n_prod, n_prod = min(CTAs, FH_PRODUCERS, units): only the
             grid's first CTAs produce, and none of them waits for anything of this grid before it
-            has published. Per unit, warp w takes rank rows 4w..4w+3 and lane l the 16 elements of K
-            at l*16: every load of the unit (4 A rows x 2 vectors, each group token's 2 vectors of x)
-            is issued before any is used; each (token, row) dot product is summed in a fixed order
-            over its 16 elements and then over the lanes (butterfly shuffles), and lane 0 stores it
-            into partial[slice, chunk * bn + token, row]."""
+            has published."""
+            cfg = self.cfg
+            R = cfg.rank
+            cute.arch.mbarrier_wait(st.meta_ready.data_ptr(), 0)
+            total = cfg.num_slices * self._h_groups(st, M) * (R // min(R, FH_ROWS)) * ((K + FH_KC - 1) // FH_KC)
+            return cutlass.min(cutlass.min(ncta, FH_PRODUCERS), total), total
+
+        @cute.jit
+        def _h_groups(self, st, M):
+            """fused_h: the adapter groups of the table (first tokens of slots with a rank)."""
+            sReff = st.sReff.get_tensor(cute.make_layout(META_ROWS))
+            n_groups = cutlass.Int32(0)
+            for j in cutlass.range_constexpr(self.bn):
+                if j < cutlass.min(M, self.bn):
+                    if sReff[j] > 0:
+                        n_groups = n_groups + 1
+            return n_groups
+
+        @cute.jit
+        def _h_unit(self, u, ctid, mX, mAs: tuple, mP, st, M, K, r_a, r_h, load_a: cutlass.Constexpr,
+                    compute: cutlass.Constexpr):
+            """fused_h: unit u's A rows into r_a (load_a), then (compute) its x into r_h and its
+            partials. (Early, during the quantization, only A is loaded: x's registers beside the
+            quantization's spilled.)
+
+            Warp w takes rank rows 4w..4w+3 and lane l the 16 elements of K at l*16: 4 A rows x 2
+            vectors and each group token's 2 vectors of x, all in flight at once. Each (token, row)
+            dot product is summed in order over the lane's 16 elements, then over the lanes by a
+            reduce-scatter (31 shuffles, a fixed tree) after which lane l holds (token l / 4, row
+            l % 4) and stores it into partial[slice, chunk * bn + token, row]."""
             cfg = self.cfg
             BN, R, NS = self.bn, cfg.rank, cfg.num_slices
             FR = min(R, FH_ROWS)
-            bf16 = mX.element_type
             sTok = st.sTok.get_tensor(cute.make_layout(META_ROWS))
             sReff = st.sReff.get_tensor(cute.make_layout(META_ROWS))
-            cute.arch.mbarrier_wait(st.meta_ready.data_ptr(), 0)
             warp = cute.arch.make_warp_uniform(ctid // 32)
             lane = ctid % 32
             mv = cutlass.min(M, BN)
-            n_groups = cutlass.Int32(0)
-            for j in cutlass.range_constexpr(BN):
-                if j < mv:
-                    if sReff[j] > 0:
-                        n_groups = n_groups + 1
             nkc = (K + FH_KC - 1) // FH_KC
             per_group = (R // FR) * nkc
-            per_slice = n_groups * per_group
-            total = NS * per_slice
-            n_prod = cutlass.min(cutlass.min(ncta, FH_PRODUCERS), total)
-            if cta < n_prod:
-                r_a = cute.make_rmem_tensor(cute.make_layout((8, 8)), bf16)  # 4 rows x 2 vectors
-                r_h = cute.make_rmem_tensor(cute.make_layout((8, 2 * BN)), bf16)  # x: 2 vectors per token
-                for u in cutlass.range(cta, total, n_prod, unroll=1):
-                    sl = u // per_slice
-                    rem = u - sl * per_slice
-                    gi = rem // per_group
-                    rem = rem - gi * per_group
-                    rc = rem // nkc
-                    kc = rem - rc * nkc
-                    # The gi-th group of the table: its slot and effective rank.
-                    lid = cutlass.Int32(-1)
-                    rg = cutlass.Int32(0)
-                    cnt = cutlass.Int32(0)
+            per_slice = self._h_groups(st, M) * per_group
+            sl = u // per_slice
+            rem = u - sl * per_slice
+            gi = rem // per_group
+            rem = rem - gi * per_group
+            rc = rem // nkc
+            kc = rem - rc * nkc
+            # The gi-th group of the table: its slot and effective rank.
+            lid = cutlass.Int32(-1)
+            rg = cutlass.Int32(0)
+            cnt = cutlass.Int32(0)
+            for j in cutlass.range_constexpr(BN):
+                if j < mv:
+                    r_j = sReff[j]
+                    if r_j > 0:
+                        if cnt == gi:
+                            lid = sTok[j]
+                            rg = r_j
+                        cnt = cnt + 1
+            k0 = kc * FH_KC + lane * 16
+            kin = k0 < K
+            if rc * FR < rg:
+                if cutlass.const_expr(load_a):
+                    for i in cutlass.range_constexpr(4):
+                        if warp * 4 + i < FR:
+                            if kin:
+                                for q in cutlass.range_constexpr(NS):
+                                    if sl == q:
+                                        g_a = cute.zipped_divide(mAs[q][lid * R + rc * FR + warp * 4 + i, None], (8,))
+                                        cute.autovec_copy(g_a[None, k0 // 8], r_a[None, 2 * i])
+                                        cute.autovec_copy(g_a[None, k0 // 8 + 1], r_a[None, 2 * i + 1])
+                if cutlass.const_expr(compute):
                     for j in cutlass.range_constexpr(BN):
                         if j < mv:
-                            r_j = sReff[j]
-                            if r_j > 0:
-                                if cnt == gi:
-                                    lid = sTok[j]
-                                    rg = r_j
-                                cnt = cnt + 1
-                    if rc * FR < rg:
-                        k0 = kc * FH_KC + lane * 16
-                        kin = k0 < K
-                        for i in cutlass.range_constexpr(4):
-                            if warp * 4 + i < FR:
+                            if sTok[j] == lid:
                                 if kin:
-                                    for q in cutlass.range_constexpr(NS):
-                                        if sl == q:
-                                            g_a = cute.zipped_divide(mAs[q][lid * R + rc * FR + warp * 4 + i, None], (8,))
-                                            cute.autovec_copy(g_a[None, k0 // 8], r_a[None, 2 * i])
-                                            cute.autovec_copy(g_a[None, k0 // 8 + 1], r_a[None, 2 * i + 1])
-                        for j in cutlass.range_constexpr(BN):
-                            if j < mv:
-                                if sTok[j] == lid:
-                                    if kin:
-                                        g_x = cute.zipped_divide(mX[j, None], (8,))
-                                        cute.autovec_copy(g_x[None, k0 // 8], r_h[None, 2 * j])
-                                        cute.autovec_copy(g_x[None, k0 // 8 + 1], r_h[None, 2 * j + 1])
-                        # Dot products, each summed over the lane's 16 elements in order: token j,
-                        # row i -> vals[4 j + i] (tokens outside the group, rows past FR: 0).
-                        a_f = cute.make_rmem_tensor((64,), cutlass.Float32)
-                        for i in cutlass.range_constexpr(4):
-                            for e in cutlass.range_constexpr(16):
-                                a_f[i * 16 + e] = cutlass.Float32(0.0)
-                                if warp * 4 + i < FR:
-                                    if kin:
-                                        a_f[i * 16 + e] = r_a[e % 8, 2 * i + e // 8].to(cutlass.Float32)
-                        vals = cute.make_rmem_tensor((4 * BN,), cutlass.Float32)
-                        for q in cutlass.range_constexpr(4 * BN):
-                            vals[q] = cutlass.Float32(0.0)
-                        for j in cutlass.range_constexpr(BN):
-                            if j < mv:
-                                if sTok[j] == lid:
-                                    if kin:
-                                        for e in cutlass.range_constexpr(16):
-                                            xe = r_h[e % 8, 2 * j + e // 8].to(cutlass.Float32)
-                                            for i in cutlass.range_constexpr(4):
-                                                vals[4 * j + i] = vals[4 * j + i] + xe * a_f[i * 16 + e]
-                        # Over the lanes: a reduce-scatter (31 shuffles for the 32 sums, in a fixed
-                        # tree); afterwards lane l holds the sum of vals[l] over the warp.
-                        n = 4 * BN
-                        for m in (16, 8, 4, 2, 1):
-                            half = n // 2
-                            upper = (lane & m) != 0
-                            for q in cutlass.range_constexpr(half):
-                                send = cutlass.Float32(cutlass.select_(upper, vals[q], vals[q + half]))
-                                keep = cutlass.Float32(cutlass.select_(upper, vals[q + half], vals[q]))
-                                vals[q] = keep + cute.arch.shuffle_sync_bfly(send, offset=m)
-                            n = half
-                        jl = lane // 4
-                        il = lane % 4
-                        if jl < mv and warp * 4 + il < FR:
-                            if sTok[jl] == lid:
-                                mP[sl, kc * BN + jl, rc * FR + warp * 4 + il] = vals[0]
+                                    g_x = cute.zipped_divide(mX[j, None], (8,))
+                                    cute.autovec_copy(g_x[None, k0 // 8], r_h[None, 2 * j])
+                                    cute.autovec_copy(g_x[None, k0 // 8 + 1], r_h[None, 2 * j + 1])
+                    # token j, row i -> vals[4 j + i] (tokens outside the group, rows past FR: 0)
+                    vals = cute.make_rmem_tensor((4 * BN,), cutlass.Float32)
+                    for q in cutlass.range_constexpr(4 * BN):
+                        vals[q] = cutlass.Float32(0.0)
+                    for j in cutlass.range_constexpr(BN):
+                        if j < mv:
+                            if sTok[j] == lid:
+                                if kin:
+                                    for i in cutlass.range_constexpr(4):
+                                        if warp * 4 + i < FR:
+                                            for e in cutlass.range_constexpr(16):
+                                                vals[4 * j + i] = vals[4 * j + i] + (
+                                                    r_h[e % 8, 2 * j + e // 8].to(cutlass.Float32)
+                                                    * r_a[e % 8, 2 * i + e // 8].to(cutlass.Float32))
+                    n = 4 * BN
+                    for m in (16, 8, 4, 2, 1):
+                        half = n // 2
+                        upper = (lane & m) != 0
+                        for q in cutlass.range_constexpr(half):
+                            send = cutlass.Float32(cutlass.select_(upper, vals[q], vals[q + half]))
+                            keep = cutlass.Float32(cutlass.select_(upper, vals[q + half], vals[q]))
+                            vals[q] = keep + cute.arch.shuffle_sync_bfly(send, offset=m)
+                        n = half
+                    jl = lane // 4
+                    il = lane % 4
+                    if jl < mv and warp * 4 + il < FR:
+                        if sTok[jl] == lid:
+                            mP[sl, kc * BN + jl, rc * FR + warp * 4 + il] = vals[0]
+
+        @cute.jit
+        def _h_units(self, ctid, mX, mAs: tuple, mP, mSync, st, M, K, cta, n_prod, total, r_a, r_h, trace_row):
+            """fused_h, consumer, after the quantization: this CTA's units of h (the first one's A
+            rows were requested with the quantization's x, before the weight stream: docs/perf.md
+            v0.43), then one release-increment of sync[0]."""
+            if cta < n_prod:
+                self._h_unit(cta, ctid, mX, mAs, mP, st, M, K, r_a, r_h, False, True)
+                for u in cutlass.range(cta + n_prod, total, n_prod, unroll=1):
+                    self._h_unit(u, ctid, mX, mAs, mP, st, M, K, r_a, r_h, True, True)
                 self._stamp(trace_row, 6, ctid)
                 # Every thread's partials are stored; one release publishes them for the grid.
                 cute.arch.barrier(barrier_id=1, number_of_threads=128)
                 if ctid == 0:
                     D.red_release_gpu_add_s32(mSync.iterator.toint(), 1)
                 self._stamp(trace_row, 7, ctid)
-            return n_prod
 
         @cute.jit
         def _unit_maxima(self, r_x, ctid, nunits, nch, am_addr):

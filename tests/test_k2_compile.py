@@ -112,7 +112,7 @@ def k2_ptx_problems(cfg: k2_gemm.Config, ptx: str) -> list[str]:
             bad.append("h's partials are not published before the main loop")
         if not acq or (fp8 and not min(acq) > max(fp8)) or (bf and not max(acq) < min(bf)):
             bad.append("h's partials are not acquired between the main loop and the epilogue WGMMA")
-        for ins in ("ld.relaxed.gpu.global.f32", "atom.acq_rel.gpu.global.add.s32", "st.relaxed.gpu.global.s32"):
+        for ins in ("ld.relaxed.gpu.global.f32", "atom.relaxed.gpu.global.add.s32", "st.relaxed.gpu.global.s32"):
             if ins not in ptx:
                 bad.append(f"missing {ins}")
         ldx = _lines_index(ptx, r"ld\.global\.(nc\.)?v4")
