@@ -665,16 +665,18 @@ if cute is not None:
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
                 if cutlass.const_expr(cfg.fused_h):
-                    if ctid == 0:
-                        # This CTA is past its wait for h: count it done; the last one re-arms sync
-                        # for the next call (which touches sync only after its griddepcontrol.wait,
-                        # i.e. after this grid has completed).
+                    if ctid == 0 and split == 0:
+                        # Every CTA of this cluster is past its wait for h (the cluster barrier
+                        # above): count the cluster done, one atomic per cluster (one per CTA made
+                        # every CTA end ~3-6 us after the last one's partials on the H200, v0.43);
+                        # the last one re-arms sync for the next call (which touches sync only
+                        # after its griddepcontrol.wait, i.e. after this grid has completed).
                         gdim = cute.arch.grid_dim()
                         sync_addr = mSync.iterator.toint()
-                        # (relaxed: this thread's spin load on sync[0] has returned, its value
-                        # decided the branch that got here, before this atomic is issued)
+                        # (relaxed: the spin loads on sync[0] have returned, their values decided
+                        # the branches that got every thread of the cluster here)
                         old = D.atom_add_relaxed_gpu_s32(sync_addr + 4, 1)
-                        if old == gdim[0] * gdim[1] * gdim[2] - 1:
+                        if old == gdim[1] * gdim[2] - 1:
                             D.st_relaxed_gpu_s32(sync_addr, 0)
                             D.st_relaxed_gpu_s32(sync_addr + 4, 0)
                 self._stamp(trace_row, 5, ctid)
@@ -929,27 +931,28 @@ if cute is not None:
                                         cute.autovec_copy(g_a[None, k0 // 8], r_a[None, 2 * i])
                                         cute.autovec_copy(g_a[None, k0 // 8 + 1], r_a[None, 2 * i + 1])
                 if cutlass.const_expr(compute):
+                    # Branch-free: every token row's x is loaded (rows past the batch and K past its
+                    # end clamped) and masked to 0 in the products. With the loads under the same
+                    # conditions as the products, the compiler merged them and each token's
+                    # products waited for its own loads: one memory round trip per token (+2 us
+                    # per token on the H200, v0.43).
+                    kx = cutlass.min(k0, K - 16)
                     for j in cutlass.range_constexpr(BN):
-                        if j < mv:
-                            if sTok[j] == lid:
-                                if kin:
-                                    g_x = cute.zipped_divide(mX[j, None], (8,))
-                                    cute.autovec_copy(g_x[None, k0 // 8], r_h[None, 2 * j])
-                                    cute.autovec_copy(g_x[None, k0 // 8 + 1], r_h[None, 2 * j + 1])
+                        g_x = cute.zipped_divide(mX[cutlass.min(j, mv - 1), None], (8,))
+                        cute.autovec_copy(g_x[None, kx // 8], r_h[None, 2 * j])
+                        cute.autovec_copy(g_x[None, kx // 8 + 1], r_h[None, 2 * j + 1])
                     # token j, row i -> vals[4 j + i] (tokens outside the group, rows past FR: 0)
                     vals = cute.make_rmem_tensor((4 * BN,), cutlass.Float32)
                     for q in cutlass.range_constexpr(4 * BN):
                         vals[q] = cutlass.Float32(0.0)
                     for j in cutlass.range_constexpr(BN):
-                        if j < mv:
-                            if sTok[j] == lid:
-                                if kin:
-                                    for i in cutlass.range_constexpr(4):
-                                        if warp * 4 + i < FR:
-                                            for e in cutlass.range_constexpr(16):
-                                                vals[4 * j + i] = vals[4 * j + i] + (
-                                                    r_h[e % 8, 2 * j + e // 8].to(cutlass.Float32)
-                                                    * r_a[e % 8, 2 * i + e // 8].to(cutlass.Float32))
+                        use = kin and j < mv and sTok[j] == lid
+                        for i in cutlass.range_constexpr(4):
+                            if warp * 4 + i < FR:  # warp-uniform (rank 8: warps 2, 3 have no rows)
+                                for e in cutlass.range_constexpr(16):
+                                    xe = cutlass.Float32(cutlass.select_(
+                                        use, r_h[e % 8, 2 * j + e // 8].to(cutlass.Float32), cutlass.Float32(0.0)))
+                                    vals[4 * j + i] = vals[4 * j + i] + xe * r_a[e % 8, 2 * i + e // 8].to(cutlass.Float32)
                     n = 4 * BN
                     for m in (16, 8, 4, 2, 1):
                         half = n // 2
