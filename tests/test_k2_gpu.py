@@ -366,10 +366,12 @@ def test_fused_h_tokens_ranks(M, rank):
 
 @pytest.mark.parametrize("widths,K", [((12288, 12288), 4096), ((4096,), 12288), ((29568 // 2,), 8192)],
                          ids=["gate_up", "down", "72b-tp2-gate"])
-def test_fused_h_many_adapters_many_units(widths, K):
-    """8 tokens of 8 rank-256 adapters: more units than producing CTAs (each takes several)."""
+@pytest.mark.parametrize("fused", [True, False], ids=["fh", "sq"])
+def test_fused_h_many_adapters_many_units(widths, K, fused):
+    """8 tokens of 8 rank-256 adapters: more units than producing CTAs (each takes several); the
+    same case on the decode_sq pair for comparison."""
     _hopper()
-    dp = DecodePath(widths, K, 256, 8, 8, seed=11, fused=True)
+    dp = DecodePath(widths, K, 256, 8, 8, seed=11, fused=fused)
     x, tok = _x(8, K, 11), torch.arange(8, dtype=torch.int32)
     dp.check(x, tok, dp.run(x, tok))
 
