@@ -922,6 +922,10 @@ if cute is not None:
             kin = k0 < K
             if rc * FR < rg:
                 if cutlass.const_expr(load_a):
+                    # Zeros where nothing is loaded (K past its end, rows past FR): the products are
+                    # taken branch-free, and 0 x (a stale register's NaN) would be NaN.
+                    for e in cutlass.range_constexpr(64):
+                        r_a[e % 8, e // 8] = cutlass.BFloat16(0.0)
                     for i in cutlass.range_constexpr(4):
                         if warp * 4 + i < FR:
                             if kin:

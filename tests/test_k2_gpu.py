@@ -364,8 +364,8 @@ def test_fused_h_tokens_ranks(M, rank):
     dp.check(x, tok, dp.run(x, tok, pdl=M % 2 == 0))
 
 
-@pytest.mark.parametrize("widths,K", [((12288, 12288), 4096), ((4096,), 12288), ((29568 // 2,), 8192)],
-                         ids=["gate_up", "down", "72b-tp2-gate"])
+@pytest.mark.parametrize("widths,K", [((12288, 12288), 4096), ((4096,), 12288), ((29568 // 2, 29568 // 2), 8192)],
+                         ids=["gate_up", "down", "72b-tp2-gate_up"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fh", "sq"])
 def test_fused_h_many_adapters_many_units(widths, K, fused):
     """8 tokens of 8 rank-256 adapters: more units than producing CTAs (each takes several); the

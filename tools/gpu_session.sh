@@ -17,7 +17,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, k1 or fh}
+mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1 or fh}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -144,16 +144,36 @@ case $mode in
     # op-level decode tests (every path incl. chained sequences and CUDA graphs), `stages` at 1 / 8
     # tokens and `layer` at 1 / 4 / 8 tokens with the chained columns. A hang is cut by its timeout.
     unpack_vllm
-    timeout -s KILL 240 python3 -m pytest -q -x -m gpu tests/test_k2_gpu.py -k "fused_h or self_quant_codes" 2>&1 \
+    timeout -s KILL 180 python3 -m pytest -q -x -m gpu tests/test_k2_gpu.py -k "fused_h or self_quant_codes" 2>&1 \
       | tail -8 | tee "$OUT/tests_fh.log"
-    timeout -s KILL 200 python3 -m pytest -q -x -m gpu tests/test_lora_linear_gpu.py -k "decode" 2>&1 | tail -8 \
+    timeout -s KILL 100 python3 -m pytest -q -x -m gpu tests/test_lora_linear_gpu.py -k "decode" 2>&1 | tail -8 \
       | tee -a "$OUT/tests_fh.log"
-    EPILORA_BENCH_TOKENS=${FH_TOKENS:-1,8} timeout -s KILL 150 python3 tools/bench.py --quick --sections stages \
+    EPILORA_BENCH_TOKENS=${FH_TOKENS:-1,8} timeout -s KILL 100 python3 tools/bench.py --quick --sections stages \
       --out "$OUT/st" 2>&1 | grep -E "^stages|Error" | tail -12
     EPILORA_BENCH_TOKENS=${FH_LAYER_TOKENS:-1,4,8} \
       EPILORA_BENCH_OURS=${FH_OURS:-no_adapter_chain,decode_chain,decode_sq_chain,decode_fh_chain,decode_sq,decode_fh} \
-      timeout -s KILL 150 python3 tools/bench.py --quick --sections layer --out "$OUT/ly" 2>&1 | tail -30
+      timeout -s KILL 100 python3 tools/bench.py --quick --sections layer --out "$OUT/ly" 2>&1 | tail -30
     (cd "$OUT" && for d in st ly; do [[ -d $d ]] && tar czf $d.tgz $d && rm -rf $d; done)
+    ;;
+  profile-decode)
+    # Nsight Compute on the decode paths' K2 at 1..8 tokens (perf.md v0.43: where decode_fh's and
+    # decode_sq's CTAs stall; carry the cache only): one launch each, the details page and each
+    # launch's SASS with its stall samples (tools/ncu_summary.py reads them).
+    cases=${PROFILE_CASES:-"qkv:1:1 qkv:8:1"}
+    mkdir -p "$OUT/prof"
+    timeout -s KILL 300 ncu --clock-control none --set full --import-source no --kernel-name regex:'K2Kernel' \
+      -f -o "$OUT/prof/prof" \
+      python3 tools/profile_kernels.py --launches 1 --paths "${PROFILE_PATHS:-decode_sq,decode_fh}" $cases 2>&1 | tail -8
+    if [[ -f $OUT/prof/prof.ncu-rep ]]; then
+      ncu -i "$OUT/prof/prof.ncu-rep" --page details > "$OUT/prof/details.txt" 2>&1
+      n=$(grep -c '^  [A-Za-z_].*(.*)x(.*)' "$OUT/prof/details.txt" || true)
+      for ((i = 0; i < ${n:-0}; i++)); do
+        ncu -i "$OUT/prof/prof.ncu-rep" --page source --csv --print-source sass --launch-skip $i \
+          --launch-count 1 > "$OUT/prof/sass_$i.csv" 2>&1
+      done
+      rm -f "$OUT/prof/prof.ncu-rep"
+      (cd "$OUT" && tar czf prof.tgz prof && rm -rf prof)
+    fi
     ;;
   profile)
     # Nsight Compute on the large-batch kernels (K1, expand-add; tools/profile_kernels.py launches
