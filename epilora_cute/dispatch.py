@@ -58,6 +58,8 @@ MODES = ("graph", "eager")
 # decode_sq: run12 (docs/gpu_record/run12), its K2 tests (codes bit-exact) and op-level tests.
 # hybrid_par: run13 (docs/gpu_record/run13/hybrid_par_tests_c1b330d.log): bit-identical to the
 # hybrid path at 1..2048 tokens, eager and replayed from a CUDA graph with new inputs.
+# decode_fh passes its GPU tests (run16) but is left out: slower than decode_sq at every size
+# measured (docs/perf.md v0.43), timing it would only lengthen each key's first call.
 VERIFIED_PATHS = frozenset({"triton", "decode", "decode_sq", "no_adapter", "hybrid", "hybrid_par", "base"})
 # A path's variable overrides VERIFIED_PATHS when set: "1" lets an unverified path join the
 # candidates, "0" keeps a verified one out. "no_adapter" runs K2, so it follows the decode path's.
