@@ -25,6 +25,17 @@ export EPILORA_CACHE_DIR=$cache PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 # The engines' compilation settings of every e2e run since run7 (our op and stock both quantize
 # with a CUDA kernel; Inductor's norm/act + quant fusions off, they would bypass both).
 E2E_CC='compilation_config={"custom_ops":["+quant_fp8"],"pass_config":{"fuse_norm_quant":false,"fuse_act_quant":false}}'
+# An Nsight Compute report DIR/prof.ncu-rep as text (what tools/ncu_summary.py reads): the details
+# page of every launch and each launch's SASS with its stall samples.
+ncu_text_exports() {
+  ncu -i "$1/prof.ncu-rep" --page details > "$1/details.txt" 2>&1
+  local n i
+  n=$(grep -c '^  [A-Za-z_].*(.*)x(.*)' "$1/details.txt" || true)
+  for ((i = 0; i < ${n:-0}; i++)); do
+    ncu -i "$1/prof.ncu-rep" --page source --csv --print-source sass --launch-skip $i --launch-count 1 \
+      > "$1/sass_$i.csv" 2>&1
+  done
+}
 unpack_vllm() {
   if ! python3 -c 'import importlib.util as u, sys; sys.exit(u.find_spec("vllm") is None)' 2> /dev/null \
       && [[ -f .devvllm/2/unpack.sh ]]; then
@@ -165,12 +176,7 @@ case $mode in
       -f -o "$OUT/prof/prof" \
       python3 tools/profile_kernels.py --launches 1 --paths "${PROFILE_PATHS:-decode_sq,decode_fh}" $cases 2>&1 | tail -8
     if [[ -f $OUT/prof/prof.ncu-rep ]]; then
-      ncu -i "$OUT/prof/prof.ncu-rep" --page details > "$OUT/prof/details.txt" 2>&1
-      n=$(grep -c '^  [A-Za-z_].*(.*)x(.*)' "$OUT/prof/details.txt" || true)
-      for ((i = 0; i < ${n:-0}; i++)); do
-        ncu -i "$OUT/prof/prof.ncu-rep" --page source --csv --print-source sass --launch-skip $i \
-          --launch-count 1 > "$OUT/prof/sass_$i.csv" 2>&1
-      done
+      ncu_text_exports "$OUT/prof"
       rm -f "$OUT/prof/prof.ncu-rep"
       (cd "$OUT" && tar czf prof.tgz prof && rm -rf prof)
     fi
@@ -187,12 +193,7 @@ case $mode in
       --kernel-name regex:'K1Kernel|ExpandAdd|gemm_lora|quant_shrink' -f -o "$OUT/prof/prof" \
       python3 tools/profile_kernels.py --launches 1 --paths "$paths" $cases 2>&1 | tail -25
     if [[ -f $OUT/prof/prof.ncu-rep ]]; then
-      ncu -i "$OUT/prof/prof.ncu-rep" --page details > "$OUT/prof/details.txt" 2>&1
-      n=$(grep -c '^  [A-Za-z_].*(.*)x(.*)' "$OUT/prof/details.txt" || true)
-      for ((i = 0; i < ${n:-0}; i++)); do
-        ncu -i "$OUT/prof/prof.ncu-rep" --page source --csv --print-source sass --launch-skip $i \
-          --launch-count 1 > "$OUT/prof/sass_$i.csv" 2>&1
-      done
+      ncu_text_exports "$OUT/prof"
       ncu -i "$OUT/prof/prof.ncu-rep" --page source --csv --print-source sass > "$OUT/prof/sass_all.csv" 2>&1
       ls -la "$OUT/prof" | head -20
     fi
