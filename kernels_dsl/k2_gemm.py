@@ -18,6 +18,13 @@ quantizes it itself (_quantize_x: each CTA its K range, the token maxima combine
 in DSMEM, the codes written into a resident smem copy of its x_q that the WGMMAs read); no x_q,
 s_x or counter, and the shrink beside it has no quantization CTAs (docs/perf.md v0.29).
 
+fused_h builds (Config.fused_h, the path "decode_fh", an experiment: correct on the H200, slower
+than decode_sq, docs/perf.md v0.43): the self-quantizing adapter K2 computes h itself. The grid's
+first CTAs (at most FH_PRODUCERS) turn units of A (FH_ROWS rank rows x FH_KC of K, one slice, one
+adapter group) into partials of h in a workspace and publish them with a release-increment of
+sync[0]; every CTA's epilogue acquires sync[0] >= the producers' count and sums its tokens'
+partials in K order; the last cluster done (sync[1]) re-arms both.
+
 Activations: x_q/s_x are written by the quantization CTAs of the shrink kernel, launched just
 before K2 (K2 is its PDL dependent). K2 cannot use griddepcontrol.wait for them without giving
 up the overlap, so the producer spins (ld.acquire.gpu) on a counter those CTAs increment
