@@ -226,6 +226,8 @@ class Config:
                   (8, 8), (4 * META_ROWS, 4), (4 * META_ROWS, 4)]
         # self_quant: per-warp token maxima (4 x bn), then the CTA's (bn); one unused word otherwise.
         f += [(4 * 5 * bn if self.self_quant else 4, 4)]
+        if self.fused_h:  # the unit's x, bf16 [bn, FH_KC]
+            f += [(2 * bn * FH_KC, 128)]
         return struct_size(f)
 
 
@@ -337,7 +339,27 @@ if cute is not None:
                 sReff: cute.struct.MemRange[cutlass.Int32, META_ROWS]
                 sAmax: cute.struct.MemRange[cutlass.Float32, n_amax]
 
-            if cutlass.const_expr(lora):
+            @cute.struct
+            class StorageFused:
+                full: cute.struct.MemRange[cutlass.Int64, stages]
+                empty: cute.struct.MemRange[cutlass.Int64, stages]
+                sx_ready: cute.struct.MemRange[cutlass.Int64, 1]
+                sSx: cute.struct.MemRange[cutlass.Float32, bn]
+                bfull: cute.struct.MemRange[cutlass.Int64, nb]
+                bempty: cute.struct.MemRange[cutlass.Int64, nb]
+                sW: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sW_layout)], 1024]
+                sX: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sX_layout)], 1024]
+                sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sB_layout)], 1024]
+                sH: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sH_layout)], 1024]
+                meta_ready: cute.struct.MemRange[cutlass.Int64, 1]
+                sTok: cute.struct.MemRange[cutlass.Int32, META_ROWS]
+                sReff: cute.struct.MemRange[cutlass.Int32, META_ROWS]
+                sAmax: cute.struct.MemRange[cutlass.Float32, n_amax]
+                sUx: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, bn * FH_KC], 128]
+
+            if cutlass.const_expr(cfg.fused_h):
+                self.storage = StorageFused
+            elif cutlass.const_expr(lora):
                 self.storage = StorageLora
             else:
                 self.storage = Storage
@@ -929,8 +951,8 @@ if cute is not None:
             kin = k0 < K
             if rc * FR < rg:
                 if cutlass.const_expr(load_a):
-                    # Zeros where nothing is loaded (K past its end, rows past FR): the products are
-                    # taken branch-free, and 0 x (a stale register's NaN) would be NaN.
+                    # Zeros where nothing is loaded (K past its end, rows past FR): the products
+                    # are taken branch-free, and 0 x (a stale register's NaN) would be NaN.
                     for e in cutlass.range_constexpr(64):
                         r_a[e % 8, e // 8] = cutlass.BFloat16(0.0)
                     for i in cutlass.range_constexpr(4):
@@ -941,43 +963,60 @@ if cute is not None:
                                         g_a = cute.zipped_divide(mAs[q][lid * R + rc * FR + warp * 4 + i, None], (8,))
                                         cute.autovec_copy(g_a[None, k0 // 8], r_a[None, 2 * i])
                                         cute.autovec_copy(g_a[None, k0 // 8 + 1], r_a[None, 2 * i + 1])
+                    # The unit's x, every token row of the batch (rows past it and K past its end
+                    # read as zeros), into smem with cp.async: 4 x 16 bytes per thread, no registers.
+                    ux = st.sUx.data_ptr().toint()
+                    x_base = mX.iterator.toint()
+                    x_row = mX.layout.stride[0]
+                    for q in cutlass.range_constexpr(BN * FH_KC // 8 // 128):
+                        v = ctid + 128 * q
+                        jr = v // (FH_KC // 8)
+                        kv = kc * FH_KC + (v - jr * (FH_KC // 8)) * 8
+                        ok = jr < mv and kv < K
+                        src = x_base + (cutlass.Int64(cutlass.min(jr, mv - 1)) * x_row
+                                        + cutlass.min(kv, K - 8)) * 2
+                        D.cp_async_cg_16(ux + v * 16, src, cutlass.select_(ok, 16, 0))
+                    cute.arch.cp_async_commit_group()
                 if cutlass.const_expr(compute):
-                    # Branch-free: every token row's x is loaded (rows past the batch and K past its
-                    # end clamped) and masked to 0 in the products. With the loads under the same
-                    # conditions as the products, the compiler merged them and each token's
-                    # products waited for its own loads: one memory round trip per token (+2 us
-                    # per token on the H200, v0.43).
-                    kx = cutlass.min(k0, K - 16)
-                    for j in cutlass.range_constexpr(BN):
-                        g_x = cute.zipped_divide(mX[cutlass.min(j, mv - 1), None], (8,))
-                        cute.autovec_copy(g_x[None, kx // 8], r_h[None, 2 * j])
-                        cute.autovec_copy(g_x[None, kx // 8 + 1], r_h[None, 2 * j + 1])
-                    # token j, row i -> vals[4 j + i] (tokens outside the group, rows past FR: 0)
-                    vals = cute.make_rmem_tensor((4 * BN,), cutlass.Float32)
-                    for q in cutlass.range_constexpr(4 * BN):
-                        vals[q] = cutlass.Float32(0.0)
-                    for j in cutlass.range_constexpr(BN):
-                        use = kin and j < mv and sTok[j] == lid
-                        for i in cutlass.range_constexpr(4):
-                            if warp * 4 + i < FR:  # warp-uniform (rank 8: warps 2, 3 have no rows)
-                                for e in cutlass.range_constexpr(16):
-                                    xe = cutlass.Float32(cutlass.select_(
-                                        use, r_h[e % 8, 2 * j + e // 8].to(cutlass.Float32), cutlass.Float32(0.0)))
-                                    vals[4 * j + i] = vals[4 * j + i] + xe * r_a[e % 8, 2 * i + e // 8].to(cutlass.Float32)
-                    n = 4 * BN
-                    for m in (16, 8, 4, 2, 1):
-                        half = n // 2
-                        upper = (lane & m) != 0
-                        for q in cutlass.range_constexpr(half):
-                            send = cutlass.Float32(cutlass.select_(upper, vals[q], vals[q + half]))
-                            keep = cutlass.Float32(cutlass.select_(upper, vals[q + half], vals[q]))
-                            vals[q] = keep + cute.arch.shuffle_sync_bfly(send, offset=m)
-                        n = half
-                    jl = lane // 4
-                    il = lane % 4
-                    if jl < mv and warp * 4 + il < FR:
-                        if sTok[jl] == lid:
-                            mP[sl, kc * BN + jl, rc * FR + warp * 4 + il] = vals[0]
+                    cute.arch.cp_async_wait_group(0)
+                    cute.arch.barrier(barrier_id=1, number_of_threads=128)  # every thread's copies
+                    sUx = st.sUx.get_tensor(cute.make_layout(BN * FH_KC))
+                    g_u = cute.zipped_divide(sUx, (8,))
+                    a_f = cute.make_rmem_tensor((64,), cutlass.Float32)
+                    for e in cutlass.range_constexpr(64):
+                        a_f[e] = r_a[e % 8, e // 8].to(cutlass.Float32)  # row e // 16, element e % 16
+                    r_u = cute.make_rmem_tensor(cute.make_layout((8, 2)), r_a.element_type)
+                    # One token per iteration (a loop, not unrolled: straight-line code run once per
+                    # warp was instruction-fetch bound, docs/perf.md v0.43).
+                    for jt in cutlass.range(mv, unroll=1):
+                        if sTok[jt] == lid:  # warp-uniform
+                            cute.autovec_copy(g_u[None, (jt * FH_KC + lane * 16) // 8], r_u[None, 0])
+                            cute.autovec_copy(g_u[None, (jt * FH_KC + lane * 16) // 8 + 1], r_u[None, 1])
+                            d = cute.make_rmem_tensor((4,), cutlass.Float32)
+                            for i in cutlass.range_constexpr(4):
+                                d[i] = cutlass.Float32(0.0)
+                            for e in cutlass.range_constexpr(16):
+                                xe = r_u[e % 8, e // 8].to(cutlass.Float32)
+                                for i in cutlass.range_constexpr(4):
+                                    d[i] = d[i] + xe * a_f[i * 16 + e]
+                            # Over the lanes (a fixed tree): rows {0,1} / {2,3} by lane bit 4, then
+                            # row by bit 3, then the sum over bits 2..0; lane 8 r holds row r.
+                            up4 = (lane & 16) != 0
+                            for q in cutlass.range_constexpr(2):
+                                send = cutlass.Float32(cutlass.select_(up4, d[q], d[q + 2]))
+                                keep = cutlass.Float32(cutlass.select_(up4, d[q + 2], d[q]))
+                                d[q] = keep + cute.arch.shuffle_sync_bfly(send, offset=16)
+                            up3 = (lane & 8) != 0
+                            send = cutlass.Float32(cutlass.select_(up3, d[0], d[1]))
+                            keep = cutlass.Float32(cutlass.select_(up3, d[1], d[0]))
+                            d[0] = keep + cute.arch.shuffle_sync_bfly(send, offset=8)
+                            for m in (4, 2, 1):
+                                d[0] = d[0] + cute.arch.shuffle_sync_bfly(d[0], offset=m)
+                            row = lane // 8
+                            if lane % 8 == 0 and warp * 4 + row < FR:
+                                mP[sl, kc * BN + jt, rc * FR + warp * 4 + row] = d[0]
+                    # sUx is refilled by this CTA's next unit: every warp is past its reads.
+                    cute.arch.barrier(barrier_id=1, number_of_threads=128)
 
         @cute.jit
         def _h_units(self, ctid, mX, mAs: tuple, mP, mSync, st, M, K, cta, n_prod, total, r_a, r_h, trace_row):
