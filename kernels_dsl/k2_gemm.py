@@ -592,13 +592,12 @@ if cute is not None:
                     rowmax = M * K <= ROWMAX_ELEMS
                 n_prod = cutlass.Int32(0)  # fused_h: the CTAs that publish partials of h
                 if cutlass.const_expr(cfg.fused_h):
-                    # The first unit's A rows (loaded during the quantization), its x (after it).
+                    # The first unit's loads go out during the quantization; its products after it.
                     r_a = cute.make_rmem_tensor(cute.make_layout((8, 8)), mX.element_type)  # 4 rows x 2 vectors
-                    r_h = cute.make_rmem_tensor(cute.make_layout((8, 2 * BN)), mX.element_type)  # 2 per token
                     cta = tile * nsplit + split
                     n_prod, total = self._quantize_x(ctid, mX, st, sSx, kb_lo, nloc, M, nsplit, trace_row, rowmax,
-                                                     (cta, nsplit * cute.arch.grid_dim()[1], mAs, r_a, r_h))
-                    self._h_units(ctid, mX, mAs, mH, mSync, st, M, K, cta, n_prod, total, r_a, r_h, trace_row)
+                                                     (cta, nsplit * cute.arch.grid_dim()[1], mAs, r_a))
+                    self._h_units(ctid, mX, mAs, mH, mSync, st, M, K, cta, n_prod, total, r_a, trace_row)
                 elif cutlass.const_expr(cfg.self_quant):
                     self._quantize_x(ctid, mX, st, sSx, kb_lo, nloc, M, nsplit, trace_row, rowmax)
 
@@ -761,8 +760,8 @@ if cute is not None:
             loaded by this CTA (ROWMAX_VECS vectors per thread); the cluster barrier's first phase
             is then arrived at here and waited for only before the partials' phase.
 
-            fh (fused_h builds: cta, CTAs, A buffers, the first unit's registers): after x's loads,
-            the plan of h's units and this CTA's first unit's A rows go out before the weights may
+            fh (fused_h builds: cta, CTAs, A buffers, the first unit's A registers): after x's loads,
+            the plan of h's units and this CTA's first unit's loads go out before the weights may
             (barrier 2); returns (n_prod, units) for _h_units."""
             cfg = self.cfg
             BN, BK = self.bn, self.bk
@@ -803,10 +802,10 @@ if cute is not None:
                             cute.autovec_copy(g_r[None, v - j * nvr], r_f[None, i])
             plan = None
             if cutlass.const_expr(fh is not None):
-                cta, ncta, mAs, r_a, r_h = fh
+                cta, ncta, mAs, r_a = fh
                 n_prod, total = self._h_plan(st, M, cute.size(mX, mode=[1]), ncta)
                 if cta < n_prod:
-                    self._h_unit(cta, ctid, mX, mAs, None, st, M, cute.size(mX, mode=[1]), r_a, r_h, True, False)
+                    self._h_unit(cta, ctid, mX, mAs, None, st, M, cute.size(mX, mode=[1]), r_a, True, False)
                 plan = (n_prod, total)
             if cutlass.const_expr(cfg.lora):
                 cute.arch.barrier_arrive(barrier_id=2, number_of_threads=160)  # the weights may go now
@@ -907,17 +906,17 @@ if cute is not None:
             return n_groups
 
         @cute.jit
-        def _h_unit(self, u, ctid, mX, mAs: tuple, mP, st, M, K, r_a, r_h, load_a: cutlass.Constexpr,
+        def _h_unit(self, u, ctid, mX, mAs: tuple, mP, st, M, K, r_a, load_a: cutlass.Constexpr,
                     compute: cutlass.Constexpr):
-            """fused_h: unit u's A rows into r_a (load_a), then (compute) its x into r_h and its
-            partials. (Early, during the quantization, only A is loaded: x's registers beside the
-            quantization's spilled.)
+            """fused_h: unit u's loads (load_a: its A rows into r_a, its x into smem by cp.async),
+            then (compute) its partials.
 
-            Warp w takes rank rows 4w..4w+3 and lane l the 16 elements of K at l*16: 4 A rows x 2
-            vectors and each group token's 2 vectors of x, all in flight at once. Each (token, row)
-            dot product is summed in order over the lane's 16 elements, then over the lanes by a
-            reduce-scatter (31 shuffles, a fixed tree) after which lane l holds (token l / 4, row
-            l % 4) and stores it into partial[slice, chunk * bn + token, row]."""
+            Warp w takes rank rows 4w..4w+3 and lane l the 16 elements of K at l*16 (4 A rows x 2
+            vectors in registers). The products run as a loop over the group's tokens (straight-line
+            code over all tokens was instruction-fetch bound, docs/perf.md v0.43/v0.44): per token
+            each (row) dot product is summed in order over the lane's 16 elements, then over the
+            lanes in a fixed tree (6 shuffles), after which lanes 8 r hold row r and store it into
+            partial[slice, chunk * bn + token, row]."""
             cfg = self.cfg
             BN, R, NS = self.bn, cfg.rank, cfg.num_slices
             FR = min(R, FH_ROWS)
@@ -1019,14 +1018,14 @@ if cute is not None:
                     cute.arch.barrier(barrier_id=1, number_of_threads=128)
 
         @cute.jit
-        def _h_units(self, ctid, mX, mAs: tuple, mP, mSync, st, M, K, cta, n_prod, total, r_a, r_h, trace_row):
-            """fused_h, consumer, after the quantization: this CTA's units of h (the first one's A
-            rows were requested with the quantization's x, before the weight stream: docs/perf.md
-            v0.43), then one release-increment of sync[0]."""
+        def _h_units(self, ctid, mX, mAs: tuple, mP, mSync, st, M, K, cta, n_prod, total, r_a, trace_row):
+            """fused_h, consumer, after the quantization: this CTA's units of h (the first one's loads
+            were requested with the quantization's x, before the weight stream: docs/perf.md v0.43),
+            then one release-increment of sync[0]."""
             if cta < n_prod:
-                self._h_unit(cta, ctid, mX, mAs, mP, st, M, K, r_a, r_h, False, True)
+                self._h_unit(cta, ctid, mX, mAs, mP, st, M, K, r_a, False, True)
                 for u in cutlass.range(cta + n_prod, total, n_prod, unroll=1):
-                    self._h_unit(u, ctid, mX, mAs, mP, st, M, K, r_a, r_h, True, True)
+                    self._h_unit(u, ctid, mX, mAs, mP, st, M, K, r_a, True, True)
                 self._stamp(trace_row, 6, ctid)
                 # Every thread's partials are stored; one release publishes them for the grid.
                 cute.arch.barrier(barrier_id=1, number_of_threads=128)
