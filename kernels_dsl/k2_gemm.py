@@ -149,7 +149,7 @@ class Config:
     # per-K-chunk partials of h = x.A^T into a workspace (`h` is then [slices, nkc * bn, R] fp32, nkc
     # = ceil(K / FH_KC)) and publish them with one release-increment per CTA on sync[0]; each CTA's
     # epilogue acquires sync[0] and sums a token's partials in the fixed order of K. The grid's last
-    # CTA re-arms sync (sync[1] counts the CTAs done).
+    # cluster to finish re-arms sync (sync[1] counts the clusters done).
     fused_h: bool = False
 
     def __post_init__(self):
@@ -322,8 +322,7 @@ if cute is not None:
                 sX: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sX_layout)], 1024]
                 sAmax: cute.struct.MemRange[cutlass.Float32, n_amax]
 
-            @cute.struct
-            class StorageLora:
+            class LoraFields:
                 full: cute.struct.MemRange[cutlass.Int64, stages]
                 empty: cute.struct.MemRange[cutlass.Int64, stages]
                 sx_ready: cute.struct.MemRange[cutlass.Int64, 1]
@@ -339,23 +338,11 @@ if cute is not None:
                 sReff: cute.struct.MemRange[cutlass.Int32, META_ROWS]
                 sAmax: cute.struct.MemRange[cutlass.Float32, n_amax]
 
-            @cute.struct
-            class StorageFused:
-                full: cute.struct.MemRange[cutlass.Int64, stages]
-                empty: cute.struct.MemRange[cutlass.Int64, stages]
-                sx_ready: cute.struct.MemRange[cutlass.Int64, 1]
-                sSx: cute.struct.MemRange[cutlass.Float32, bn]
-                bfull: cute.struct.MemRange[cutlass.Int64, nb]
-                bempty: cute.struct.MemRange[cutlass.Int64, nb]
-                sW: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sW_layout)], 1024]
-                sX: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sX_layout)], 1024]
-                sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sB_layout)], 1024]
-                sH: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sH_layout)], 1024]
-                meta_ready: cute.struct.MemRange[cutlass.Int64, 1]
-                sTok: cute.struct.MemRange[cutlass.Int32, META_ROWS]
-                sReff: cute.struct.MemRange[cutlass.Int32, META_ROWS]
-                sAmax: cute.struct.MemRange[cutlass.Float32, n_amax]
-                sUx: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, bn * FH_KC], 128]
+            StorageLora = cute.struct(LoraFields)
+            # fused_h: the same fields plus the unit's x, appended (every other field keeps its offset).
+            StorageFused = cute.struct(type("StorageFused", (), {"__annotations__": {
+                **LoraFields.__annotations__,
+                "sUx": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, bn * FH_KC], 128]}}))
 
             if cutlass.const_expr(cfg.fused_h):
                 self.storage = StorageFused
@@ -1249,7 +1236,7 @@ def _fake_args(cfg: Config):
         return args + (None,) * pad + (trace,) + bufs_a
     if not cfg.trace:
         return args
-    return args + (None,) * pad + (D.fake_rowmajor(cutlass.Int64, (D.sym(1), TRACE_SLOTS)),)
+    return args + (None,) * pad + (trace,)
 
 
 def compile(config: Config, options: str = "--gpu-arch sm_90a"):
