@@ -179,24 +179,17 @@ def _capturing() -> bool:
         return False
 
 
-def _sync_buffer(device: torch.device) -> torch.Tensor:
-    # The shrink's quantization CTAs count up and K2's producer waits for them, then re-arms it;
-    # one per (device, stream), zeroed once: launches on one stream never overlap on it. A graph
-    # captured on a stream that never ran the op eagerly shares the device's first buffer (graphs
-    # and eager calls of one engine do not run at the same time: vLLM captures on a side stream).
+def _sync_buffer(device: torch.device, protocol: str = "sync") -> torch.Tensor:
+    # Two int32 counters a kernel pair or grid counts up and re-arms itself: "sync", the shrink's
+    # quantization CTAs and K2's producer (K2 re-arms); "fused_sync", decode_fh's K2 (its producing
+    # CTAs' published partials of h, then the clusters done; the last cluster re-arms). One per
+    # (protocol, device, stream), zeroed once: launches on one stream never overlap on it, and the
+    # two protocols never share one. A graph captured on a stream that never ran the op eagerly
+    # shares the device's first buffer (graphs and eager calls of one engine do not run at the same
+    # time: vLLM captures on a side stream).
     stream = torch.cuda.current_stream(device).cuda_stream
-    return _persistent.get(("sync", device.index, stream), lambda: torch.zeros(2, dtype=torch.int32, device=device),
-                           shared=("sync", device.index))
-
-
-def _fused_sync_buffer(device: torch.device) -> torch.Tensor:
-    # decode_fh: K2's producing CTAs count their published partials of h in [0] and every CTA its
-    # exit in [1]; the last one re-arms both. Its own buffer (per device and stream, like the
-    # shrink's) so that the two protocols never meet.
-    stream = torch.cuda.current_stream(device).cuda_stream
-    return _persistent.get(("fused_sync", device.index, stream),
-                           lambda: torch.zeros(2, dtype=torch.int32, device=device),
-                           shared=("fused_sync", device.index))
+    return _persistent.get((protocol, device.index, stream), lambda: torch.zeros(2, dtype=torch.int32, device=device),
+                           shared=(protocol, device.index))
 
 
 def _slice_start(widths: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -569,7 +562,7 @@ def _decode_fused_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_rank
     n = w_q.shape[0]
     dev = x.device
     slot_ranks = _checked_slot_ranks(slot_ranks, a, rank, dev)
-    sync = _fused_sync_buffer(dev)
+    sync = _sync_buffer(dev, "fused_sync")
     cfg, _ = k2_gemm.select(widths, m, rank, fused_h=True)
     partials = torch.empty(k2_gemm.fused_h_workspace_shape(cfg, k), dtype=torch.float32, device=dev)
     spec = k2_gemm.launch(cfg, w_q=w_q, w_scale=w_scale, y=out, split=k2_gemm.split_for(cfg, n, k), x=x,
