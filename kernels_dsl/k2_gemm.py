@@ -1578,9 +1578,12 @@ def rowmax_configs() -> list[Config]:
 def trace_configs() -> list[Config]:
     """The timeline builds tools/bench_timeline.py launches: the decode path's rank-64 adapter builds
     of bn 8 (1..8 tokens) for 1, 2 and 3 slices (bm 128: the Qwen3-8B projections), x_q given,
-    self-quantizing, and self-quantizing with h computed inside (decode_fh)."""
+    self-quantizing, and self-quantizing with h computed inside (decode_fh); x_q given at bn 16 and
+    32 (9..32 tokens, where only the shrink + K2 pair applies)."""
     return ([default_config(8, 128, lora=True, num_slices=ns, rank=64, trace=True, self_quant=sq)
              for ns in (1, 2, 3) for sq in (False, True)]
+            + [default_config(bn, 128, lora=True, num_slices=ns, rank=64, trace=True)
+               for bn in (16, 32) for ns in (1, 2, 3)]
             + [default_config(8, 128, lora=True, num_slices=ns, rank=64, trace=True, self_quant=True, fused_h=True)
                for ns in (1, 2, 3)])
 

@@ -659,7 +659,8 @@ def prebuild_configs() -> list[Config]:
 
 
 def trace_configs() -> list[Config]:
-    """The timeline builds tools/bench_timeline.py launches (rank 64, 1..8 tokens, 1-3 slices), with
-    and without the quantization planes."""
-    return [Config(bn=8, rank=64, num_slices=ns, stages=STAGES, trace=True, quant=q) for ns in (1, 2, 3)
-            for q in (True, False)]
+    """The timeline builds tools/bench_timeline.py launches (rank 64, 1-3 slices): 1..8 tokens with
+    and without the quantization planes, 9..32 tokens (bn 16, 32) with them."""
+    return ([Config(bn=8, rank=64, num_slices=ns, stages=STAGES, trace=True, quant=q) for ns in (1, 2, 3)
+             for q in (True, False)]
+            + [Config(bn=bn, rank=64, num_slices=ns, stages=STAGES, trace=True) for bn in (16, 32) for ns in (1, 2, 3)])

@@ -5,7 +5,7 @@ The trace builds (`Config.trace` in kernels_dsl/k2_gemm.py and lora_shrink.py) s
 griddepcontrol.wait, x_q published (quantization CTAs) or main loop done (down-projection CTAs)
 and h stored (also with the shrink alone); K2's entry, x_q ready (its producer past the spin), main loop done, h ready (the
 epilogue's griddepcontrol.wait passed), partials written and the end. Per Qwen3-8B projection,
-rank 64, one adapter, M in {1, 8}: the pair as the decode path launches it (shrink, then K2 as
+rank 64, one adapter, M in {1, 8} (EPILORA_BENCH_TOKENS: any of 1..32): the pair as the decode path launches it (shrink, then K2 as
 its PDL dependent) captured in a CUDA graph, the L2 flushed before each replay, and K2 alone on
 x_q and h given. Each step is reported as first / median / last CTA in µs after the first
 shrink CTA started (K2 alone: after its own first CTA), medians over the replays. The
@@ -20,6 +20,7 @@ CTA's units of h done and published, h ready = the epilogue past its wait for ev
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -79,7 +80,8 @@ class Timeline:
                                                x_scale=x_scale, sync=self.sync_alone, split=split_s,
                                                trace=self.s_trace_alone, **common)
         bm = k2_gemm.bm_for(widths)
-        self.k_cfg = k2_gemm.default_config(8, bm, lora=True, num_slices=len(widths), rank=c.rank, trace=True)
+        self.k_cfg = k2_gemm.default_config(k2_gemm.token_tile(m), bm, lora=True, num_slices=len(widths), rank=c.rank,
+                                            trace=True)
         split = k2_gemm.split_for(self.k_cfg, n, k)
         self.k_trace = torch.zeros(split * (n // bm), k2_gemm.TRACE_SLOTS, dtype=torch.int64, device=dev)
         self.k_trace_alone = torch.zeros_like(self.k_trace)
@@ -153,6 +155,19 @@ class Timeline:
         return ev
 
 
+def timeline_tokens() -> list[int]:
+    """The token counts to trace: EPILORA_BENCH_TOKENS (as the other sections) within the trace
+    builds' 1..32, else 1 and 8."""
+    env = os.environ.get("EPILORA_BENCH_TOKENS")
+    if not env:
+        return [1, 8]
+    out = [int(t) for t in env.split(",") if t.strip()]
+    bad = [m for m in out if not 1 <= m <= 32]
+    if bad:
+        raise ValueError(f"timeline: EPILORA_BENCH_TOKENS {bad} outside the decode path's 1..32")
+    return out
+
+
 def bench_timeline(quick: bool) -> list[dict]:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("timeline: needs an sm_90 GPU; skipped")
@@ -160,7 +175,7 @@ def bench_timeline(quick: bool) -> list[dict]:
     from tools.gpu_timing import _flush, capture
 
     rows = []
-    for m in (1, 8):
+    for m in timeline_tokens():
         for p in QWEN3_8B:
             base = {"section": "timeline", "proj": p.name, "M": m}
             try:

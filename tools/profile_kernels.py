@@ -13,8 +13,9 @@ each case. Timing is not this tool's job (tools/bench.py is); it gives a profile
 
 Stages: k1 (kernels_dsl/k1_shrink), gemm (the vendor FP8 GEMM on K1's codes), expand_add
 (kernels_dsl/expand_add on K1's h), triton (the whole Triton path: its quant+shrink and gemm_lora
-kernels); at 1..8 tokens decode_sq / decode_fh (the decode paths: the shrink + the self-quantizing
-K2, or the K2 that computes h itself; `gpu_session.sh profile-decode`).
+kernels); the decode paths (`gpu_session.sh profile-decode`): decode (the shrink + K2 on its x_q,
+1..32 tokens), at 1..8 tokens decode_sq / decode_fh (the shrink + the self-quantizing K2, or the
+K2 that computes h itself), and no_adapter (K2 without the adapter's epilogue).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from tools.bench_decode import QWEN3_8B, LayerCase  # noqa: E402
 from tools.bench_prefill import max_loras_for  # noqa: E402
 
 RANK = 64
-STAGES = ("k1", "gemm", "expand_add", "triton", "decode_sq", "decode_fh")
+STAGES = ("k1", "gemm", "expand_add", "triton", "decode", "decode_sq", "decode_fh", "no_adapter")
 
 
 def parse_case(text: str) -> tuple[str, int, int]:
@@ -61,7 +62,7 @@ def launchers(case: LayerCase, stages) -> dict:
     def op(path):
         return lambda: ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=c.y, path=path)
 
-    fns = {k: op(k) for k in ("triton", "decode_sq", "decode_fh")}
+    fns = {k: op(k) for k in ("triton", "decode", "decode_sq", "decode_fh", "no_adapter")}
     if any(k in stages for k in ("k1", "gemm", "expand_add")):
         hs = HybridStages(case)
         fns |= {k: fn for k, fn in hs.launchers().items() if k in ("k1", "gemm", "expand_add")}
