@@ -662,15 +662,17 @@ if cute is not None:
                 # and all in flight at once (a serial load-add chain per element was the
                 # epilogue's largest cost at bn = 32).
                 RU = BM * BN // 128
+                # The loads are unconditional (elements past this CTA's share read a clamped one
+                # and are never stored): under `if e < hi` each load's add sat in its branch, so
+                # the loads went out one or two at a time (SASS, docs/perf.md v0.45).
                 vals = cute.make_rmem_tensor((RU,), cutlass.Float32)
                 vals.fill(0.0)
                 for q in cutlass.range(nsplit, unroll=1):
                     for u in cutlass.range_constexpr(RU):
-                        e = lo + ctid + 128 * u
-                        if e < hi:
-                            j = e // BM
-                            r = e - j * BM
-                            vals[u] = vals[u] + D.ld_dsmem_f32(red_base + (r + j * (BM + RED_PAD)) * 4, q)
+                        e = cutlass.min(lo + ctid + 128 * u, n_el - 1)
+                        j = e // BM
+                        r = e - j * BM
+                        vals[u] = vals[u] + D.ld_dsmem_f32(red_base + (r + j * (BM + RED_PAD)) * 4, q)
                 for u in cutlass.range_constexpr(RU):
                     e = lo + ctid + 128 * u
                     if e < hi:
@@ -1118,20 +1120,24 @@ if cute is not None:
             for u in cutlass.range_constexpr(HU):
                 hv[u] = cutlass.Float32(0.0)
             for kc0 in cutlass.range(0, nkc, FH_SUM, unroll=1):
+                # Unconditional loads (the chunk clamped into the workspace; j < bn and col < R
+                # are inside it), masked by a select: see the h loads of _lora_epilogue.
                 parts = cute.make_rmem_tensor((HU * FH_SUM,), cutlass.Float32)
                 for u in cutlass.range_constexpr(HU):
                     e = ctid + 128 * u
                     j = e // RC
                     col = c * RC + e - j * RC
                     for q in cutlass.range_constexpr(FH_SUM):
-                        parts[u * FH_SUM + q] = cutlass.Float32(0.0)
-                        if j < M and col < rg and kc0 + q < nkc:
-                            if sTok[j] == lid:
-                                off = ((sl * nkc + kc0 + q) * BN + j) * R + col
-                                parts[u * FH_SUM + q] = D.ld_relaxed_gpu_f32(p_base + cutlass.Int64(off) * 4)
+                        off = ((sl * nkc + cutlass.min(kc0 + q, nkc - 1)) * BN + j) * R + col
+                        parts[u * FH_SUM + q] = D.ld_relaxed_gpu_f32(p_base + cutlass.Int64(off) * 4)
                 for u in cutlass.range_constexpr(HU):
+                    e = ctid + 128 * u
+                    j = e // RC
+                    ok = j < M and c * RC + e - j * RC < rg and sTok[j] == lid
                     for q in cutlass.range_constexpr(FH_SUM):
-                        hv[u] = hv[u] + parts[u * FH_SUM + q]
+                        v = cutlass.Float32(cutlass.select_(ok and kc0 + q < nkc, parts[u * FH_SUM + q],
+                                                            cutlass.Float32(0.0)))
+                        hv[u] = hv[u] + v
 
         @cute.jit
         def _lora_epilogue(self, ctid, acc_l, tiled_mma_l, st, sB_layout, sH_layout, bfull, bempty,
@@ -1164,14 +1170,20 @@ if cute is not None:
                             if cutlass.const_expr(cfg.fused_h):
                                 self._h_from_partials(hv, ctid, mH, sTok, sl, lid, rg, c, M)
                             else:
+                                # Every load unconditional (indices clamped into h) and the mask a
+                                # select afterwards: a load under its element's condition made
+                                # ptxas convert it inside that branch, so each element waited for
+                                # its own round trip (16 in a row at bn 32, ~4 us on the H200).
+                                hl = cute.make_rmem_tensor((HU,), cutlass.Float32)
                                 for u in cutlass.range_constexpr(HU):
                                     e = ctid + 128 * u
                                     j = e // RC
-                                    rr = e - j * RC
-                                    hv[u] = cutlass.Float32(0.0)
-                                    if j < M and c * RC + rr < R:
-                                        if sTok[j] == lid:
-                                            hv[u] = mH[sl, j, c * RC + rr]
+                                    hl[u] = mH[sl, cutlass.min(j, M - 1), cutlass.min(c * RC + e - j * RC, R - 1)]
+                                for u in cutlass.range_constexpr(HU):
+                                    e = ctid + 128 * u
+                                    j = e // RC
+                                    ok = j < M and c * RC + e - j * RC < R and sTok[j] == lid
+                                    hv[u] = cutlass.Float32(cutlass.select_(ok, hl[u], cutlass.Float32(0.0)))
                             for u in cutlass.range_constexpr(HU):
                                 e = ctid + 128 * u
                                 j = e // RC
