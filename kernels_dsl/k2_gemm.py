@@ -552,12 +552,12 @@ if cute is not None:
                         self._adapter_producer(tma_bs, mBs, st, sB_layout, bfull, bempty, mTok, mSlotRanks,
                                                sl, row_in_slice, n_s, split, nsplit, M)
                 # The producer warpgroup's side of the consumer's two cluster barriers (all
-                # threads of the cluster take part in each).
+                # threads of the cluster take part in each; the last one relaxed, as there).
                 if cutlass.const_expr(cfg.self_quant):
                     cute.arch.cluster_wait()
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
-                cute.arch.cluster_arrive()
+                cute.arch.cluster_arrive_relaxed()
                 cute.arch.cluster_wait()
             else:
                 # ===================================== consumer ====================================
@@ -678,8 +678,11 @@ if cute is not None:
                     if e < hi:
                         j = e // BM
                         mY[j, n0 + e - j * BM] = vals[u].to(cutlass.BFloat16)
-                # Keep this CTA's smem alive until every CTA of the cluster has read it.
-                cute.arch.cluster_arrive()
+                # Keep this CTA's smem alive until every CTA of the cluster has read it. Relaxed:
+                # nothing is published here (this thread's DSMEM loads have returned, their values
+                # are in the stores above), and a release arrive compiles to MEMBAR.ALL.GPU, which
+                # would wait for those y stores to be acknowledged (run17's profile: ERRBAR).
+                cute.arch.cluster_arrive_relaxed()
                 cute.arch.cluster_wait()
                 if cutlass.const_expr(cfg.fused_h):
                     if ctid == 0 and split == 0:
