@@ -632,14 +632,19 @@ if cute is not None:
                 s_w = mSw[0]
                 if cutlass.const_expr(not cfg.self_quant):
                     cute.arch.mbarrier_wait(sx_ready, 0)
+                # s_x read for every element first (j < bn: inside sSx), the token mask a select:
+                # under `if j < M` each read sat in its branch and the reads went out one at a
+                # time (one register reused; SASS, docs/perf.md v0.46).
+                sxe = cute.make_rmem_tensor((cute.size(acc),), cutlass.Float32)
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     r, j = tCcC[i]
-                    v = cutlass.Float32(0.0)
-                    if j < M:
-                        v = acc[i] * (sSx[j] * s_w)
-                        if cutlass.const_expr(cfg.lora):
-                            v = v + acc_l[i]
-                    sRed[r, j] = v
+                    sxe[i] = sSx[j]
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    r, j = tCcC[i]
+                    v = acc[i] * (sxe[i] * s_w)
+                    if cutlass.const_expr(cfg.lora):
+                        v = v + acc_l[i]
+                    sRed[r, j] = cutlass.Float32(cutlass.select_(j < M, v, cutlass.Float32(0.0)))
 
                 self._stamp(trace_row, 4, ctid)
                 if cutlass.const_expr(cfg.sq_rowmax):
