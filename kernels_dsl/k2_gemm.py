@@ -88,6 +88,10 @@ META_ROWS = 32  # the adapter table in smem: one row per token of the tile (bn <
 ROWMAX_VECS = 12  # sq_rowmax: 16-byte vectors of x per consumer thread for the whole rows
 ROWMAX_ELEMS = 128 * ROWMAX_VECS * 8  # M * K up to which sq_rowmax builds skip the exchange
 MAX_CLUSTER = 16
+# The reduction's few-elements form (at most FEW_RED elements per thread and FEW_RED_SPLITS
+# splits): every split's load of an element in one round (docs/perf.md v0.47).
+FEW_RED = 2
+FEW_RED_SPLITS = 8
 # Trace builds (Config.trace): per CTA (row split + S * tile), %globaltimer ns at: kernel entry,
 # x_q ready (the producer past its spin / wait), main loop done, h ready (the epilogue's
 # griddepcontrol.wait passed; adapter builds), partials written, done (after the last cluster barrier).
@@ -672,12 +676,32 @@ if cute is not None:
                 # the loads went out one or two at a time (SASS, docs/perf.md v0.45).
                 vals = cute.make_rmem_tensor((RU,), cutlass.Float32)
                 vals.fill(0.0)
-                for q in cutlass.range(nsplit, unroll=1):
-                    for u in cutlass.range_constexpr(RU):
-                        e = cutlass.min(lo + ctid + 128 * u, n_el - 1)
-                        j = e // BM
-                        r = e - j * BM
-                        vals[u] = vals[u] + D.ld_dsmem_f32(red_base + (r + j * (BM + RED_PAD)) * 4, q)
+                n_mine = (hi - lo + 127) // 128  # this CTA's elements per thread (at most)
+                if n_mine <= FEW_RED and nsplit <= FEW_RED_SPLITS:
+                    # Few elements (decode at 1..8 tokens): one round of loads over every split
+                    # per element instead of one round per split (each a DSMEM round trip, ~0.3 us
+                    # on the H200: split 4 took ~0.6 us more than split 2 from partials to end, run17).
+                    for u in cutlass.range_constexpr(min(RU, FEW_RED)):
+                        if u < n_mine:
+                            e = cutlass.min(lo + ctid + 128 * u, n_el - 1)
+                            j = e // BM
+                            r = e - j * BM
+                            parts = cute.make_rmem_tensor((FEW_RED_SPLITS,), cutlass.Float32)
+                            for q in cutlass.range_constexpr(FEW_RED_SPLITS):
+                                parts[q] = cutlass.Float32(0.0)
+                                if q < nsplit:
+                                    parts[q] = D.ld_dsmem_f32(red_base + (r + j * (BM + RED_PAD)) * 4, q)
+                            # The same order as below (0, 1, ..., S-1); + 0.0 past S leaves the sum
+                            # as it is (it starts at +0.0, so it is never -0.0).
+                            for q in cutlass.range_constexpr(FEW_RED_SPLITS):
+                                vals[u] = vals[u] + parts[q]
+                else:
+                    for q in cutlass.range(nsplit, unroll=1):
+                        for u in cutlass.range_constexpr(RU):
+                            e = cutlass.min(lo + ctid + 128 * u, n_el - 1)
+                            j = e // BM
+                            r = e - j * BM
+                            vals[u] = vals[u] + D.ld_dsmem_f32(red_base + (r + j * (BM + RED_PAD)) * 4, q)
                 for u in cutlass.range_constexpr(RU):
                     e = lo + ctid + 128 * u
                     if e < hi:
