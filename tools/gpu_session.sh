@@ -17,7 +17,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1 or fh}
+mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, decode or fh}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -149,6 +149,20 @@ case $mode in
     EPILORA_BENCH_K1SWEEP=1 EPILORA_BENCH_TOKENS=${K1_TOKENS:-64,256,2048} EPILORA_BENCH_ADAPTERS=${K1_ADAPTERS:-1,8,32} \
       timeout -s KILL 200 python3 tools/bench.py --quick --sections hybrid_stages --out "$OUT/hs" 2>&1 | tail -45
     (cd "$OUT" && [[ -d hs ]] && tar czf hs.tgz hs && rm -rf hs)
+    ;;
+  decode)
+    # After decode-path kernel changes (perf.md v0.45-v0.47; carry the cache; no vLLM: the layer's
+    # anchors come from a `check` call; ~8 min): K2's and the op-level GPU test files, racecheck
+    # of the split-2 pair, `stages` at 1 / 8 / 16 / 32 tokens and `layer` at 1 / 4 / 16 / 32.
+    timeout -s KILL 290 python3 -m pytest -q -m gpu tests/test_k2_gpu.py 2>&1 | tail -3 | tee "$OUT/tests.log"
+    timeout -s KILL 60 python3 -m pytest -q -m gpu tests/test_lora_linear_gpu.py 2>&1 | tail -3 | tee -a "$OUT/tests.log"
+    timeout -s KILL 70 compute-sanitizer --tool racecheck --report-api-errors no \
+      python3 tools/kernel_diag.py decode 2 2>&1 | tail -4 | tee -a "$OUT/tests.log"
+    EPILORA_BENCH_TOKENS=1,8,16,32 timeout -s KILL 90 python3 tools/bench.py --quick --sections stages \
+      --out "$OUT/st" 2>&1 | tail -2
+    EPILORA_BENCH_TOKENS=1,4,16,32 timeout -s KILL 70 python3 tools/bench.py --quick --sections layer \
+      --out "$OUT/ly" 2>&1 | tail -8
+    (cd "$OUT" && tar czf decode.tgz st ly 2> /dev/null && rm -rf st ly)
     ;;
   fh)
     # After decode-path kernel changes at 1..8 tokens (perf.md v0.43, decode_fh; carry the cache,
