@@ -376,3 +376,15 @@ def test_ncu_summary_reads_the_text_exports(tmp_path):
     assert "| 0 | k1_shrink_K1Kernel_object_at | qkv:2048:1 | 113.38 | 1536 | 64 |" in md
     assert "long_sb 80%" in md and "wait 20%" in md  # 32 of 40 samples, 8 of 40
     assert "| 1–2 | 75.0 | 64 |" in md  # the second instruction's bin
+
+
+def test_stages_adapter_counts_from_the_environment(monkeypatch):
+    from tools.bench_stages import stage_adapters
+
+    monkeypatch.delenv("EPILORA_BENCH_ADAPTERS", raising=False)
+    assert stage_adapters() == [1]
+    monkeypatch.setenv("EPILORA_BENCH_ADAPTERS", "1,8")
+    assert stage_adapters() == [1, 8]
+    monkeypatch.setenv("EPILORA_BENCH_ADAPTERS", "0,9")
+    with pytest.raises(ValueError, match="outside 1..8"):
+        stage_adapters()

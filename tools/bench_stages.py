@@ -1,6 +1,7 @@
 """Bench section `stages`: the decode path taken apart, one stage left out at a time.
 
-Per Qwen3-8B projection, rank 64, one adapter, M in {1, 8, 32} (EPILORA_BENCH_TOKENS overrides),
+Per Qwen3-8B projection, rank 64, one adapter (EPILORA_BENCH_ADAPTERS: 1..8 distinct adapters, token i
+on adapter i mod A; rows with A != 1 carry `adapters`), M in {1, 8, 32} (EPILORA_BENCH_TOKENS overrides),
 CUDA-graph replays with the L2 flushed (median), all in one run:
   quant_us          our standalone per-token quantization kernel
   k2_us             K2 without adapter, x_q given (no quantization, no flag wait)
@@ -213,18 +214,32 @@ class DecodeStages:
         return lambda: (shrink(), k2())
 
 
+def stage_adapters() -> list[int]:
+    """EPILORA_BENCH_ADAPTERS (the `prefill` / `hybrid_stages` knob): distinct adapters among the
+    tokens (token i takes adapter i mod A of the bench's 8 slots), default one."""
+    env = os.environ.get("EPILORA_BENCH_ADAPTERS")
+    out = [int(t) for t in env.split(",") if t.strip()] if env else [1]
+    bad = [a for a in out if not 1 <= a <= 8]
+    if bad:
+        raise ValueError(f"stages: EPILORA_BENCH_ADAPTERS {bad} outside 1..8 (the bench's 8 adapter slots)")
+    return out
+
+
 def bench_stages(quick: bool) -> list[dict]:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("stages: needs an sm_90 GPU; skipped")
         return []
     env = os.environ.get("EPILORA_BENCH_TOKENS")
     tokens = [int(t) for t in env.split(",")] if env else [1, 8, 32]
+    adapters = stage_adapters()
     bw = read_bandwidth_gbs()
     rows = []
-    for m in tokens:
+    for m, a in ((m, a) for a in adapters for m in tokens):
         for p in QWEN3_8B:
-            c = LayerCase(p, m, 64)
+            c = LayerCase(p, m, 64, num_adapters=a)
             row = {"section": "stages", "proj": p.name, "M": m, "floor_us": p.n * p.k / (bw * 1e9) * 1e6}
+            if a != 1:  # rows of the default (one adapter) keep their old keys
+                row["adapters"] = a
             try:
                 stages = DecodeStages(c)
                 fns = stages.launchers()
