@@ -633,14 +633,23 @@ def select(num_slices: int, m: int, rank: int, stages: int = STAGES, quant: bool
 def choose_split(k: int, num_slices: int, rank: int, groups: int, bk: int = 64, sms: int = 132,
                  max_split: int = 8) -> int:
     """Split-K of the down-projection: spread the A streams over the GPU (K2 runs beside it, so
-    aim at about half of the SMs), keeping >= 2 k-blocks per split."""
+    aim at about half of the SMs), keeping >= 2 k-blocks per split. Up to SMALL_SPLIT the grid may
+    take the whole GPU: the grid holds every possible adapter group (min(M, max_loras + 1) from
+    8 tokens on), so half the SMs left qkv at split 2 with six CTAs working for one adapter, and
+    split 4 was faster with one adapter and with eight (docs/perf.md v0.48, run17)."""
     ctas = num_slices * -(-rank // 64) * max(groups, 1)
     nk = -(-k // bk)
     best = 1
     for s in range(1, max_split + 1):
-        if ctas * s <= sms // 2 and nk // s >= 2:
+        fits = ctas * s <= sms // 2 or (s <= SMALL_SPLIT and ctas * s <= sms)
+        if fits and nk // s >= 2:
             best = s
     return best
+
+
+# The split the shrink may take with its grid filling the GPU (see choose_split): beyond it, 2 x 9
+# groups x 8 splits (gate_up) or 3 x 9 x 8 (qkv) is more than one wave and was slower (run17).
+SMALL_SPLIT = 4
 
 
 def prebuild_configs() -> list[Config]:

@@ -157,3 +157,21 @@ def test_self_quant_applies():
     assert not k2_gemm.self_quant_applies(9, 4096)  # 16-token tiles: the quantization planes
     assert not k2_gemm.self_quant_applies(1, 14784)  # K not a multiple of 128
     assert not k2_gemm.self_quant_applies(1, 128 * 16 * 16 + 128)  # more than 16 x 16 k-blocks
+
+
+def test_shrink_split_fills_the_gpu_up_to_small_split():
+    """The decode shrink's split (docs/perf.md v0.48): half the SMs as before, or up to
+    SMALL_SPLIT splits when the grid (every possible adapter group) still fits the whole GPU."""
+    from kernels_dsl import lora_shrink as S
+
+    def splits(slices, k):
+        return [S.choose_split(k, slices, 64, min(m, 9)) for m in (1, 2, 4, 8, 16, 32)]
+
+    assert splits(3, 4096) == [8, 8, 5, 4, 4, 4]  # qkv: 2 at >= 8 tokens before
+    assert splits(2, 4096) == [8, 8, 8, 4, 4, 4]  # gate_up: 3 at >= 9 tokens before
+    assert splits(1, 4096) == [8, 8, 8, 8, 7, 7]  # o: unchanged
+    assert splits(1, 12288) == [8, 8, 8, 8, 7, 7]  # down: unchanged
+    for slices, groups in ((3, 9), (2, 9), (1, 9), (3, 33)):
+        s = S.choose_split(4096, slices, 64, groups)
+        assert slices * groups * s <= 132 or s == 1  # never more than one wave of shrink CTAs
+    assert S.choose_split(128, 1, 64, 1) == 1  # >= 2 k-blocks per split
