@@ -385,6 +385,9 @@ def test_stages_adapter_counts_from_the_environment(monkeypatch):
     assert stage_adapters() == [1]
     monkeypatch.setenv("EPILORA_BENCH_ADAPTERS", "1,8")
     assert stage_adapters() == [1, 8]
-    monkeypatch.setenv("EPILORA_BENCH_ADAPTERS", "0,9")
+    monkeypatch.setenv("EPILORA_BENCH_ADAPTERS", "1,9")
     with pytest.raises(ValueError, match="outside 1..8"):
+        stage_adapters()
+    monkeypatch.setenv("EPILORA_BENCH_ADAPTERS", "0")
+    with pytest.raises(ValueError, match="positive integers"):
         stage_adapters()

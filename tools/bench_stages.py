@@ -56,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tools.bench_decode import QWEN3_8B, LayerCase  # noqa: E402
+from tools.bench_prefill import _int_list  # noqa: E402
 from tools.gpu_timing import read_bandwidth_gbs, time_graph  # noqa: E402
 
 
@@ -218,8 +219,8 @@ def stage_adapters() -> list[int]:
     """EPILORA_BENCH_ADAPTERS (the `prefill` / `hybrid_stages` knob): distinct adapters among the
     tokens (token i takes adapter i mod A of the bench's 8 slots), default one."""
     env = os.environ.get("EPILORA_BENCH_ADAPTERS")
-    out = [int(t) for t in env.split(",") if t.strip()] if env else [1]
-    bad = [a for a in out if not 1 <= a <= 8]
+    out = _int_list(env, "EPILORA_BENCH_ADAPTERS") if env else [1]
+    bad = [a for a in out if a > 8]
     if bad:
         raise ValueError(f"stages: EPILORA_BENCH_ADAPTERS {bad} outside 1..8 (the bench's 8 adapter slots)")
     return out

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tools.bench_decode import QWEN3_8B, LayerCase  # noqa: E402
+from tools.bench_prefill import _int_list  # noqa: E402
 
 REPLAYS = 7
 
@@ -161,8 +162,8 @@ def timeline_tokens() -> list[int]:
     env = os.environ.get("EPILORA_BENCH_TOKENS")
     if not env:
         return [1, 8]
-    out = [int(t) for t in env.split(",") if t.strip()]
-    bad = [m for m in out if not 1 <= m <= 32]
+    out = _int_list(env, "EPILORA_BENCH_TOKENS")
+    bad = [m for m in out if m > 32]
     if bad:
         raise ValueError(f"timeline: EPILORA_BENCH_TOKENS {bad} outside the decode path's 1..32")
     return out
