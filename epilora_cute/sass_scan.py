@@ -56,14 +56,21 @@ def instructions(sass: str) -> list[str]:
     return [m.group(2).strip() for m in map(_INSTR.match, sass.splitlines()) if m]
 
 
+def _opcode_operands(ins: str) -> tuple[str, str]:
+    """(opcode, operand text) of an instruction, its predicate (`@P0`, `@!UP1`) left out."""
+    parts = ins.split(None, 2) if ins.startswith("@") else [""] + ins.split(None, 1)
+    return parts[1] if len(parts) > 1 else "", parts[2] if len(parts) > 2 else ""
+
+
+# Opcodes whose first operand is not a register they write (stores, reductions, control).
+_NO_DESTINATION = ("ST", "RED", "ATOM", "BRA", "BAR", "BSSY", "BSYNC")
+
+
 def _sources(ins: str) -> set[int]:
     """Registers an instruction reads: its operands after the destination (loads and stores
     included: an address register is read)."""
-    parts = ins.split(None, 1)
-    if len(parts) < 2:
-        return set()
-    ops = parts[1]
-    if parts[0].lstrip("@!").startswith(("ST", "RED", "ATOM")) or ops.startswith(("desc", "[")):
+    op, ops = _opcode_operands(ins)
+    if op.startswith(_NO_DESTINATION) or ops.startswith(("desc", "[")):
         srcs = ops  # no destination register
     else:
         srcs = ops.split(",", 1)[1] if "," in ops else ""
@@ -72,12 +79,10 @@ def _sources(ins: str) -> set[int]:
 
 def _destinations(ins: str) -> set[int]:
     """The register an instruction writes first (its first operand), if any."""
-    parts = ins.split(None, 1)
-    if len(parts) < 2 or parts[0].startswith("@"):
-        parts = ins.split(None, 2)[1:] if ins.startswith("@") else parts
-    if len(parts) < 2 or parts[0].startswith(("ST", "RED", "BRA", "BAR", "BSSY", "BSYNC")):
+    op, ops = _opcode_operands(ins)
+    if not ops or op.startswith(_NO_DESTINATION):
         return set()
-    m = _REG.match(parts[1].split(",", 1)[0].strip())
+    m = _REG.match(ops.split(",", 1)[0].strip())
     return {int(m.group(1))} if m else set()
 
 
@@ -105,7 +110,7 @@ def loads_waited_in_branch(sass: str) -> list[tuple[int, str, str]]:
         m = _LOAD.match(text)
         if not m:
             continue
-        w = _WIDTH.search(text.split(None, 2)[0] if not text.startswith("@") else text.split(None, 2)[1])
+        w = _WIDTH.search(_opcode_operands(text)[0])
         width = int(w.group(1)) // 32 if w else 1
         dst = {int(m.group(2)) + k for k in range(width)}
         depth = 0
