@@ -365,6 +365,29 @@ def test_fp8_layers_taken_over_and_compute_the_reference(vcfg, plugin_on, log, k
     del pw
 
 
+def test_shadow_mode_runs_the_stock_class_on_the_same_input(vcfg, plugin_on, monkeypatch, log):
+    """EPILORA_SHADOW_STOCK=1 (vllm_adapter/shadow.py): each eager apply also runs the stock
+    class's apply (vLLM's FP8 path + its punica shrink/expand) and records how far apart they are;
+    on the CPU vLLM quantizes per tensor and our reference per token, so they differ by rounding."""
+    from vllm_adapter import shadow
+
+    monkeypatch.setenv(shadow.ENV_SHADOW, "1")
+    monkeypatch.setattr(shadow, "STATS", shadow.ShadowStats())
+    shadow.enabled.cache_clear()
+    try:
+        layer = _fp8_layer(vcfg, "qkv")
+        lora_layer = _from_layer(vcfg, layer, "qkv")
+        _load_adapters(lora_layer, "qkv")
+        ids = [1, 2, 2, 1]  # every row with an adapter: vLLM's CPU wrapper indexes slot -1 otherwise
+        _punica(lora_layer, ids)
+        x = torch.randn(len(ids), K).to(BF16)
+        lora_layer.apply(x)
+    finally:
+        shadow.enabled.cache_clear()
+    assert shadow.STATS.calls == {"none": 0, "adapters": 1}
+    assert shadow.STATS.max_rel["adapters"] < 0.06
+
+
 @pytest.mark.parametrize("kind,stock_name", [
     ("column", "ColumnParallelLinearWithShardedLoRA"), ("qkv_packed", "QKVParallelLinearWithShardedLoRA"),
     ("qkv", "MergedQKVParallelLinearWithShardedLoRA"), ("row", "RowParallelLinearWithShardedLoRA"),

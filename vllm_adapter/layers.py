@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import custom_op, eligibility, fused, meta_bridge
+from . import custom_op, eligibility, fused, meta_bridge, shadow
 
 logger = logging.getLogger("vllm.epilora")
 
@@ -195,6 +195,8 @@ class EpiLoRALinearMixin:
             y = custom_op.lora_linear_fp8(x2, w_q, base.weight_scale, self.lora_a_stacked,
                                           self.lora_b_stacked, meta, bias, chain_pdl=not prepared,
                                           no_lora_flag_cpu=flag)
+        if shadow.enabled():  # debug: the stock class on the same input (eager engines only)
+            shadow.compare(layer_name(base), flag, y, lambda: super(EpiLoRALinearMixin, self).apply(x2, bias))
         return y.view(*x.shape[:-1], y.shape[-1]) if x.dim() > 2 else y
 
 
