@@ -490,6 +490,20 @@ def test_vllm_no_lora_flag_makes_a_no_adapter_call(monkeypatch):
     assert seen == [None, None, 0, None]
 
 
+def test_host_flags_are_registered_once_and_found_by_id():
+    """The op takes vLLM's flag as an id (custom_op: a CPU tensor input would make Inductor mark
+    the op's output unaligned); the same tensor keeps its id, a non-flag gets -1."""
+    flag, other = torch.tensor([False]), torch.tensor([True])
+    fid = custom_op.host_flag_id(flag)
+    assert fid >= 0 and custom_op.host_flag_id(flag) == fid and custom_op.host_flag(fid) is flag
+    assert custom_op.host_flag_id(other) not in (-1, fid)
+    assert custom_op.host_flag_id(None) == -1 and custom_op.host_flag_id(torch.tensor([True, False])) == -1
+    assert custom_op.host_flag(-1) is None
+    with pytest.raises(ValueError, match="no host flag"):
+        custom_op.host_flag(10_000)
+    assert "Tensor? no_lora_flag" not in custom_op.SCHEMA and "int no_lora_flag_id" in custom_op.SCHEMA
+
+
 def test_layer_finds_vllms_no_lora_flag():
     from types import SimpleNamespace
 

@@ -682,6 +682,36 @@ def test_vllm_tp_slicing_matches_kernel_shard_shapes(vcfg):
     torch.testing.assert_close(total, full, rtol=1e-4, atol=1e-4)
 
 
+def test_no_lora_flag_is_no_graph_input_of_the_compiled_apply(vcfg, plugin_on):
+    """vLLM's host no-adapter flag reaches our op as an id read at run time, not as a CPU tensor
+    the compiled graph takes: Inductor marks CPU graph inputs unaligned and with them the output of
+    an op that reads one, and the kernels after our op then lost their alignment hints (perf.md
+    v0.49). The flag still decides: set, the call is a no-adapter one."""
+    from types import SimpleNamespace
+
+    from vllm_adapter import custom_op
+
+    layer = _fp8_layer(vcfg, "qkv")
+    lora_layer = _from_layer(vcfg, layer, "qkv")
+    _load_adapters(lora_layer, "qkv")
+    pw = _punica(lora_layer, [1, 2, 0, 2])
+    flag = torch.tensor([False])
+    pw.token_mapping_meta = SimpleNamespace(no_lora_flag_cpu=flag)  # as vLLM's GPU wrapper holds it
+    lora_layer.set_mapping(pw)
+    assert custom_op.host_flag(lora_layer._epilora_flag_id) is flag
+    graph_inputs = []
+
+    def capture(gm, example_inputs):
+        graph_inputs.extend(example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lora_layer.apply, backend=capture, fullgraph=True)
+    x = torch.randn(4, K).to(BF16)
+    assert torch.equal(compiled(x), lora_layer.apply(x))
+    assert graph_inputs and not any(t is flag for t in graph_inputs)
+
+
 @pytest.mark.parametrize("out_variant", ["0", "1"])
 def test_layer_apply_compiles_without_graph_break(vcfg, plugin_on, monkeypatch, out_variant):
     """The taken-over layer's apply traces as one graph (Dynamo + AOT autograd on the CPU), and

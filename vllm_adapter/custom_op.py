@@ -9,9 +9,14 @@ a dataclass cannot cross the op boundary, and its host ``num_tokens`` must not, 
 graphs would specialize on it. Nothing in the call reads a device value on the host.
 ``chain_pdl`` (a constant per call site) lets the op overlap the kernel before it
 (``fused.lora_linear_fp8``); the layer passes False right after it prepared the metadata.
-``no_lora_flag_cpu`` is vLLM's host flag for a batch without adapters (a CPU tensor, as vLLM
-passes it to its own LoRA ops, so compiled graphs read it at run time): with it set the call is
-dispatched as a no-adapter call.
+vLLM's host flag for a batch without adapters (``no_lora_flag_cpu``, a one-element CPU tensor
+vLLM updates in place every step) reaches the op as an int, its index in ``_HOST_FLAGS``
+(``host_flag_id``), and the op reads the flag's current value when it runs: with it set the call
+is dispatched as a no-adapter call. Not the tensor itself: Inductor marks every CPU graph input
+unaligned and with it the output of any op that takes one (``has_unaligned_input`` in
+torch/_inductor/ir.py), so the Triton kernels that read our output (the residual add + RMSNorm,
+SiLU-mul) were compiled without their 16-byte hints, unlike stock's, and summed in another order
+(perf.md v0.49: the no-adapter greedy mismatch with stock).
 
 ``lora_linear_fp8_out`` is the same computation written into a given ``out`` (mutated, returns
 nothing), for a caller that allocates the output in the compiled graph: Inductor then knows the
@@ -47,7 +52,7 @@ META_FIELDS = ("token_lora_mapping", "token_indices_sorted_by_lora_ids", "active
 _ARGS = (
     "Tensor x, Tensor w_q, Tensor w_scale, Tensor[] lora_a, Tensor[] lora_b, "
     + ", ".join(f"Tensor {f}" for f in META_FIELDS)
-    + ", Tensor? bias=None, bool chain_pdl=False, Tensor? no_lora_flag_cpu=None"
+    + ", Tensor? bias=None, bool chain_pdl=False, int no_lora_flag_id=-1"
 )
 SCHEMA = "(" + _ARGS + ") -> Tensor"
 OUT_SCHEMA = "(Tensor(a!) out, " + _ARGS + ") -> ()"
@@ -70,6 +75,34 @@ def _meta_from_tensors(x: torch.Tensor, tensors: Sequence[torch.Tensor],
                          num_tokens=min(x.shape[0], cap), host_num_adapters=host_num_adapters, **f)
 
 
+# vLLM's host flags by id (the op's ``no_lora_flag_id``; the module docstring says why not the
+# tensor). Registered outside any traced code (the layer's set_mapping); vLLM keeps one flag per
+# punica wrapper for the engine's life, so the list stays as short as the wrappers are few.
+_HOST_FLAGS: list[torch.Tensor] = []
+
+
+def host_flag_id(flag: torch.Tensor | None) -> int:
+    """The id under which the op finds ``flag`` (registered on first use); -1 when it is not a
+    host flag (then the op treats the batch as possibly having adapters)."""
+    if not is_host_flag(flag):
+        return -1
+    for i, known in enumerate(_HOST_FLAGS):
+        if known is flag:
+            return i
+    _HOST_FLAGS.append(flag)
+    return len(_HOST_FLAGS) - 1
+
+
+def host_flag(flag_id: int) -> torch.Tensor | None:
+    """The flag registered under ``flag_id`` (None for -1)."""
+    if flag_id < 0:
+        return None
+    if flag_id >= len(_HOST_FLAGS):
+        raise ValueError(f"no host flag registered under id {flag_id} ({len(_HOST_FLAGS)} known): "
+                         "a compiled graph from another process's registration order?")
+    return _HOST_FLAGS[flag_id]
+
+
 def is_host_flag(flag) -> bool:
     """A one-element CPU tensor: a flag the host can read without a device sync."""
     return isinstance(flag, torch.Tensor) and flag.device.type == "cpu" and flag.numel() == 1
@@ -84,13 +117,13 @@ def _host_no_lora(flag: torch.Tensor | None) -> bool:
 
 def _impl(x, w_q, w_scale, lora_a, lora_b, token_lora_mapping, token_indices_sorted_by_lora_ids,
           active_lora_ids, num_tokens_per_lora, lora_token_start_loc, sorted_lora_ids, row_group,
-          num_active, bias=None, chain_pdl=False, no_lora_flag_cpu=None):
+          num_active, bias=None, chain_pdl=False, no_lora_flag_id=-1):
     # A batch without adapters (vLLM's flag) is keyed as such: the dispatch then runs vLLM's own
     # FP8 path on it ("base"; EPILORA_NO_LORA_PATH=timed: the fastest no-adapter candidate).
     meta = _meta_from_tensors(x, (token_lora_mapping, token_indices_sorted_by_lora_ids,
                                   active_lora_ids, num_tokens_per_lora, lora_token_start_loc,
                                   sorted_lora_ids, row_group, num_active),
-                              host_num_adapters=0 if _host_no_lora(no_lora_flag_cpu) else None)
+                              host_num_adapters=0 if _host_no_lora(host_flag(no_lora_flag_id)) else None)
     return fused.lora_linear_fp8(x, w_q, w_scale, lora_a, lora_b, meta, bias, chain_pdl=chain_pdl)
 
 
@@ -100,11 +133,11 @@ def _fake(x, w_q, w_scale, lora_a, lora_b, *meta_and_bias, **kw):
 
 def _out_impl(out, x, w_q, w_scale, lora_a, lora_b, token_lora_mapping, token_indices_sorted_by_lora_ids,
               active_lora_ids, num_tokens_per_lora, lora_token_start_loc, sorted_lora_ids, row_group,
-              num_active, bias=None, chain_pdl=False, no_lora_flag_cpu=None):
+              num_active, bias=None, chain_pdl=False, no_lora_flag_id=-1):
     meta = _meta_from_tensors(x, (token_lora_mapping, token_indices_sorted_by_lora_ids,
                                   active_lora_ids, num_tokens_per_lora, lora_token_start_loc,
                                   sorted_lora_ids, row_group, num_active),
-                              host_num_adapters=0 if _host_no_lora(no_lora_flag_cpu) else None)
+                              host_num_adapters=0 if _host_no_lora(host_flag(no_lora_flag_id)) else None)
     fused.lora_linear_fp8(x, w_q, w_scale, lora_a, lora_b, meta, bias, chain_pdl=chain_pdl, out=out)
 
 
@@ -143,12 +176,18 @@ def register() -> None:
 def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                     lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
                     meta: LoRABatchMeta, bias: torch.Tensor | None = None, chain_pdl: bool = False,
-                    no_lora_flag_cpu: torch.Tensor | None = None) -> torch.Tensor:
-    """Call the registered op with ``meta`` flattened into its tensors."""
+                    no_lora_flag_cpu: torch.Tensor | None = None, no_lora_flag_id: int = -1) -> torch.Tensor:
+    """Call the registered op with ``meta`` flattened into its tensors. vLLM's no-adapter flag:
+    ``no_lora_flag_id`` (``host_flag_id``; what traced callers pass) or, in eager code,
+    ``no_lora_flag_cpu`` itself."""
     register()
     op = getattr(torch.ops, NAMESPACE).lora_linear_fp8
-    return op(x, w_q, w_scale, list(lora_a), list(lora_b),
-              *(getattr(meta, f) for f in META_FIELDS), bias, chain_pdl, no_lora_flag_cpu)
+    return op(x, w_q, w_scale, list(lora_a), list(lora_b), *(getattr(meta, f) for f in META_FIELDS),
+              bias, chain_pdl, _flag_id(no_lora_flag_cpu, no_lora_flag_id))
+
+
+def _flag_id(flag: torch.Tensor | None, flag_id: int) -> int:
+    return host_flag_id(flag) if flag is not None else flag_id
 
 
 def out_variant_enabled() -> bool:
@@ -159,12 +198,12 @@ def out_variant_enabled() -> bool:
 def lora_linear_fp8_out(out: torch.Tensor, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                         lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
                         meta: LoRABatchMeta, bias: torch.Tensor | None = None, chain_pdl: bool = False,
-                        no_lora_flag_cpu: torch.Tensor | None = None) -> torch.Tensor:
+                        no_lora_flag_cpu: torch.Tensor | None = None, no_lora_flag_id: int = -1) -> torch.Tensor:
     """``lora_linear_fp8`` written into ``out`` ([M, N], x's dtype, contiguous); returns ``out``."""
     register()
     getattr(torch.ops, NAMESPACE).lora_linear_fp8_out(
         out, x, w_q, w_scale, list(lora_a), list(lora_b), *(getattr(meta, f) for f in META_FIELDS),
-        bias, chain_pdl, no_lora_flag_cpu)
+        bias, chain_pdl, _flag_id(no_lora_flag_cpu, no_lora_flag_id))
     return out
 
 

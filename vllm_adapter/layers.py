@@ -145,6 +145,7 @@ class EpiLoRALinearMixin:
     _stock_cls: type
     _epilora_active: bool = False
     _epilora_state = None  # meta_bridge.MetaState shared through the punica wrapper
+    _epilora_flag_id = -1  # custom_op.host_flag_id of vLLM's no-adapter flag (-1: none)
 
     @classmethod
     def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None,
@@ -174,6 +175,8 @@ class EpiLoRALinearMixin:
         super().set_mapping(punica_wrapper)
         if self._epilora_active:
             self._epilora_state = meta_bridge.attach(punica_wrapper, self, self.lora_a_stacked[0].shape[0])
+            # vLLM's no-adapter flag as an id, registered here, outside traced code (custom_op).
+            self._epilora_flag_id = custom_op.host_flag_id(_vllm_no_lora_flag(punica_wrapper))
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not self._epilora_active or self._epilora_state is None:
@@ -184,19 +187,20 @@ class EpiLoRALinearMixin:
         meta, prepared = meta_bridge.meta_and_prepared(self.punica_wrapper, self._epilora_state, self, x2.shape[0])
         # Chained PDL: the op may start under the kernel before it and read the metadata early,
         # so not right after the preparation that writes it.
-        w_q, flag = base.weight.t(), _vllm_no_lora_flag(self.punica_wrapper)
+        w_q, flag_id = base.weight.t(), self._epilora_flag_id
         if custom_op.out_variant_enabled():
             # The output allocated here, in the compiled graph (custom_op's module docstring).
             y = torch.empty((x2.shape[0], w_q.shape[0]), dtype=x2.dtype, device=x2.device)
             custom_op.lora_linear_fp8_out(y, x2, w_q, base.weight_scale, self.lora_a_stacked,
                                           self.lora_b_stacked, meta, bias, chain_pdl=not prepared,
-                                          no_lora_flag_cpu=flag)
+                                          no_lora_flag_id=flag_id)
         else:
             y = custom_op.lora_linear_fp8(x2, w_q, base.weight_scale, self.lora_a_stacked,
                                           self.lora_b_stacked, meta, bias, chain_pdl=not prepared,
-                                          no_lora_flag_cpu=flag)
+                                          no_lora_flag_id=flag_id)
         if shadow.enabled():  # debug: the stock class on the same input (eager engines only)
-            shadow.compare(layer_name(base), flag, y, lambda: super(EpiLoRALinearMixin, self).apply(x2, bias))
+            shadow.compare(layer_name(base), custom_op.host_flag(flag_id), y,
+                           lambda: super(EpiLoRALinearMixin, self).apply(x2, bias))
         return y.view(*x.shape[:-1], y.shape[-1]) if x.dim() > 2 else y
 
 
