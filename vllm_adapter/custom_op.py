@@ -32,7 +32,9 @@ trace ``LoRABatchMeta.prepare``'s sorts and scatters. On CUDA ``prepare`` is one
 
 from __future__ import annotations
 
+import logging
 import os
+import weakref
 from typing import Sequence
 
 import torch
@@ -40,6 +42,8 @@ import torch
 from epilora_cute.metadata import LoRABatchMeta
 
 from . import fused
+
+logger = logging.getLogger("vllm.epilora")
 
 NAMESPACE = "epilora_vllm"
 OP_NAME = "lora_linear_fp8"
@@ -76,9 +80,11 @@ def _meta_from_tensors(x: torch.Tensor, tensors: Sequence[torch.Tensor],
 
 
 # vLLM's host flags by id (the op's ``no_lora_flag_id``; the module docstring says why not the
-# tensor). Registered outside any traced code (the layer's set_mapping); vLLM keeps one flag per
-# punica wrapper for the engine's life, so the list stays as short as the wrappers are few.
-_HOST_FLAGS: list[torch.Tensor] = []
+# tensor). Registered outside any traced code (the layer's set_mapping). Weak references: a flag
+# whose engine is gone frees its id for the next one, so a process that builds one engine after
+# another keeps using id 0 (what a compiled graph loaded from vLLM's cache has baked in).
+_HOST_FLAGS: list[weakref.ref] = []
+_warned_missing: set[int] = set()
 
 
 def host_flag_id(flag: torch.Tensor | None) -> int:
@@ -86,21 +92,30 @@ def host_flag_id(flag: torch.Tensor | None) -> int:
     host flag (then the op treats the batch as possibly having adapters)."""
     if not is_host_flag(flag):
         return -1
-    for i, known in enumerate(_HOST_FLAGS):
-        if known is flag:
+    for i, ref in enumerate(_HOST_FLAGS):
+        if ref() is flag:
             return i
-    _HOST_FLAGS.append(flag)
+    for i, ref in enumerate(_HOST_FLAGS):
+        if ref() is None:
+            _HOST_FLAGS[i] = weakref.ref(flag)
+            return i
+    _HOST_FLAGS.append(weakref.ref(flag))
     return len(_HOST_FLAGS) - 1
 
 
 def host_flag(flag_id: int) -> torch.Tensor | None:
-    """The flag registered under ``flag_id`` (None for -1)."""
+    """The flag registered under ``flag_id``; None for -1, and (with a warning, once per id) for an
+    id nothing is registered under (e.g. a compiled graph from vLLM's cache made in a process that
+    registered its flags in another order): the call is then dispatched as one that may have
+    adapters, which computes the same result, only without the no-adapter shortcut."""
     if flag_id < 0:
         return None
-    if flag_id >= len(_HOST_FLAGS):
-        raise ValueError(f"no host flag registered under id {flag_id} ({len(_HOST_FLAGS)} known): "
-                         "a compiled graph from another process's registration order?")
-    return _HOST_FLAGS[flag_id]
+    flag = _HOST_FLAGS[flag_id]() if flag_id < len(_HOST_FLAGS) else None
+    if flag is None and flag_id not in _warned_missing:
+        _warned_missing.add(flag_id)
+        logger.warning("EpiLoRA: no host flag registered under id %d (%d known): vLLM's no-adapter "
+                       "flag is ignored for these calls", flag_id, len(_HOST_FLAGS))
+    return flag
 
 
 def is_host_flag(flag) -> bool:
