@@ -198,7 +198,8 @@ class EpiLoRALinearMixin:
             y = custom_op.lora_linear_fp8(x2, w_q, base.weight_scale, self.lora_a_stacked,
                                           self.lora_b_stacked, meta, bias, chain_pdl=not prepared,
                                           no_lora_flag_id=flag_id)
-        if shadow.enabled():  # debug: the stock class on the same input (eager engines only)
+        # Debug: the stock class on the same input (eager engines only; not traced into a graph).
+        if not torch.compiler.is_compiling() and shadow.enabled():
             shadow.compare(layer_name(base), custom_op.host_flag(flag_id), y,
                            lambda: super(EpiLoRALinearMixin, self).apply(x2, bias))
         return y.view(*x.shape[:-1], y.shape[-1]) if x.dim() > 2 else y
