@@ -132,28 +132,23 @@ def _host_no_lora(flag: torch.Tensor | None) -> bool:
 
 def _impl(x, w_q, w_scale, lora_a, lora_b, token_lora_mapping, token_indices_sorted_by_lora_ids,
           active_lora_ids, num_tokens_per_lora, lora_token_start_loc, sorted_lora_ids, row_group,
-          num_active, bias=None, chain_pdl=False, no_lora_flag_id=-1):
+          num_active, bias=None, chain_pdl=False, no_lora_flag_id=-1, out=None):
     # A batch without adapters (vLLM's flag) is keyed as such: the dispatch then runs vLLM's own
     # FP8 path on it ("base"; EPILORA_NO_LORA_PATH=timed: the fastest no-adapter candidate).
     meta = _meta_from_tensors(x, (token_lora_mapping, token_indices_sorted_by_lora_ids,
                                   active_lora_ids, num_tokens_per_lora, lora_token_start_loc,
                                   sorted_lora_ids, row_group, num_active),
                               host_num_adapters=0 if _host_no_lora(host_flag(no_lora_flag_id)) else None)
-    return fused.lora_linear_fp8(x, w_q, w_scale, lora_a, lora_b, meta, bias, chain_pdl=chain_pdl)
+    return fused.lora_linear_fp8(x, w_q, w_scale, lora_a, lora_b, meta, bias, chain_pdl=chain_pdl, out=out)
 
 
 def _fake(x, w_q, w_scale, lora_a, lora_b, *meta_and_bias, **kw):
     return x.new_empty((x.shape[0], w_q.shape[0]))
 
 
-def _out_impl(out, x, w_q, w_scale, lora_a, lora_b, token_lora_mapping, token_indices_sorted_by_lora_ids,
-              active_lora_ids, num_tokens_per_lora, lora_token_start_loc, sorted_lora_ids, row_group,
-              num_active, bias=None, chain_pdl=False, no_lora_flag_id=-1):
-    meta = _meta_from_tensors(x, (token_lora_mapping, token_indices_sorted_by_lora_ids,
-                                  active_lora_ids, num_tokens_per_lora, lora_token_start_loc,
-                                  sorted_lora_ids, row_group, num_active),
-                              host_num_adapters=0 if _host_no_lora(host_flag(no_lora_flag_id)) else None)
-    fused.lora_linear_fp8(x, w_q, w_scale, lora_a, lora_b, meta, bias, chain_pdl=chain_pdl, out=out)
+def _out_impl(out, *args):
+    """The functional op's computation written into ``out`` (the schema returns nothing)."""
+    _impl(*args, out=out)
 
 
 def _out_fake(out, *args, **kw):
