@@ -136,3 +136,23 @@ def loads_waited_in_branch(sass: str) -> list[tuple[int, str, str]]:
             if _LOAD.match(u):
                 others = True
     return found
+
+
+def sync_counts(sass: str) -> dict[str, int]:
+    """Counts of the synchronisation-related SASS of a build (the push variants' SASS facts,
+    docs/perf.md v0.50 / v0.51): `membar_gpu` (MEMBAR.ALL.GPU: what a release cluster arrive or
+    an acq_rel GPU atomic compiles to), `dsmem_loads` (generic LD: in the decode kernels only the
+    ld.shared::cluster loads of the peers' smem compile to it), `st_async` (STAS) and
+    `cluster_arrives` (UCGABAR_ARV)."""
+    out = {"membar_gpu": 0, "dsmem_loads": 0, "st_async": 0, "cluster_arrives": 0}
+    for ins in instructions(sass):
+        op = _opcode_operands(ins)[0]
+        if op == "MEMBAR.ALL.GPU":
+            out["membar_gpu"] += 1
+        elif op == "LD" or op.startswith("LD."):
+            out["dsmem_loads"] += 1
+        elif op.startswith("STAS"):
+            out["st_async"] += 1
+        elif op.startswith("UCGABAR_ARV"):
+            out["cluster_arrives"] += 1
+    return out

@@ -53,6 +53,72 @@ def ld_dsmem_f32(smem_addr, cta_rank, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def push_b32(smem_addr, val, bar_addr, cta_rank, *, loc=None, ip=None):
+    """st.async of a 32-bit word into the shared memory of CTA `cta_rank` of this cluster (which may
+    be the calling CTA) at the address `smem_addr` has in the calling CTA, completing 4 bytes of
+    transactions on that CTA's mbarrier at `bar_addr` (both 32-bit shared::cta addresses, mapped
+    with mapa). The store is weak; the complete_tx has release semantics at cluster scope, so the
+    receiver waits on its mbarrier with mbarrier_wait_acquire_cluster. Inline PTX (the same text
+    under DSL 4.6 and 4.8; the DSL's store_async_dsmem takes pointers, not addresses)."""
+    llvm.inline_asm(
+        None,
+        [cutlass.Int32(smem_addr).ir_value(loc=loc, ip=ip), cutlass.Int32(val).ir_value(loc=loc, ip=ip),
+         cutlass.Int32(bar_addr).ir_value(loc=loc, ip=ip), cutlass.Int32(cta_rank).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .u32 ra, rb;\n\tmapa.shared::cluster.u32 ra, $0, $3;\n\tmapa.shared::cluster.u32 rb, $2, $3;\n\t"
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [ra], $1, [rb];\n\t}",
+        "r,r,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def mbarrier_wait_acquire_cluster(bar_addr, parity, *, loc=None, ip=None):
+    """Wait until the mbarrier at `bar_addr` (32-bit shared::cta address) completes the phase of
+    `parity`, with acquire semantics at cluster scope: the writes that peers released to it (the
+    st.async stores whose complete_tx finished the phase) are visible afterwards. (The DSL's
+    mbarrier_wait is acquire at CTA scope, not enough for another CTA's stores.)"""
+    llvm.inline_asm(
+        None,
+        [cutlass.Int32(bar_addr).ir_value(loc=loc, ip=ip), cutlass.Int32(parity).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .pred p;\n\tLAB_WAIT:\n\t"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$0], $1;\n\t"
+        "@!p bra LAB_WAIT;\n\t}",
+        "r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def div_magic_u32(d, *, loc=None, ip=None):
+    """m = floor((2^32 - 1) / d) + 1 (mod 2^32) for a divisor d >= 1: mulhi_u32(x, m) = x // d
+    exactly whenever x * d < 2^32 (for d = 1, m wraps to 0 and the quotient is exact only for
+    x = 0). One division per thread instead of one per element (the push plan's owner index)."""
+    return cutlass.Int32(
+        llvm.inline_asm(
+            T.i32(), [cutlass.Int32(d).ir_value(loc=loc, ip=ip)],
+            "{\n\t.reg .u32 t;\n\tdiv.u32 t, 4294967295, $1;\n\tadd.u32 $0, t, 1;\n\t}", "=r,r",
+            has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
+def mulhi_u32(a, b, *, loc=None, ip=None):
+    """The high 32 bits of the unsigned 64-bit product a * b."""
+    return cutlass.Int32(
+        llvm.inline_asm(
+            T.i32(), [cutlass.Int32(a).ir_value(loc=loc, ip=ip), cutlass.Int32(b).ir_value(loc=loc, ip=ip)],
+            "mul.hi.u32 $0, $1, $2;", "=r,r,r",
+            has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
 def div_rn_f32(a, b, *, loc=None, ip=None):
     """IEEE round-to-nearest fp32 division (no ftz, no approximation), as CUDA's `/` without
     --use_fast_math: the quantization must reproduce vLLM's codes bit for bit."""

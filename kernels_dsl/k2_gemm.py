@@ -53,7 +53,9 @@ the weight stages' smem).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -155,6 +157,16 @@ class Config:
     # epilogue acquires sync[0] and sums a token's partials in the fixed order of K. The grid's last
     # cluster to finish re-arms sync (sync[1] counts the clusters done).
     fused_h: bool = False
+    # Opt-in experiments (docs: the GPU verifies them against the default builds; selected at run
+    # time by EPILORA_K2_PUSH, see push_flags()). push_maxima (self_quant builds): each CTA's token
+    # maxima go to every cluster peer with st.async (mbarrier complete_tx) into a receive buffer,
+    # waited for with an acquire.cluster mbarrier wait, instead of a release cluster barrier and a
+    # DSMEM round trip. push_partials: after a relaxed "main loop done" cluster phase, each CTA
+    # pushes its split-K partials to the CTA that owns each element (reduction_owner) into that
+    # CTA's freed weight stages, and the owner sums them locally in the order 0..S-1 (the same
+    # values in the same order: bitwise the default's y) - no release barrier, no DSMEM loads.
+    push_maxima: bool = False
+    push_partials: bool = False
 
     def __post_init__(self):
         if (self.bm + RED_PAD) * self.bn * 4 > self.bm * self.bk * self.stages:
@@ -175,6 +187,12 @@ class Config:
             raise ValueError("sq_rowmax is a variant of the self_quant builds")
         if self.fused_h and not (self.self_quant and self.lora and self.bn == 8 and not self.sq_rowmax):
             raise ValueError("fused_h is a variant of the self_quant adapter builds of bn 8")
+        if self.push_maxima and not (self.self_quant and not self.sq_rowmax):
+            raise ValueError("push_maxima is a variant of the self_quant builds (not sq_rowmax)")
+        if (self.push_maxima or self.push_partials) and self.fused_h:
+            raise ValueError("the push variants are not built for fused_h")
+        if self.push_partials and self.sq_rowmax:
+            raise ValueError("push_partials is not built for sq_rowmax")
         if self.lora:
             if self.rank not in (8, 16, 32, 64, 128, 256):
                 raise ValueError("rank must be 8..256, a power of two")
@@ -206,6 +224,7 @@ class Config:
         return (s + ("_c2" if self.ctas == 2 else "") + (f"_e{self.early}" if self.early else "")
                 + ("_sq" if self.self_quant else "") + ("_rowmax" if self.sq_rowmax else "")
                 + ("_fh" if self.fused_h else "")
+                + ("_pm" if self.push_maxima else "") + ("_pp" if self.push_partials else "")
                 + ("_trace" if self.trace else ""))
 
     @property
@@ -232,6 +251,10 @@ class Config:
         f += [(4 * 5 * bn if self.self_quant else 4, 4)]
         if self.fused_h:  # the unit's x, bf16 [bn, FH_KC]
             f += [(2 * bn * FH_KC, 128)]
+        if self.push_maxima or self.push_partials:  # mbarriers: maxima received, partials received
+            f += [(8 * 2, 8)]
+        if self.push_maxima:  # the received maxima: [peer, token]
+            f += [(4 * MAX_CLUSTER * bn, 4)]
         return struct_size(f)
 
 
@@ -314,8 +337,7 @@ if cute is not None:
             lora = cfg.lora
             n_amax = 5 * bn if cfg.self_quant else 1  # self_quant: the token maxima (4 warps', the CTA's)
 
-            @cute.struct
-            class Storage:
+            class BaseFields:
                 full: cute.struct.MemRange[cutlass.Int64, stages]
                 empty: cute.struct.MemRange[cutlass.Int64, stages]
                 sx_ready: cute.struct.MemRange[cutlass.Int64, 1]
@@ -325,6 +347,8 @@ if cute is not None:
                 sW: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sW_layout)], 1024]
                 sX: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sX_layout)], 1024]
                 sAmax: cute.struct.MemRange[cutlass.Float32, n_amax]
+
+            Storage = cute.struct(BaseFields)
 
             class LoraFields:
                 full: cute.struct.MemRange[cutlass.Int64, stages]
@@ -354,6 +378,16 @@ if cute is not None:
                 self.storage = StorageLora
             else:
                 self.storage = Storage
+            if cutlass.const_expr(cfg.push_maxima or cfg.push_partials):
+                # The push variants: the same fields, then their mbarriers (0: the peers' maxima
+                # received, 1: the partials of this CTA's elements received) and the maxima's
+                # receive buffer [peer, token], appended (every other field keeps its offset).
+                extra = {"pbar": cute.struct.MemRange[cutlass.Int64, 2]}
+                if cutlass.const_expr(cfg.push_maxima):
+                    extra["sRecv"] = cute.struct.MemRange[cutlass.Float32, MAX_CLUSTER * bn]
+                base = LoraFields if lora else BaseFields
+                self.storage = cute.struct(type("StoragePush", (), {"__annotations__": {
+                    **base.__annotations__, **extra}}))
             self.smem_size = self.storage.size_in_bytes()
 
             n_tiles = cute.size(w, mode=[0]) // self.bm
@@ -439,8 +473,24 @@ if cute is not None:
                     cute.arch.mbarrier_init(bempty + i, 128)
                 if cutlass.const_expr(cfg.lora):
                     cute.arch.mbarrier_init(st.meta_ready.data_ptr(), 1)
+                if cutlass.const_expr(cfg.push_maxima or cfg.push_partials):
+                    for i in cutlass.range_constexpr(2):
+                        cute.arch.mbarrier_init(st.pbar.data_ptr() + i, 1)
                 cute.arch.mbarrier_init_fence()
+                # The push variants' receive barriers: this thread's one arrival of their only
+                # phase, expecting every byte the peers will st.async (a peer's complete_tx may
+                # come first: the phase cannot complete before this arrival anyway).
+                if cutlass.const_expr(cfg.push_maxima):
+                    cute.arch.mbarrier_arrive_and_expect_tx(st.pbar.data_ptr(), nsplit * BN * 4)
+                if cutlass.const_expr(cfg.push_partials):
+                    _, p_lo, p_hi = self._red_share(M, split, nsplit)
+                    cute.arch.mbarrier_arrive_and_expect_tx(st.pbar.data_ptr() + 1, (p_hi - p_lo) * nsplit * 4)
             cute.arch.sync_threads()
+            if cutlass.const_expr(cfg.push_maxima):
+                # The first cluster phase only makes every CTA's mbarrier init visible before a
+                # peer st.async's into it (fence.mbarrier_init above, relaxed arrive): the
+                # consumer waits for it just before it pushes its maxima, the producer at its end.
+                cute.arch.cluster_arrive_relaxed()
             # Let the next projection's first kernel (shrink or quantization, launched with PDL
             # when chained) be scheduled now: it prepares under our main loop and executes
             # griddepcontrol.wait, i.e. waits for our completion, before it reads x (maybe our y)
@@ -473,7 +523,7 @@ if cute is not None:
             if wg == 0:
                 # ===================================== producer ====================================
                 cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-                if cutlass.const_expr(cfg.self_quant):
+                if cutlass.const_expr(cfg.self_quant and not cfg.push_maxima):
                     # The consumer's exchange of token maxima is a cluster barrier, and every
                     # thread of the cluster takes part: arrive now, wait at the end.
                     cute.arch.cluster_arrive()
@@ -559,7 +609,13 @@ if cute is not None:
                 # threads of the cluster take part in each; the last one relaxed, as there).
                 if cutlass.const_expr(cfg.self_quant):
                     cute.arch.cluster_wait()
-                cute.arch.cluster_arrive()
+                if cutlass.const_expr(cfg.push_maxima or cfg.push_partials):
+                    # The push variants: this warpgroup publishes nothing that a peer reads (the
+                    # partials are the consumer's; with push_partials this phase is the relaxed
+                    # "main loop done" one).
+                    cute.arch.cluster_arrive_relaxed()
+                else:
+                    cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
                 cute.arch.cluster_arrive_relaxed()
                 cute.arch.cluster_wait()
@@ -612,6 +668,11 @@ if cute is not None:
                     for e in cutlass.range_constexpr(cute.size(acc)):
                         acc[e] = acc[e] + acc_blk[e]
 
+                if cutlass.const_expr(cfg.push_partials):
+                    # "Main loop done": every stage's TMA has landed and every WGMMA that read one
+                    # has completed, so the peers may overwrite this CTA's weight stages with
+                    # their partials once every CTA has arrived (relaxed: nothing is published).
+                    cute.arch.cluster_arrive_relaxed()
                 self._stamp(trace_row, 2, ctid)
                 acc_l = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
                 acc_l.fill(0.0)
@@ -643,76 +704,85 @@ if cute is not None:
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     r, j = tCcC[i]
                     sxe[i] = sSx[j]
+                pv = None
+                if cutlass.const_expr(cfg.push_partials):
+                    pv = cute.make_rmem_tensor((cute.size(acc),), cutlass.Float32)
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     r, j = tCcC[i]
                     v = acc[i] * (sxe[i] * s_w)
                     if cutlass.const_expr(cfg.lora):
                         v = v + acc_l[i]
-                    sRed[r, j] = cutlass.Float32(cutlass.select_(j < M, v, cutlass.Float32(0.0)))
+                    if cutlass.const_expr(cfg.push_partials):
+                        pv[i] = v  # (tokens past M are not pushed)
+                    else:
+                        sRed[r, j] = cutlass.Float32(cutlass.select_(j < M, v, cutlass.Float32(0.0)))
 
-                self._stamp(trace_row, 4, ctid)
-                if cutlass.const_expr(cfg.sq_rowmax):
-                    if rowmax:  # the first phase, arrived at in _quantize_x
-                        cute.arch.cluster_wait()
-                # Cluster-wide: every partial is in smem (release/acquire at cluster scope).
-                cute.arch.cluster_arrive()
-                cute.arch.cluster_wait()
-                # Fixed-order reduction of this CTA's share of the valid elements; y written once.
-                # It stays inside the consumer branch: code after the branches join is register-
-                # allocated for the producer's budget too, and there the reduction spilled (140 B
-                # of stack loads at bn = 16, 940 B at bn = 32, ptxas -v).
-                mvalid = cutlass.min(M, BN)
-                n_el = BM * mvalid
-                lo = split * n_el // nsplit
-                hi = (split + 1) * n_el // nsplit
-                red_base = sRed.iterator.toint()
-                # Every element this thread owns is summed over the splits in the fixed order
-                # 0, 1, ..., S-1; the loads of one split are independent, so they are unrolled
-                # and all in flight at once (a serial load-add chain per element was the
-                # epilogue's largest cost at bn = 32).
-                RU = BM * BN // 128
-                # The loads are unconditional (elements past this CTA's share read a clamped one
-                # and are never stored): under `if e < hi` each load's add sat in its branch, so
-                # the loads went out one or two at a time (SASS, docs/perf.md v0.45).
-                vals = cute.make_rmem_tensor((RU,), cutlass.Float32)
-                vals.fill(0.0)
-                n_mine = (hi - lo + 127) // 128  # this CTA's elements per thread (at most)
-                if n_mine <= FEW_RED and nsplit <= FEW_RED_SPLITS:
-                    # Few elements (decode at 1..8 tokens): one round of loads over every split
-                    # per element instead of one round per split (each a DSMEM round trip, ~0.3 us
-                    # on the H200: split 4 took ~0.6 us more than split 2 from partials to end, run17).
-                    for u in cutlass.range_constexpr(min(RU, FEW_RED)):
-                        if u < n_mine:
-                            e = cutlass.min(lo + ctid + 128 * u, n_el - 1)
-                            j = e // BM
-                            r = e - j * BM
-                            parts = cute.make_rmem_tensor((FEW_RED_SPLITS,), cutlass.Float32)
-                            for q in cutlass.range_constexpr(FEW_RED_SPLITS):
-                                parts[q] = cutlass.Float32(0.0)
-                                if q < nsplit:
-                                    parts[q] = D.ld_dsmem_f32(red_base + (r + j * (BM + RED_PAD)) * 4, q)
-                            # The same order as below (0, 1, ..., S-1); + 0.0 past S leaves the sum
-                            # as it is (it starts at +0.0, so it is never -0.0).
-                            for q in cutlass.range_constexpr(FEW_RED_SPLITS):
-                                vals[u] = vals[u] + parts[q]
+                if cutlass.const_expr(cfg.push_partials):
+                    self._push_reduce(ctid, pv, tCcC, st, mY, M, n0, split, nsplit, trace_row)
                 else:
-                    for q in cutlass.range(nsplit, unroll=1):
-                        for u in cutlass.range_constexpr(RU):
-                            e = cutlass.min(lo + ctid + 128 * u, n_el - 1)
+                    self._stamp(trace_row, 4, ctid)
+                    if cutlass.const_expr(cfg.sq_rowmax):
+                        if rowmax:  # the first phase, arrived at in _quantize_x
+                            cute.arch.cluster_wait()
+                    # Cluster-wide: every partial is in smem (release/acquire at cluster scope).
+                    cute.arch.cluster_arrive()
+                    cute.arch.cluster_wait()
+                    # Fixed-order reduction of this CTA's share of the valid elements; y written once.
+                    # It stays inside the consumer branch: code after the branches join is register-
+                    # allocated for the producer's budget too, and there the reduction spilled (140 B
+                    # of stack loads at bn = 16, 940 B at bn = 32, ptxas -v).
+                    mvalid = cutlass.min(M, BN)
+                    n_el = BM * mvalid
+                    lo = split * n_el // nsplit
+                    hi = (split + 1) * n_el // nsplit
+                    red_base = sRed.iterator.toint()
+                    # Every element this thread owns is summed over the splits in the fixed order
+                    # 0, 1, ..., S-1; the loads of one split are independent, so they are unrolled
+                    # and all in flight at once (a serial load-add chain per element was the
+                    # epilogue's largest cost at bn = 32).
+                    RU = BM * BN // 128
+                    # The loads are unconditional (elements past this CTA's share read a clamped one
+                    # and are never stored): under `if e < hi` each load's add sat in its branch, so
+                    # the loads went out one or two at a time (SASS, docs/perf.md v0.45).
+                    vals = cute.make_rmem_tensor((RU,), cutlass.Float32)
+                    vals.fill(0.0)
+                    n_mine = (hi - lo + 127) // 128  # this CTA's elements per thread (at most)
+                    if n_mine <= FEW_RED and nsplit <= FEW_RED_SPLITS:
+                        # Few elements (decode at 1..8 tokens): one round of loads over every split
+                        # per element instead of one round per split (each a DSMEM round trip, ~0.3 us
+                        # on the H200: split 4 took ~0.6 us more than split 2 from partials to end, run17).
+                        for u in cutlass.range_constexpr(min(RU, FEW_RED)):
+                            if u < n_mine:
+                                e = cutlass.min(lo + ctid + 128 * u, n_el - 1)
+                                j = e // BM
+                                r = e - j * BM
+                                parts = cute.make_rmem_tensor((FEW_RED_SPLITS,), cutlass.Float32)
+                                for q in cutlass.range_constexpr(FEW_RED_SPLITS):
+                                    parts[q] = cutlass.Float32(0.0)
+                                    if q < nsplit:
+                                        parts[q] = D.ld_dsmem_f32(red_base + (r + j * (BM + RED_PAD)) * 4, q)
+                                # The same order as below (0, 1, ..., S-1); + 0.0 past S leaves the sum
+                                # as it is (it starts at +0.0, so it is never -0.0).
+                                for q in cutlass.range_constexpr(FEW_RED_SPLITS):
+                                    vals[u] = vals[u] + parts[q]
+                    else:
+                        for q in cutlass.range(nsplit, unroll=1):
+                            for u in cutlass.range_constexpr(RU):
+                                e = cutlass.min(lo + ctid + 128 * u, n_el - 1)
+                                j = e // BM
+                                r = e - j * BM
+                                vals[u] = vals[u] + D.ld_dsmem_f32(red_base + (r + j * (BM + RED_PAD)) * 4, q)
+                    for u in cutlass.range_constexpr(RU):
+                        e = lo + ctid + 128 * u
+                        if e < hi:
                             j = e // BM
-                            r = e - j * BM
-                            vals[u] = vals[u] + D.ld_dsmem_f32(red_base + (r + j * (BM + RED_PAD)) * 4, q)
-                for u in cutlass.range_constexpr(RU):
-                    e = lo + ctid + 128 * u
-                    if e < hi:
-                        j = e // BM
-                        mY[j, n0 + e - j * BM] = vals[u].to(cutlass.BFloat16)
-                # Keep this CTA's smem alive until every CTA of the cluster has read it. Relaxed:
-                # nothing is published here (this thread's DSMEM loads have returned, their values
-                # are in the stores above), and a release arrive compiles to MEMBAR.ALL.GPU, which
-                # would wait for those y stores to be acknowledged (run17's profile: ERRBAR).
-                cute.arch.cluster_arrive_relaxed()
-                cute.arch.cluster_wait()
+                            mY[j, n0 + e - j * BM] = vals[u].to(cutlass.BFloat16)
+                    # Keep this CTA's smem alive until every CTA of the cluster has read it. Relaxed:
+                    # nothing is published here (this thread's DSMEM loads have returned, their values
+                    # are in the stores above), and a release arrive compiles to MEMBAR.ALL.GPU, which
+                    # would wait for those y stores to be acknowledged (run17's profile: ERRBAR).
+                    cute.arch.cluster_arrive_relaxed()
+                    cute.arch.cluster_wait()
                 if cutlass.const_expr(cfg.fused_h):
                     if ctid == 0 and split == 0:
                         # Every CTA of this cluster is past its wait for h (the cluster barrier
@@ -853,9 +923,12 @@ if cute is not None:
                     cute.arch.cluster_arrive()
                     cute.arch.cluster_wait()
             else:
-                # Every CTA's maxima are in its smem (release / acquire at cluster scope).
-                cute.arch.cluster_arrive()
-                cute.arch.cluster_wait()
+                if cutlass.const_expr(cfg.push_maxima):
+                    self._push_maxima(ctid, st, sAm, nsplit)
+                else:
+                    # Every CTA's maxima are in its smem (release / acquire at cluster scope).
+                    cute.arch.cluster_arrive()
+                    cute.arch.cluster_wait()
             if ctid < mv:
                 amax = cutlass.Float32(0.0)
                 if cutlass.const_expr(cfg.sq_rowmax):
@@ -864,7 +937,10 @@ if cute is not None:
                     else:
                         amax = self._cluster_max(am_addr + ctid * 4, nsplit)
                 else:
-                    amax = self._cluster_max(am_addr + ctid * 4, nsplit)
+                    if cutlass.const_expr(cfg.push_maxima):
+                        amax = self._received_max(st, ctid, nsplit)
+                    else:
+                        amax = self._cluster_max(am_addr + ctid * 4, nsplit)
                 scale = D.fp8_scale(amax)
                 sSx[ctid] = scale
                 div, rcp = D.fp8_quotient_operands(scale)  # one per row, not per element
@@ -1066,6 +1142,98 @@ if cute is not None:
                         for i in cutlass.range_constexpr(8):
                             amax = D.fmax_f32(amax, D.abs_f32(r_x[i, hh, u].to(cutlass.Float32)))
                     D.red_shared_max_u32(am_addr + (e // nch) * 4, D.f32_bits(amax))
+
+        @cute.jit
+        def _push_maxima(self, ctid, st, sAm, nsplit):
+            """push_maxima (consumer): this CTA's token maxima (all BN words, zeros past the batch)
+            into slot [split, token] of every peer's receive buffer, itself included, with st.async
+            completing 4 bytes each on the peer's pbar[0] (which expects nsplit * BN * 4)."""
+            BN = self.bn
+            split = cute.arch.make_warp_uniform(cute.arch.block_in_cluster_idx()[0])
+            # This CTA's red.max updates are complete before any thread reads a maximum.
+            cute.arch.barrier(barrier_id=1, number_of_threads=128)
+            # The init phase (arrived at after the mbarrier init): every peer's barrier is initialised.
+            cute.arch.cluster_wait()
+            bar = st.pbar.data_ptr().toint()
+            recv = st.sRecv.data_ptr().toint()
+            for it in cutlass.range_constexpr((MAX_CLUSTER * BN + 127) // 128):
+                idx = ctid + 128 * it
+                if idx < nsplit * BN:
+                    q = idx // BN
+                    j = idx - q * BN
+                    D.push_b32(recv + (split * BN + j) * 4, D.f32_bits(sAm[j]), bar, q)
+
+        @cute.jit
+        def _received_max(self, st, ctid, nsplit):
+            """push_maxima: token ctid's maximum over the cluster from the receive buffer, after
+            the acquire.cluster wait for every peer's st.async (max is exact in any order)."""
+            BN = self.bn
+            D.mbarrier_wait_acquire_cluster(st.pbar.data_ptr().toint(), 0)
+            sRv = st.sRecv.get_tensor(cute.make_layout(MAX_CLUSTER * BN))
+            parts = cute.make_rmem_tensor((MAX_CLUSTER,), cutlass.Float32)
+            for q in cutlass.range_constexpr(MAX_CLUSTER):
+                parts[q] = sRv[q * BN + ctid]  # slots past the cluster hold no maxima: masked below
+            amax = cutlass.Float32(0.0)
+            for q in cutlass.range_constexpr(MAX_CLUSTER):
+                amax = D.fmax_f32(amax, cutlass.Float32(cutlass.select_(q < nsplit, parts[q], cutlass.Float32(0.0))))
+            return amax
+
+        @cute.jit
+        def _red_share(self, M, split, nsplit):
+            """(n_el, lo, hi): the valid elements of the tile (BM x min(M, BN), element e = token *
+            BM + row) and the range [lo, hi) this CTA reduces and stores (reduction_owner)."""
+            n_el = self.bm * cutlass.min(M, self.bn)
+            return n_el, split * n_el // nsplit, (split + 1) * n_el // nsplit
+
+        @cute.jit
+        def _push_reduce(self, ctid, pv, tCcC, st, mY, M, n0, split, nsplit, trace_row):
+            """push_partials (consumer, after the partials pv are in registers): each valid element's
+            partial goes by st.async to its owner o = reduction_owner(e) = ((e + 1) S - 1) // n_el
+            (magic-number division), into slot split * sh + e - lo_o of o's freed weight stages
+            (sh = ceil(n_el / S) slots per sender), completing 4 bytes on o's pbar[1], which
+            expects (hi - lo) * S * 4. The owner waits (acquire.cluster) and sums its elements over
+            the senders in the order 0..S-1 from +0.0, as the DSMEM reduction does: bitwise the
+            same y. Lifetime: a CTA's last st.async into a peer is complete once that peer is past
+            its wait; the final relaxed cluster phase (arrived right after the wait, waited at the
+            end) keeps every CTA alive until all of them are, so none exits with stores in flight."""
+            BM, BN = self.bm, self.bn
+            n_el, lo, hi = self._red_share(M, split, nsplit)
+            mvalid = cutlass.min(M, BN)
+            sh = (n_el + nsplit - 1) // nsplit
+            recv = st.sW.data_ptr().toint()
+            bar = st.pbar.data_ptr().toint() + 8
+            mag_n = D.div_magic_u32(n_el)  # exact: x * n_el < S * n_el^2 <= 2^28
+            mag_s = D.div_magic_u32(nsplit)  # exact: o * n_el * S < 2^20 (S = 1: o = 0, m = 0)
+            # "Main loop done" (arrived after the main loop): every CTA's weight stages are free.
+            cute.arch.cluster_wait()
+            for i in cutlass.range_constexpr(cute.size(pv)):
+                r, j = tCcC[i]
+                if j < mvalid:
+                    e = j * BM + r
+                    o = D.mulhi_u32((e + 1) * nsplit - 1, mag_n)
+                    lo_o = D.mulhi_u32(o * n_el, mag_s)
+                    D.push_b32(recv + (split * sh + e - lo_o) * 4, D.f32_bits(pv[i]), bar, o)
+            self._stamp(trace_row, 4, ctid)
+            D.mbarrier_wait_acquire_cluster(bar, 0)
+            # Every st.async into this CTA is complete: arrive at the last phase now, wait at the end.
+            cute.arch.cluster_arrive_relaxed()
+            RU = BM * BN // 128
+            sRv = cute.make_tensor(cute.recast_ptr(st.sW.data_ptr(), dtype=cutlass.Float32),
+                                   cute.make_layout(BM * BN + MAX_CLUSTER))
+            vals = cute.make_rmem_tensor((RU,), cutlass.Float32)
+            vals.fill(0.0)
+            for q in cutlass.range(nsplit, unroll=1):
+                for u in cutlass.range_constexpr(RU):
+                    # Unconditional (clamped into the share; past it never stored), as in the
+                    # DSMEM reduction: local smem loads now.
+                    e = cutlass.min(lo + ctid + 128 * u, hi - 1)
+                    vals[u] = vals[u] + sRv[q * sh + e - lo]
+            for u in cutlass.range_constexpr(RU):
+                e = lo + ctid + 128 * u
+                if e < hi:
+                    j = e // BM
+                    mY[j, n0 + e - j * BM] = vals[u].to(cutlass.BFloat16)
+            cute.arch.cluster_wait()
 
         @cute.jit
         def _cluster_max(self, addr, nsplit):
@@ -1425,6 +1593,34 @@ def launch(config: Config, *, w_q, w_scale, y, split: int, x_q=None, x_scale=Non
                 smem=config.smem_bytes(), pdl=config.lora)
 
 
+def reduction_owner(e: int, n_el: int, nsplit: int) -> int:
+    """The CTA that reduces and stores element e of n_el: the o with o n_el // S <= e < (o + 1) n_el // S."""
+    return ((e + 1) * nsplit - 1) // n_el
+
+
+def _magic_u32(d: int) -> int:
+    return ((0xFFFFFFFF // d) + 1) & 0xFFFFFFFF  # _dsl.div_magic_u32
+
+
+def push_plan(bm: int, m_valid: int, nsplit: int) -> dict:
+    """push_partials' plan, in the kernel's own integer arithmetic (magic-number divisions
+    included), for tests: {"sh": slots per sender, "expect": [bytes each owner expects],
+    "pushes": [(sender, element, owner, slot)], "share": [(lo, hi)] per CTA}. Every sender pushes
+    every valid element (e = token * bm + row, token < m_valid) of its partial tile."""
+    n_el = bm * m_valid
+    sh = (n_el + nsplit - 1) // nsplit
+    mag_n, mag_s = _magic_u32(n_el), _magic_u32(nsplit)
+    share = [(q * n_el // nsplit, (q + 1) * n_el // nsplit) for q in range(nsplit)]
+    pushes = []
+    for q in range(nsplit):
+        for e in range(n_el):
+            o = (((e + 1) * nsplit - 1) * mag_n) >> 32
+            lo_o = ((o * n_el) * mag_s) >> 32
+            pushes.append((q, e, o, q * sh + e - lo_o))
+    return {"sh": sh, "share": share, "pushes": pushes,
+            "expect": [(hi - lo) * nsplit * 4 for lo, hi in share]}
+
+
 def fused_h_workspace_shape(config: Config, k: int) -> tuple[int, int, int]:
     """The fused_h partials' workspace: [slices, ceil(K / FH_KC) * bn, R] fp32."""
     return (config.num_slices, -(-k // FH_KC) * config.bn, config.rank)
@@ -1492,20 +1688,77 @@ def default_config(bn: int, bm: int, **kw) -> Config:
     return Config(bn=bn, bm=bm, stages=4, ctas=1, **kw)
 
 
+# The push variants (Config.push_maxima / push_partials) are opt-in at run time: EPILORA_K2_PUSH is
+# a comma list of `maxima`, `partials` (default empty: the default builds). select() is the one place
+# that reads it; it applies to the decode K2 builds of rank 64 and the no-adapter ones (the prebuilt
+# push set, push_configs()); other ranks keep the default build.
+PUSH_ENV = "EPILORA_K2_PUSH"
+PUSH_NAMES = ("maxima", "partials")
+PUSH_RANKS = (64,)
+
+
+def push_flags(value: str | None = None) -> tuple[str, ...]:
+    """The push variants asked for: `value`, or EPILORA_K2_PUSH when None ("maxima,partials")."""
+    v = os.environ.get(PUSH_ENV, "") if value is None else value
+    names = tuple(sorted({t.strip() for t in v.split(",") if t.strip()}))
+    bad = [n for n in names if n not in PUSH_NAMES]
+    if bad:
+        raise ValueError(f"{PUSH_ENV}: unknown {bad} (known: {', '.join(PUSH_NAMES)})")
+    return names
+
+
+def push_variant(cfg: "Config | None", push=None) -> "Config | None":
+    """`cfg` with the push flags asked for (push: a comma string or a tuple of names; None reads
+    EPILORA_K2_PUSH) where they apply to it: maxima to self_quant builds, partials to every
+    decode K2; only builds of PUSH_RANKS or without adapter, never fused_h / sq_rowmax / trace /
+    early builds. Otherwise `cfg` itself."""
+    if cfg is None:
+        return None
+    names = push_flags(push) if push is None or isinstance(push, str) else tuple(push)
+    if not names or cfg.fused_h or cfg.sq_rowmax or cfg.trace or cfg.early or (cfg.lora and cfg.rank not in PUSH_RANKS):
+        return cfg
+    pm = "maxima" in names and cfg.self_quant
+    pp = "partials" in names
+    if not (pm or pp):
+        return cfg
+    c = dataclasses.replace(cfg, push_maxima=pm, push_partials=pp)
+    return c if c.fits_ctas() else cfg
+
+
+def push_configs() -> list[Config]:
+    """The prebuilt push variants: every combination of the flags on the decode path's default
+    builds of rank 64 and without adapter, for the supported models' projections (the builds
+    select() returns under EPILORA_K2_PUSH)."""
+    out = set()
+    for _, _, _, widths, _ in projection_shapes():
+        for m in (1, 9, 17):  # the token tiles 8 / 16 / 32
+            for sq in ((False, True) if m <= max(SELF_QUANT_TILES) else (False,)):
+                for c in select(widths, m, 64, self_quant=sq, push=""):
+                    for names in (("maxima",), ("partials",), ("maxima", "partials")):
+                        v = push_variant(c, names)
+                        if v != c:
+                            out.add(v)
+    return sorted(out, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.self_quant, c.push_maxima, c.push_partials))
+
+
 def select(widths, m: int, rank: int | None = None, ctas: int | None = None, stages: int | None = None,
-           self_quant: bool = False, fused_h: bool = False):
+           self_quant: bool = False, fused_h: bool = False, push=None):
     """(adapter config or None, no-adapter config) for a projection with these slice widths.
 
     ctas / stages ask for an experimental build that tools/bench_stages.py times against the
     default (prebuilt for rank 64 and no adapter: the former default, one CTA per SM with 4
     stages, and one CTA per SM with 8 stages); without such a build the default is returned.
     self_quant: the builds that quantize x themselves (see self_quant_applies); fused_h: those that
-    also compute h (the path "decode_fh"; the same tokens and K)."""
+    also compute h (the path "decode_fh"; the same tokens and K). push: the push variants
+    (push_variant; None reads EPILORA_K2_PUSH, "" asks for none) of the default builds."""
     bm, bn = bm_for(widths), token_tile(m)
     if self_quant or fused_h:
         fh = dict(fused_h=True) if fused_h else {}
-        return ((default_config(bn, bm, lora=True, num_slices=len(widths), rank=rank, self_quant=True, **fh)
+        pair = ((default_config(bn, bm, lora=True, num_slices=len(widths), rank=rank, self_quant=True, **fh)
                  if rank else None), default_config(bn, bm, lora=False, self_quant=True))
+        if fused_h:
+            return pair
+        return tuple(push_variant(c, push) for c in pair)
 
     def pick(**kw):
         default = default_config(bn, bm, **kw)
@@ -1515,13 +1768,16 @@ def select(widths, m: int, rank: int | None = None, ctas: int | None = None, sta
         return want if want in _experiment_builds() else default
 
     lora = pick(lora=True, num_slices=len(widths), rank=rank) if rank else None
+    if ctas is None and stages is None:
+        return push_variant(lora, push), push_variant(pick(lora=False), push)
     return lora, pick(lora=False)
 
 
 @functools.lru_cache(maxsize=1)
 def _experiment_builds() -> frozenset:
     defaults = {default_config(c.bn, c.bm, **_kw(c)) for c in prebuild_configs()}
-    return frozenset(c for c in prebuild_configs() if c not in defaults)
+    return frozenset(c for c in prebuild_configs()
+                     if c not in defaults and not (c.push_maxima or c.push_partials))
 
 
 def _kw(c: Config) -> dict:
@@ -1601,8 +1857,9 @@ def prebuild_configs() -> list[Config]:
     cfgs.update(trace_configs())
     cfgs.update(early_configs())
     cfgs.update(rowmax_configs())
+    cfgs.update(push_configs())
     return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank, c.ctas, c.stages, c.trace,
-                                       c.fused_h))
+                                       c.fused_h, c.push_maxima, c.push_partials))
 
 
 def early_configs() -> list[Config]:

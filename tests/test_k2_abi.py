@@ -175,3 +175,43 @@ def test_shrink_split_fills_the_gpu_up_to_small_split():
         s = S.choose_split(4096, slices, 64, groups)
         assert slices * groups * s <= 132 or s == 1  # never more than one wave of shrink CTAs
     assert S.choose_split(128, 1, 64, 1) == 1  # >= 2 k-blocks per split
+
+
+def test_push_variants_keep_the_abi_and_the_geometry():
+    """The push variants (EPILORA_K2_PUSH) take the same parameters and launch geometry as the
+    default build they vary; select() applies them only where they are prebuilt."""
+    import dataclasses
+    import os
+
+    from kernels_dsl import k2_gemm
+
+    pre = set(k2_gemm.prebuild_configs())
+    for c in k2_gemm.push_configs():
+        base = dataclasses.replace(c, push_maxima=False, push_partials=False)
+        assert base in pre and c in pre
+        assert [(p.name, p.size) for p in k2_gemm.params(c)] == [(p.name, p.size) for p in k2_gemm.params(base)]
+        assert c.fits_ctas() and c.smem_bytes() >= base.smem_bytes()
+        assert c.name() != base.name()
+    widths = (4096, 1024, 1024)
+    assert k2_gemm.select(widths, 1, 64, self_quant=True, push="") == k2_gemm.select(widths, 1, 64, self_quant=True)
+    lq, nq = k2_gemm.select(widths, 1, 64, self_quant=True, push="maxima,partials")
+    assert lq.push_maxima and lq.push_partials and nq.push_maxima and nq.push_partials
+    l, n = k2_gemm.select(widths, 20, 64, push="maxima")
+    assert not (l.push_maxima or l.push_partials or n.push_maxima)  # maxima: self_quant builds only
+    l, n = k2_gemm.select(widths, 20, 16, push="partials")
+    assert not l.push_partials and n.push_partials  # rank 16 has no prebuilt push build
+    assert k2_gemm.select(widths, 1, 64, fused_h=True, push="partials")[0].push_partials is False
+    old = os.environ.get(k2_gemm.PUSH_ENV)
+    try:
+        os.environ[k2_gemm.PUSH_ENV] = "partials"
+        assert k2_gemm.select(widths, 20, 64)[0].push_partials
+        os.environ[k2_gemm.PUSH_ENV] = "bogus"
+        with pytest.raises(ValueError):
+            k2_gemm.select(widths, 20, 64)
+    finally:
+        if old is None:
+            os.environ.pop(k2_gemm.PUSH_ENV, None)
+        else:
+            os.environ[k2_gemm.PUSH_ENV] = old
+    with pytest.raises(ValueError):
+        k2_gemm.Config(bn=8, lora=False, push_maxima=True)  # not self_quant

@@ -47,6 +47,17 @@ FAST_K2 = [
     k2_gemm.default_config(8, 128, lora=True, num_slices=3, rank=64, self_quant=True, fused_h=True),
     k2_gemm.default_config(8, 64, lora=True, num_slices=1, rank=8, self_quant=True, fused_h=True),
     k2_gemm.default_config(8, 128, lora=True, num_slices=2, rank=256, self_quant=True, fused_h=True),
+    # The push variants (EPILORA_K2_PUSH): partials at every token tile, maxima on the
+    # self-quantizing builds, both together; bm 64 (the 72B gate_up).
+    k2_gemm.default_config(8, 128, lora=True, num_slices=3, rank=64, push_partials=True),
+    k2_gemm.default_config(32, 128, lora=True, num_slices=1, rank=64, push_partials=True),
+    k2_gemm.default_config(16, 64, lora=False, push_partials=True),
+    k2_gemm.default_config(8, 128, lora=False, self_quant=True, push_maxima=True),
+    k2_gemm.default_config(8, 128, lora=True, num_slices=3, rank=64, self_quant=True, push_maxima=True),
+    k2_gemm.default_config(8, 128, lora=True, num_slices=3, rank=64, self_quant=True, push_partials=True),
+    k2_gemm.default_config(8, 128, lora=True, num_slices=3, rank=64, self_quant=True, push_maxima=True,
+                           push_partials=True),
+    k2_gemm.default_config(8, 64, lora=False, self_quant=True, push_maxima=True, push_partials=True),
 ]
 FAST_SHRINK = [
     lora_shrink.select(3, 16, 64),  # the decode path's build (8 stages)
@@ -97,11 +108,15 @@ def k2_ptx_problems(cfg: k2_gemm.Config, ptx: str) -> list[str]:
     protocol = (("st.shared.v4.b32", "cvt.rn.satfinite.e4m3x2.f32", "div.rn.f32", "fence.proxy.async.shared::cta")
                 if cfg.self_quant else
                 ("ld.acquire.gpu.global.s32", "fence.proxy.async.global", "atom.acq_rel.gpu.global.add.s32"))
+    # The push variants: no DSMEM loads where both exchanges push (the self-quantizing builds
+    # without push_maxima still load the peers' maxima).
+    dsmem_loads = not (cfg.push_partials and (cfg.push_maxima or not cfg.self_quant))
     for ins in ("cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes",
-                "barrier.cluster.arrive", "barrier.cluster.wait", "mapa.shared::cluster.u32",
-                "ld.shared::cluster.f32") + protocol:
+                "barrier.cluster.arrive", "barrier.cluster.wait", "mapa.shared::cluster.u32"
+                ) + (("ld.shared::cluster.f32",) if dsmem_loads else ()) + protocol:
         if ins not in ptx:
             bad.append(f"missing {ins}")
+    bad += push_ptx_problems(cfg, ptx, dsmem_loads)
     if cfg.fused_h:
         # h inside K2: the partials are published (red.release) before the main loop, acquired
         # after it and before the epilogue's WGMMA, read with ld.relaxed.gpu; the only
@@ -162,6 +177,32 @@ def k2_ptx_problems(cfg: k2_gemm.Config, ptx: str) -> list[str]:
         if bf:
             bad.append("epilogue WGMMA in the no-adapter variant")
     return bad + _trigger_problems(ptx, fp8)
+
+
+def push_ptx_problems(cfg, ptx: str, dsmem_loads: bool) -> list[str]:
+    """The push variants (Config.push_maxima / push_partials): st.async with complete_tx into the
+    peers, waited for with an acquire.cluster mbarrier wait; the release cluster arrives left are
+    the maxima's phase (self_quant without push_maxima: producer + consumer) and the partials'
+    phase (without push_partials: the consumer's; the producer's too without either flag)."""
+    if not (cfg.push_maxima or cfg.push_partials):
+        return []
+    bad = []
+    for ins in ("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32",
+                "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64", "mbarrier.arrive.expect_tx",
+                "barrier.cluster.arrive.relaxed"):
+        if ins not in ptx:
+            bad.append(f"missing {ins}")
+    if cfg.push_partials:
+        for ins in ("mul.hi.u32", "div.u32"):
+            if ins not in ptx:
+                bad.append(f"missing {ins} (the owner's magic-number division)")
+    if not dsmem_loads and "ld.shared::cluster" in ptx:
+        bad.append("DSMEM loads left in a build whose exchanges all push")
+    release = len(re.findall(r"barrier\.cluster\.arrive(?:\.aligned)?;", ptx))
+    want = (2 if cfg.self_quant and not cfg.push_maxima else 0) + (0 if cfg.push_partials else 1)
+    if release != want:
+        bad.append(f"{release} release cluster arrives (expected {want})")
+    return bad
 
 
 def _trigger_problems(ptx: str, fp8: list[int]) -> list[str]:

@@ -143,3 +143,62 @@ def test_quant_planes_match_reference(M, K, S, Y):
     assert torch.equal(writes, torch.ones_like(writes))
     assert torch.equal(sx, ref_s.reshape(-1))
     assert torch.equal(xq.view(torch.uint8), ref_q.view(torch.uint8))
+
+
+# --- push_partials' plan (Config.push_partials): owners, slots and byte counts ----------------
+
+
+@pytest.mark.parametrize("bm", [64, 128])
+@pytest.mark.parametrize("nsplit", list(range(1, 17)))
+def test_push_plan_every_element_one_owner_one_slot(bm, nsplit):
+    """The kernel's integer arithmetic (magic-number divisions) for every token count of every
+    tile: each sender's element goes to exactly its reduction owner (the CTA whose share holds it),
+    at a slot inside the owner's buffer (which fits the freed weight stages) used by no other push,
+    and each owner's expect_tx equals the bytes pushed to it."""
+    from kernels_dsl import k2_gemm
+
+    for bn in (8, 16, 32):
+        smallest_stages = min(k2_gemm.Config(bn=bn, bm=bm, stages=st).bm * 128 * st
+                              for st in (3, 4) if (bm + k2_gemm.RED_PAD) * bn * 4 <= bm * 128 * st)
+        for mv in range(1, bn + 1):
+            n_el = bm * mv
+            plan = k2_gemm.push_plan(bm, mv, nsplit)
+            sh, share = plan["sh"], plan["share"]
+            assert nsplit * sh * 4 <= smallest_stages
+            got = [0] * nsplit
+            seen = set()
+            for q, e, o, slot in plan["pushes"]:
+                lo, hi = share[o]
+                assert o == k2_gemm.reduction_owner(e, n_el, nsplit)
+                assert lo <= e < hi, (q, e, o)
+                assert 0 <= slot < nsplit * sh and slot == q * sh + e - lo
+                assert (o, slot) not in seen
+                seen.add((o, slot))
+                got[o] += 4
+            assert got == plan["expect"], (bn, mv)
+            assert len(plan["pushes"]) == nsplit * n_el
+
+
+def test_push_plan_sums_like_the_dsmem_reduction():
+    """The owner's sum over the received slots, in sender order 0..S-1 from +0.0, is bitwise the
+    DSMEM reduction's (every split's value of the element, same order), -0.0 partials included."""
+    import numpy as np
+    from kernels_dsl import k2_gemm
+
+    rng = np.random.default_rng(0)
+    bm, mv, S = 64, 3, 5
+    n_el = bm * mv
+    parts = rng.standard_normal((S, n_el)).astype(np.float32) * np.float32(1e3)
+    parts[:, 7] = -0.0
+    plan = k2_gemm.push_plan(bm, mv, S)
+    bufs = [np.full(S * plan["sh"], np.nan, dtype=np.float32) for _ in range(S)]
+    for q, e, o, slot in plan["pushes"]:
+        bufs[o][slot] = parts[q, e]
+    for o, (lo, hi) in enumerate(plan["share"]):
+        for e in range(lo, hi):
+            a = np.float32(0.0)
+            b = np.float32(0.0)
+            for q in range(S):
+                a = np.float32(a + bufs[o][q * plan["sh"] + e - lo])
+                b = np.float32(b + parts[q, e])
+            assert a.tobytes() == b.tobytes()

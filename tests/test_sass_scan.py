@@ -75,3 +75,52 @@ def test_k2_builds_keep_their_loads_out_of_branches(bn, lora, sq):
     bound = K2_WAIT_BOUNDS[(bn, lora, sq)]
     assert len(found) <= bound, (f"{cfg.name()}: {len(found)} loads waited for inside their branch "
                                  f"(at most {bound}): " + "; ".join(f"{a} -> {b}" for _, a, b in found[:6]))
+
+
+# The push variants (Config.push_maxima / push_partials, EPILORA_K2_PUSH): MEMBAR.ALL.GPU and DSMEM
+# loads of each against its default build (DSL 4.8.1, sm_90a). (bn, lora, self_quant, maxima,
+# partials): (MEMBAR.ALL.GPU, DSMEM loads) of the push build; the defaults hold 3 (x_q builds: the
+# two release arrives of the partials' phase and the counter's acq_rel atomic) or 4 (self_quant:
+# the maxima's phase too) MEMBAR.ALL.GPU.
+PUSH_SASS = {
+    (8, True, False, False, True): (1, 0), (32, True, False, False, True): (1, 0),
+    (16, False, False, False, True): (1, 0),
+    (8, False, True, True, False): (1, 24), (8, False, True, True, True): (0, 0),
+    (8, True, True, True, False): (1, 24), (8, True, True, False, True): (2, 16), (8, True, True, True, True): (0, 0),
+}
+
+
+def _k2_sass(cfg):
+    from kernels_dsl import k2_gemm
+
+    with tempfile.TemporaryDirectory() as d:
+        k2_gemm.compile(cfg, f"--gpu-arch sm_90a --keep-cubin --dump-dir {d}")
+        return sass_of(next(Path(d).glob("*.cubin")).read_bytes())
+
+
+@pytest.mark.parametrize("key", list(PUSH_SASS), ids=lambda v: "bn{}_{}_{}_{}_{}".format(
+    v[0], "lora" if v[1] else "nolora", "sq" if v[2] else "xq", "pm" if v[3] else "", "pp" if v[4] else ""))
+def test_k2_push_builds_drop_membar_and_dsmem_loads(key):
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+    if nvdisasm_path() is None:
+        pytest.skip("no nvdisasm (Triton's wheel or the CUDA toolkit)")
+    import dataclasses
+
+    from epilora_cute.sass_scan import sync_counts
+    from kernels_dsl import k2_gemm
+
+    bn, lora, sq, pm, pp = key
+    base = (k2_gemm.default_config(bn, 128, lora=True, num_slices=3 if bn == 8 else 1, rank=64, self_quant=sq)
+            if lora else k2_gemm.default_config(bn, 128, lora=False, self_quant=sq))
+    cfg = dataclasses.replace(base, push_maxima=pm, push_partials=pp)
+    d, p = sync_counts(_k2_sass(base)), sync_counts(_k2_sass(cfg))
+    assert d["membar_gpu"] == (4 if sq else 3) and d["dsmem_loads"] > 0 and d["st_async"] == 0, d
+    assert (p["membar_gpu"], p["dsmem_loads"]) == PUSH_SASS[key], (cfg.name(), d, p)
+    assert p["st_async"] > 0, p
+    if pp:  # each thread's partials go out as st.async, never as DSMEM loads
+        assert p["dsmem_loads"] <= (16 if sq and not pm else 0)
+    # ...and the loads the cleaned builds keep out of branches stay out (at most two more with
+    # push_maxima, both local smem: a sender's maximum read for its st.async, a receiver's after
+    # the acquire wait - no DSMEM round trip)
+    if (bn, lora, sq) in K2_WAIT_BOUNDS:
+        assert len(loads_waited_in_branch(_k2_sass(cfg))) <= K2_WAIT_BOUNDS[(bn, lora, sq)] + (2 if pm else 0)
