@@ -4,8 +4,11 @@ or cuda-gdb (a hang or a fault then costs one small process, not a test file).
     python tools/kernel_diag.py CASE [SPLIT]
 
 CASE: k2_nolora (K2 alone, x_q given, no adapter, n_quant 0), shrink (the shrink+quant kernel
-alone), decode (shrink then K2 with PDL), expand (expand_add), k1 (K1 quant+shrink).
+alone), decode (shrink then the self-quantizing K2 with PDL, 3 tokens), decode_xq (shrink+quant
+then the x_q K2), expand (expand_add), k1 (K1 quant+shrink).
 Prints "CASE ok" with the maximum error against the reference, after a device synchronize.
+The K2 builds follow EPILORA_K2_PUSH (k2_gemm.push_variant: `maxima`, `partials`, both) like
+the ops do; the K2 build launched is printed.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def k2_nolora(split: int, M: int = 8, N: int = 256, K: int = 1024) -> float:
     dp.x_q.copy_(xq)
     dp.x_scale.copy_(sx.reshape(-1))
     _, cfg = k2_gemm.select((N,), M)
+    print("k2 build", cfg.name(), flush=True)
     spec = k2_gemm.launch(cfg, w_q=dp.w_codes, w_scale=dp.w_scale, x_q=dp.x_q, x_scale=dp.x_scale, y=dp.y,
                           sync=dp.sync, n_quant=0, split=split)
     dp.y.fill_(float("nan"))
@@ -47,11 +51,11 @@ def k2_nolora(split: int, M: int = 8, N: int = 256, K: int = 1024) -> float:
     return err.max().item()
 
 
-def _decode_path(M=3):
+def _decode_path(M=3, self_quant=True):
     from tests.test_k2_gpu import DecodePath, _tokens, _x
 
     widths, K = (128, 128, 128), 1024
-    dp = DecodePath(widths, K, 64, 4, M, seed=1)
+    dp = DecodePath(widths, K, 64, 4, M, seed=1, self_quant=self_quant)
     return dp, _x(M, K, 1), _tokens(M, 3, 1)
 
 
@@ -74,12 +78,17 @@ def shrink(split: int) -> float:
     return (dp.x_scale - sx.reshape(-1)).abs().max().item()
 
 
-def decode(split: int) -> float:
-    dp, x, tok = _decode_path()
+def decode(split: int, self_quant: bool = True) -> float:
+    dp, x, tok = _decode_path(self_quant=self_quant)
     y = dp.run(x, tok, split_k2=split, split_shrink=1)
+    print("k2 build", dp.k_cfg.name(), flush=True)
     torch.cuda.synchronize()
     dp.check(x, tok, y)
     return 0.0
+
+
+def decode_xq(split: int) -> float:
+    return decode(split, self_quant=False)
 
 
 def expand(_split: int) -> float:
@@ -96,7 +105,7 @@ def k1(_split: int) -> float:
     return 0.0
 
 
-CASES = {f.__name__: f for f in (k2_nolora, shrink, decode, expand, k1)}
+CASES = {f.__name__: f for f in (k2_nolora, shrink, decode, decode_xq, expand, k1)}
 
 if __name__ == "__main__":
     case = sys.argv[1]
