@@ -262,7 +262,8 @@ def test_self_quant_codes_bit_exact(K, M, lora, split, rowmax):
     w = torch.eye(K, dtype=torch.float32).to(torch.float8_e4m3fn).to(dev)
     one = torch.ones(1, dtype=torch.float32, device=dev)
     y = torch.full((M, K), float("nan"), dtype=torch.bfloat16, device=dev)
-    lcfg, ncfg = k2_gemm.select((K,), M, 64, self_quant=True)
+    # (sq_rowmax builds have no push variant: under EPILORA_K2_PUSH their base is the default build)
+    lcfg, ncfg = k2_gemm.select((K,), M, 64, self_quant=True, push="" if rowmax else None)
     cfg = lcfg if lora else ncfg
     if rowmax:
         cfg = dataclasses.replace(cfg, sq_rowmax=True)
