@@ -17,7 +17,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, decode or fh}
+mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, decode, push-tests, push-bench or fh}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -163,6 +163,32 @@ case $mode in
     EPILORA_BENCH_TOKENS=1,4,16,32 timeout -s KILL 70 python3 tools/bench.py --quick --sections layer \
       --out "$OUT/ly" 2>&1 | tail -8
     (cd "$OUT" && tar czf decode.tgz st ly 2> /dev/null && rm -rf st ly)
+    ;;
+  push-tests)
+    # The K2 push variants (perf.md v0.50 / v0.51, EPILORA_K2_PUSH; carry the cache; ~8 min): their
+    # bitwise comparisons with the default builds, then racecheck / synccheck of the pushed pair at
+    # split 2 and 4, the x_q pair and the no-adapter K2 (kernel_diag prints the build it launched).
+    timeout -s KILL 330 python3 -m pytest -q -m gpu tests/test_k2_gpu.py -k push 2>&1 | tail -6 | tee "$OUT/tests_push.log"
+    for c in "racecheck maxima,partials decode 2" "racecheck maxima,partials decode 4" \
+             "racecheck partials decode_xq 2" "racecheck partials k2_nolora 4" "synccheck maxima,partials decode 2"; do
+      set -- $c
+      echo "== $1 EPILORA_K2_PUSH=$2 kernel_diag ${*:3}" | tee -a "$OUT/tests_push.log"
+      EPILORA_K2_PUSH=$2 timeout -s KILL 60 compute-sanitizer --tool $1 --report-api-errors no \
+        python3 tools/kernel_diag.py "${@:3}" 2>&1 | tail -4 | tee -a "$OUT/tests_push.log"
+    done
+    ;;
+  push-bench)
+    # The push variants beside the default builds (carry nothing after push-tests; ~5 min): `stages`
+    # and the chained `layer` rows at the same token counts, once per EPILORA_K2_PUSH value.
+    for p in "" maxima,partials; do
+      d=${p:-default}; d=${d/,/_}
+      EPILORA_K2_PUSH=$p EPILORA_BENCH_TOKENS=${PUSH_TOKENS:-1,8,32} timeout -s KILL 100 python3 tools/bench.py --quick \
+        --sections stages --out "$OUT/st_$d" 2>&1 | tail -2
+      EPILORA_K2_PUSH=$p EPILORA_BENCH_TOKENS=${PUSH_LAYER_TOKENS:-1,4,32} \
+        EPILORA_BENCH_OURS=no_adapter_chain,decode_chain,decode_sq_chain \
+        timeout -s KILL 80 python3 tools/bench.py --quick --sections layer --out "$OUT/ly_$d" 2>&1 | tail -12
+    done
+    (cd "$OUT" && tar czf push_bench.tgz st_* ly_* 2> /dev/null && rm -rf st_* ly_*)
     ;;
   fh)
     # After decode-path kernel changes at 1..8 tokens (perf.md v0.43, decode_fh; carry the cache,
