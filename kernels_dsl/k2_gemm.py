@@ -1688,18 +1688,23 @@ def default_config(bn: int, bm: int, **kw) -> Config:
     return Config(bn=bn, bm=bm, stages=4, ctas=1, **kw)
 
 
-# The push variants (Config.push_maxima / push_partials) are opt-in at run time: EPILORA_K2_PUSH is
-# a comma list of `maxima`, `partials` (default empty: the default builds). select() is the one place
-# that reads it; it applies to the decode K2 builds of rank 64 and the no-adapter ones (the prebuilt
-# push set, push_configs()); other ranks keep the default build.
+# The push variants (Config.push_maxima / push_partials) are chosen at run time: EPILORA_K2_PUSH is
+# a comma list of `maxima`, `partials`; unset means PUSH_DEFAULT, empty or `none` the builds without
+# them. select() is the one place that reads it; it applies to the decode K2 builds of rank 64 and
+# the no-adapter ones (the prebuilt push set, push_configs(), the builds the H200 verified bit for
+# bit against the others: docs/perf.md v0.52); other ranks keep the builds without pushes.
 PUSH_ENV = "EPILORA_K2_PUSH"
 PUSH_NAMES = ("maxima", "partials")
+PUSH_DEFAULT = "maxima,partials"
 PUSH_RANKS = (64,)
 
 
 def push_flags(value: str | None = None) -> tuple[str, ...]:
-    """The push variants asked for: `value`, or EPILORA_K2_PUSH when None ("maxima,partials")."""
-    v = os.environ.get(PUSH_ENV, "") if value is None else value
+    """The push variants asked for: `value`, or EPILORA_K2_PUSH when None (unset: PUSH_DEFAULT;
+    empty or "none": no push variant)."""
+    v = os.environ.get(PUSH_ENV, PUSH_DEFAULT) if value is None else value
+    if v.strip().lower() == "none":
+        return ()
     names = tuple(sorted({t.strip() for t in v.split(",") if t.strip()}))
     bad = [n for n in names if n not in PUSH_NAMES]
     if bad:

@@ -193,7 +193,7 @@ def test_push_variants_keep_the_abi_and_the_geometry():
         assert c.fits_ctas() and c.smem_bytes() >= base.smem_bytes()
         assert c.name() != base.name()
     widths = (4096, 1024, 1024)
-    assert k2_gemm.select(widths, 1, 64, self_quant=True, push="") == k2_gemm.select(widths, 1, 64, self_quant=True)
+    assert k2_gemm.select(widths, 1, 64, self_quant=True, push="none") == k2_gemm.select(widths, 1, 64, self_quant=True, push="")
     lq, nq = k2_gemm.select(widths, 1, 64, self_quant=True, push="maxima,partials")
     assert lq.push_maxima and lq.push_partials and nq.push_maxima and nq.push_partials
     l, n = k2_gemm.select(widths, 20, 64, push="maxima")
@@ -203,6 +203,11 @@ def test_push_variants_keep_the_abi_and_the_geometry():
     assert k2_gemm.select(widths, 1, 64, fused_h=True, push="partials")[0].push_partials is False
     old = os.environ.get(k2_gemm.PUSH_ENV)
     try:
+        os.environ.pop(k2_gemm.PUSH_ENV, None)  # unset: the default, both pushes
+        assert k2_gemm.push_flags() == ("maxima", "partials") and k2_gemm.select(widths, 1, 64, self_quant=True)[0].push_maxima
+        for off in ("", "none", " None "):
+            os.environ[k2_gemm.PUSH_ENV] = off
+            assert k2_gemm.push_flags() == () and not k2_gemm.select(widths, 20, 64)[0].push_partials
         os.environ[k2_gemm.PUSH_ENV] = "partials"
         assert k2_gemm.select(widths, 20, 64)[0].push_partials
         os.environ[k2_gemm.PUSH_ENV] = "bogus"

@@ -204,13 +204,14 @@ def test_prefill_without_vllm_times_ours_only(capsys, monkeypatch):
 
 def test_gpu_session_script_parses_and_keeps_calls_under_the_device_limit():
     import re
+    import shlex
     import subprocess
 
     script = ROOT / "tools" / "gpu_session.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     text = script.read_text()
     modes = ("hybrid-identity)", "e2e-perf)", "out-variant)", "record)", "tests)", "e2e)", "e2e-smoke)", "e2e-rescore)", "verify)", "check)", "k1)", "profile)", "fh)",
-             "profile-decode)", "decode)")
+             "profile-decode)", "decode)", "push-tests)", "push-bench)")
     for mode in modes:
         assert mode in text
     # Each mode's time limits must add up to less than one device call (600 s).
@@ -218,12 +219,15 @@ def test_gpu_session_script_parses_and_keeps_calls_under_the_device_limit():
     assert len(blocks) == len(modes)  # one per mode
     unpack = [int(t) for t in re.findall(r"timeout -s KILL (\d+)", head.split("unpack_vllm()", 1)[1])]
     assert unpack  # the shared unpack step has a limit too, counted where a mode calls it
+    def seconds(text):  # the limits in `text`, those inside a `for x in ITEMS; do ... done` once per item
+        loop = re.search(r"for \w+ in (.*?); do\n(.*?)\n\s*done", text, re.S)
+        if loop is None:
+            return sum(int(t) for t in re.findall(r"timeout -s KILL (\d+)", text))
+        items = len(shlex.split(loop.group(1).replace("\\\n", " ")))
+        return seconds(text[:loop.start()]) + items * seconds(loop.group(2)) + seconds(text[loop.end():])
+
     for block in blocks:
-        limits = [int(t) for t in re.findall(r"timeout -s KILL (\d+)", block)]
-        if "unpack_vllm" in block:
-            limits = unpack + limits
-        diag_loops = 4 if "for c in" in block else 1
-        total = sum(limits) + (limits[0] * (diag_loops - 1) if diag_loops > 1 else 0)
+        total = seconds(block) + (sum(unpack) if "unpack_vllm" in block else 0)
         assert total < 600, (block[:60], total)
 
 

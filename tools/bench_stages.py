@@ -137,7 +137,7 @@ class DecodeStages:
                                        **dict(k2_common, split=k2_gemm.split_for(lv, n, k)), **lora_args)
                 self.pairs[f"decode_{tag}"] = (s_cfg, sspec, lv, kspec)
         # K2 requesting one weight stage, not all, before x_q is ready (Config.early, perf.md v0.27).
-        le = dataclasses.replace(l_cfg, early=1)
+        le = dataclasses.replace(l_cfg, early=1, push_maxima=False, push_partials=False)
         if le in k2_gemm.early_configs():
             sync_v = torch.zeros(2, dtype=torch.int32, device=dev)
             sspec = lora_shrink.launch(s_cfg, sync=sync_v, **shrink_args)
@@ -161,7 +161,7 @@ class DecodeStages:
             self.fixed["decode_fh"] = (lf, k2_gemm.launch(
                 lf, **dict(sq_common, split=k2_gemm.split_for(lf, n, k)), sync=self.sync_fh,
                 **dict(lora_args, h=self.partials), lora_a=c.lora_a))
-            lr, nr = (dataclasses.replace(cf, sq_rowmax=True) for cf in (lq, nq))
+            lr, nr = (dataclasses.replace(cf, sq_rowmax=True, push_maxima=False, push_partials=False) for cf in (lq, nq))
             if lr in k2_gemm.rowmax_configs() and nr in k2_gemm.rowmax_configs():
                 self.fixed["k2_sqr"] = (nr, k2_gemm.launch(nr, **nq_common))
                 self.pairs["decode_sqr"] = (self.s_cfg_nq, sspec, lr, k2_gemm.launch(lr, **sq_common, **lora_args))

@@ -165,23 +165,24 @@ case $mode in
     (cd "$OUT" && tar czf decode.tgz st ly 2> /dev/null && rm -rf st ly)
     ;;
   push-tests)
-    # The K2 push variants (perf.md v0.50 / v0.51, EPILORA_K2_PUSH; carry the cache; ~8 min): their
-    # bitwise comparisons with the default builds, then racecheck / synccheck of the pushed pair at
-    # split 2 and 4, the x_q pair and the no-adapter K2 (kernel_diag prints the build it launched).
-    timeout -s KILL 330 python3 -m pytest -q -m gpu tests/test_k2_gpu.py -k push 2>&1 | tail -6 | tee "$OUT/tests_push.log"
+    # The K2 push variants (perf.md v0.50-v0.52, EPILORA_K2_PUSH; carry the cache; ~9 min): their
+    # bitwise comparisons with the builds without pushes (502 tests; 470 of them took ~700 s in
+    # session 17: what does not fit is cut), then racecheck / synccheck of the pushed pair at split
+    # 2 and 4, the x_q pair and the no-adapter K2 (kernel_diag prints the build it launched).
+    timeout -s KILL 390 python3 -m pytest -q -m gpu tests/test_k2_gpu.py -k push 2>&1 | tail -6 | tee "$OUT/tests_push.log"
     for c in "racecheck maxima,partials decode 2" "racecheck maxima,partials decode 4" \
              "racecheck partials decode_xq 2" "racecheck partials k2_nolora 4" "synccheck maxima,partials decode 2"; do
       set -- $c
       echo "== $1 EPILORA_K2_PUSH=$2 kernel_diag ${*:3}" | tee -a "$OUT/tests_push.log"
-      EPILORA_K2_PUSH=$2 timeout -s KILL 60 compute-sanitizer --tool $1 --report-api-errors no \
+      EPILORA_K2_PUSH=$2 timeout -s KILL 35 compute-sanitizer --tool $1 --report-api-errors no \
         python3 tools/kernel_diag.py "${@:3}" 2>&1 | tail -4 | tee -a "$OUT/tests_push.log"
     done
     ;;
   push-bench)
-    # The push variants beside the default builds (carry nothing after push-tests; ~5 min): `stages`
-    # and the chained `layer` rows at the same token counts, once per EPILORA_K2_PUSH value.
-    for p in "" maxima,partials; do
-      d=${p:-default}; d=${d/,/_}
+    # The push variants beside the builds without them (carry nothing after push-tests; ~1 min):
+    # `stages` and the chained `layer` rows at the same token counts, once per EPILORA_K2_PUSH value.
+    for p in none maxima,partials; do
+      d=${p/,/_}
       EPILORA_K2_PUSH=$p EPILORA_BENCH_TOKENS=${PUSH_TOKENS:-1,8,32} timeout -s KILL 100 python3 tools/bench.py --quick \
         --sections stages --out "$OUT/st_$d" 2>&1 | tail -2
       EPILORA_K2_PUSH=$p EPILORA_BENCH_TOKENS=${PUSH_LAYER_TOKENS:-1,4,32} \

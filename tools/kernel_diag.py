@@ -7,7 +7,7 @@ CASE: k2_nolora (K2 alone, x_q given, no adapter, n_quant 0), shrink (the shrink
 alone), decode (shrink then the self-quantizing K2 with PDL, 3 tokens), decode_xq (shrink+quant
 then the x_q K2), expand (expand_add), k1 (K1 quant+shrink).
 Prints "CASE ok" with the maximum error against the reference, after a device synchronize.
-The K2 builds follow EPILORA_K2_PUSH (k2_gemm.push_variant: `maxima`, `partials`, both) like
+The K2 builds follow EPILORA_K2_PUSH (k2_gemm.push_variant: `maxima`, `partials`, both by default, `none`) like
 the ops do; the K2 build launched is printed.
 """
 
