@@ -166,10 +166,10 @@ case $mode in
     ;;
   push-tests)
     # The K2 push variants (perf.md v0.50-v0.52, EPILORA_K2_PUSH; carry the cache; ~9 min): their
-    # bitwise comparisons with the builds without pushes (502 tests; 470 of them took ~700 s in
-    # session 17: what does not fit is cut), then racecheck / synccheck of the pushed pair at split
-    # 2 and 4, the x_q pair and the no-adapter K2 (kernel_diag prints the build it launched).
-    timeout -s KILL 390 python3 -m pytest -q -m gpu tests/test_k2_gpu.py -k push 2>&1 | tail -6 | tee "$OUT/tests_push.log"
+    # bitwise comparisons with the builds without pushes (tests/test_k2_push_gpu.py, 262 tests at
+    # ~1.5 s each in session 17), then racecheck / synccheck of the pushed pair at split 2 and 4,
+    # the x_q pair and the no-adapter K2 (kernel_diag prints the build it launched).
+    timeout -s KILL 400 python3 -m pytest -q -m gpu tests/test_k2_push_gpu.py 2>&1 | tail -6 | tee "$OUT/tests_push.log"
     for c in "racecheck maxima,partials decode 2" "racecheck maxima,partials decode 4" \
              "racecheck partials decode_xq 2" "racecheck partials k2_nolora 4" "synccheck maxima,partials decode 2"; do
       set -- $c
