@@ -731,10 +731,7 @@ if cute is not None:
                     # It stays inside the consumer branch: code after the branches join is register-
                     # allocated for the producer's budget too, and there the reduction spilled (140 B
                     # of stack loads at bn = 16, 940 B at bn = 32, ptxas -v).
-                    mvalid = cutlass.min(M, BN)
-                    n_el = BM * mvalid
-                    lo = split * n_el // nsplit
-                    hi = (split + 1) * n_el // nsplit
+                    n_el, lo, hi = self._red_share(M, split, nsplit)
                     red_base = sRed.iterator.toint()
                     # Every element this thread owns is summed over the splits in the fixed order
                     # 0, 1, ..., S-1; the loads of one split are independent, so they are unrolled
@@ -772,11 +769,7 @@ if cute is not None:
                                 j = e // BM
                                 r = e - j * BM
                                 vals[u] = vals[u] + D.ld_dsmem_f32(red_base + (r + j * (BM + RED_PAD)) * 4, q)
-                    for u in cutlass.range_constexpr(RU):
-                        e = lo + ctid + 128 * u
-                        if e < hi:
-                            j = e // BM
-                            mY[j, n0 + e - j * BM] = vals[u].to(cutlass.BFloat16)
+                    self._store_share(vals, lo, hi, ctid, mY, n0)
                     # Keep this CTA's smem alive until every CTA of the cluster has read it. Relaxed:
                     # nothing is published here (this thread's DSMEM loads have returned, their values
                     # are in the stores above), and a release arrive compiles to MEMBAR.ALL.GPU, which
@@ -1228,12 +1221,19 @@ if cute is not None:
                     # DSMEM reduction: local smem loads now.
                     e = cutlass.min(lo + ctid + 128 * u, hi - 1)
                     vals[u] = vals[u] + sRv[q * sh + e - lo]
-            for u in cutlass.range_constexpr(RU):
+            self._store_share(vals, lo, hi, ctid, mY, n0)
+            cute.arch.cluster_wait()
+
+        @cute.jit
+        def _store_share(self, vals, lo, hi, ctid, mY, n0):
+            """y of this CTA's reduced share [lo, hi) (element e = token * BM + row; thread ctid
+            holds e = lo + ctid + 128 u in vals[u]), written once, as bf16."""
+            BM = self.bm
+            for u in cutlass.range_constexpr(cute.size(vals)):
                 e = lo + ctid + 128 * u
                 if e < hi:
                     j = e // BM
                     mY[j, n0 + e - j * BM] = vals[u].to(cutlass.BFloat16)
-            cute.arch.cluster_wait()
 
         @cute.jit
         def _cluster_max(self, addr, nsplit):
@@ -1702,7 +1702,11 @@ PUSH_RANKS = (64,)
 def push_flags(value: str | None = None) -> tuple[str, ...]:
     """The push variants asked for: `value`, or EPILORA_K2_PUSH when None (unset: PUSH_DEFAULT;
     empty or "none": no push variant)."""
-    v = os.environ.get(PUSH_ENV, PUSH_DEFAULT) if value is None else value
+    return _parse_push(os.environ.get(PUSH_ENV, PUSH_DEFAULT) if value is None else value)
+
+
+@functools.lru_cache(maxsize=None)
+def _parse_push(v: str) -> tuple[str, ...]:
     if v.strip().lower() == "none":
         return ()
     names = tuple(sorted({t.strip() for t in v.split(",") if t.strip()}))
@@ -1755,8 +1759,16 @@ def select(widths, m: int, rank: int | None = None, ctas: int | None = None, sta
     stages, and one CTA per SM with 8 stages); without such a build the default is returned.
     self_quant: the builds that quantize x themselves (see self_quant_applies); fused_h: those that
     also compute h (the path "decode_fh"; the same tokens and K). push: the push variants
-    (push_variant; None reads EPILORA_K2_PUSH, "" asks for none) of the default builds."""
-    bm, bn = bm_for(widths), token_tile(m)
+    (push_variant; None reads EPILORA_K2_PUSH, "" asks for none) of the default builds.
+    The ops call this once per decode launch: the answer is a pure function of the arguments and
+    the push names, so it is cached on them (a few hundred keys at most: widths x token tiles)."""
+    names = push_flags(push) if push is None or isinstance(push, str) else tuple(push)
+    return _select(tuple(widths), token_tile(m), rank, ctas, stages, self_quant, fused_h, names)
+
+
+@functools.lru_cache(maxsize=4096)
+def _select(widths: tuple, bn: int, rank, ctas, stages, self_quant: bool, fused_h: bool, push: tuple):
+    bm = bm_for(widths)
     if self_quant or fused_h:
         fh = dict(fused_h=True) if fused_h else {}
         pair = ((default_config(bn, bm, lora=True, num_slices=len(widths), rank=rank, self_quant=True, **fh)
