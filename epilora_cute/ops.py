@@ -592,7 +592,8 @@ def _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl
         # The shrink is the down-projection alone; K2 quantizes x itself.
         s_cfg = lora_shrink.select(len(widths), m, rank, quant=False)
         s_spec = lora_shrink.launch(s_cfg, x=x, lora_a=a, h=h, split=split_s, **common)
-        k_cfg, _ = k2_gemm.select(widths, m, rank, self_quant=True)
+        # (k: the wide builds where EPILORA_K2_SQ_WIDE asks for them and they lower the split)
+        k_cfg, _ = k2_gemm.select(widths, m, rank, self_quant=True, k=k)
         xs = dict(x=x)
     else:
         x_q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev)
@@ -603,7 +604,7 @@ def _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl
                                     split=split_s, **common)
         k_cfg, _ = k2_gemm.select(widths, m, rank)
         xs = dict(x_q=x_q, x_scale=x_scale, sync=sync, n_quant=s_spec["n_quant"])
-    k_spec = k2_gemm.launch(k_cfg, w_q=w_q, w_scale=w_scale, y=out, split=k2_gemm.split_for(k_cfg, n, k), h=h,
+    k_spec = k2_gemm.launch(k_cfg, w_q=w_q, w_scale=w_scale, y=out, split=k2_gemm.split_for(k_cfg, n, k, m), h=h,
                             slice_start=_slice_start(widths, dev), lora_b=b, **xs, **common)
     # Chained, the shrink reads slot_ranks before its griddepcontrol.wait: not right after the
     # fill that made it (nor any other of our tensors, to keep it simple).

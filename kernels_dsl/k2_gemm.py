@@ -90,6 +90,15 @@ META_ROWS = 32  # the adapter table in smem: one row per token of the tile (bn <
 ROWMAX_VECS = 12  # sq_rowmax: 16-byte vectors of x per consumer thread for the whole rows
 ROWMAX_ELEMS = 128 * ROWMAX_VECS * 8  # M * K up to which sq_rowmax builds skip the exchange
 MAX_CLUSTER = 16
+# self_quant builds keep x's values in registers between the maxima and the codes: SQ_UNITS work
+# units (16-element chunks of one token) per consumer thread, 128 * SQ_UNITS in all, which bounds a
+# CTA's M x k-blocks at 128 * SQ_UNITS / 8 = 128 (16 k-blocks at 8 tokens, 32 at 4).
+SQ_UNITS = 8
+# The wide self_quant builds (Config.sq_xblocks): room for SQ_WIDE_KBLOCKS resident k-blocks of
+# x_q, so that at 1..4 tokens a CTA covers K = 4096 alone (gate_up at split 1: one wave of CTAs
+# instead of two, docs/perf.md v0.54). Chosen at run time (EPILORA_K2_SQ_WIDE) where they lower the
+# split; built for the ranks of WIDE_RANKS and the no-adapter K2.
+SQ_WIDE_KBLOCKS = 32
 # The reduction's few-elements form (at most FEW_RED elements per thread and FEW_RED_SPLITS
 # splits): every split's load of an element in one round (docs/perf.md v0.47).
 FEW_RED = 2
@@ -167,6 +176,10 @@ class Config:
     # values in the same order: bitwise the default's y) - no release barrier, no DSMEM loads.
     push_maxima: bool = False
     push_partials: bool = False
+    # self_quant: resident k-blocks of x_q in smem (0: 128 // bn, the register bound at bn tokens).
+    # More (SQ_WIDE_KBLOCKS) lets a batch of fewer tokens take a longer K range per CTA: the
+    # register bound is on M x k-blocks (SQ_UNITS), checked per launch (min_split with M).
+    sq_xblocks: int = 0
 
     def __post_init__(self):
         if (self.bm + RED_PAD) * self.bn * 4 > self.bm * self.bk * self.stages:
@@ -193,6 +206,10 @@ class Config:
             raise ValueError("the push variants are not built for fused_h")
         if self.push_partials and self.sq_rowmax:
             raise ValueError("push_partials is not built for sq_rowmax")
+        if self.sq_xblocks and not (self.self_quant and not self.sq_rowmax and not self.fused_h
+                                    and 128 // self.bn < self.sq_xblocks <= SQ_WIDE_KBLOCKS):
+            raise ValueError(f"sq_xblocks is a variant of the self_quant builds (not sq_rowmax / fused_h), "
+                             f"{128 // self.bn + 1}..{SQ_WIDE_KBLOCKS}")
         if self.lora:
             if self.rank not in (8, 16, 32, 64, 128, 256):
                 raise ValueError("rank must be 8..256, a power of two")
@@ -201,9 +218,10 @@ class Config:
 
     @property
     def sq_kblocks(self) -> int:
-        """self_quant: the most k-blocks a CTA may own. Its x values stay in registers between the
-        maximum and the codes: 8 chunks of 16 elements per consumer thread (64 registers)."""
-        return 128 // self.bn
+        """self_quant: the most k-blocks a CTA may own (x_q's smem room): sq_xblocks, or 128 // bn,
+        where the register bound (SQ_UNITS chunks of 16 elements per consumer thread, 64 registers)
+        holds for every batch the tile takes. A launch also needs min(M, bn) x k-blocks <= 128."""
+        return self.sq_xblocks or 128 // self.bn
 
     @property
     def x_kblocks(self) -> int:
@@ -225,7 +243,7 @@ class Config:
                 + ("_sq" if self.self_quant else "") + ("_rowmax" if self.sq_rowmax else "")
                 + ("_fh" if self.fused_h else "")
                 + ("_pm" if self.push_maxima else "") + ("_pp" if self.push_partials else "")
-                + ("_trace" if self.trace else ""))
+                + (f"_x{self.sq_xblocks}" if self.sq_xblocks else "") + ("_trace" if self.trace else ""))
 
     @property
     def consumer_regs(self) -> int:
@@ -849,7 +867,7 @@ if cute is not None:
             (barrier 2); returns (n_prod, units) for _h_units."""
             cfg = self.cfg
             BN, BK = self.bn, self.bk
-            IT = BN * cfg.sq_kblocks * 8 // 128  # units per thread at most
+            IT = SQ_UNITS  # units per thread at most (the launch checks M x k-blocks)
             if cutlass.const_expr(not cfg.lora or cfg.fused_h):
                 # Launched with PDL behind the kernel that writes x (chained no-adapter or fused_h
                 # calls): wait for it here, after the weight stages were requested. (The other
@@ -1126,7 +1144,7 @@ if cute is not None:
         @cute.jit
         def _unit_maxima(self, r_x, ctid, nunits, nch, am_addr):
             """Each of this thread's work units' |x| maximum into its token's smem word (red.max)."""
-            IT = self.bn * self.cfg.sq_kblocks * 8 // 128
+            IT = SQ_UNITS
             for u in cutlass.range_constexpr(IT):
                 e = ctid + 128 * u
                 if e < nunits:
@@ -1519,7 +1537,7 @@ def launch(config: Config, *, w_q, w_scale, y, split: int, x_q=None, x_scale=Non
 
     x_q, x_scale, sync, n_quant: the activations quantized by another kernel (see the module
     docstring); x instead (bf16 [M, K], K a multiple of 128) for self_quant builds, which need
-    split >= min_split(config, K) so that no CTA owns more than sq_kblocks k-blocks.
+    split >= min_split(config, K, M) so that no CTA owns more k-blocks than the build holds.
     fused_h builds also take lora_a (vLLM's A buffers, one per slice), sync (int32 [2], zero before
     the first call; the kernel re-arms it) and as h the partials' workspace
     fused_h_workspace_shape(config, K) fp32, contiguous.
@@ -1547,8 +1565,9 @@ def launch(config: Config, *, w_q, w_scale, y, split: int, x_q=None, x_scale=Non
             raise ValueError(f"K = {K} must be a multiple of 128 (and x's row stride of 8)")
         if split > K // config.bk:
             raise ValueError(f"split {split} leaves a CTA without k-blocks (K = {K})")
-        if split < min_split(config, K):
-            raise ValueError(f"split {split} leaves a CTA more than {config.sq_kblocks} k-blocks of K = {K}")
+        if split < min_split(config, K, M):
+            raise ValueError(f"split {split} leaves a CTA more k-blocks of K = {K} than {M} tokens of this "
+                             f"build may have (at most {config.sq_kblocks}, and {M} x k-blocks <= 128)")
         args = [w_q, (N, K), x, w_scale.reshape(-1), y, 0]
         if config.fused_h:
             if sync is None or sync.dtype != torch.int32 or sync.numel() < 2:
@@ -1652,19 +1671,21 @@ def choose_split(n_out: int, k: int, bm: int = 128, bk: int = 128, sms: int = SM
     return best
 
 
-def split_for(cfg: "Config", n_out: int, k: int) -> int:
+def split_for(cfg: "Config", n_out: int, k: int, m: int | None = None) -> int:
     """choose_split for a built configuration (its bm, bk and CTAs per SM), raised for self_quant
-    builds to min_split."""
-    return max(choose_split(n_out, k, cfg.bm, cfg.bk, ctas_per_sm=cfg.ctas), min_split(cfg, k))
+    builds to min_split (for m tokens; None: a full tile)."""
+    return max(choose_split(n_out, k, cfg.bm, cfg.bk, ctas_per_sm=cfg.ctas), min_split(cfg, k, m))
 
 
-def min_split(cfg: "Config", k: int) -> int:
+def min_split(cfg: "Config", k: int, m: int | None = None) -> int:
     """The smallest split a build can run K with: 1, or for self_quant builds the one that leaves
-    no CTA more than sq_kblocks k-blocks (> 16 means the build cannot take this K)."""
+    no CTA more than sq_kblocks k-blocks, nor more than 128 / min(m, bn) of them (the register
+    bound, SQ_UNITS; m None: a full tile) (> 16 means the build cannot take this K)."""
     if not cfg.self_quant:
         return 1
     nk = -(-k // cfg.bk)  # k-blocks
-    return -(-nk // cfg.sq_kblocks)
+    rows = cfg.bn if m is None else max(1, min(m, cfg.bn))
+    return -(-nk // min(cfg.sq_kblocks, 128 * SQ_UNITS // (8 * rows)))
 
 
 def token_tile(m: int) -> int:
@@ -1734,6 +1755,71 @@ def push_variant(cfg: "Config | None", push=None) -> "Config | None":
     return c if c.fits_ctas() else cfg
 
 
+SQ_WIDE_ENV = "EPILORA_K2_SQ_WIDE"
+SQ_WIDE_DEFAULT = "0"  # opt-in until the H200 has measured them (docs/perf.md v0.54)
+WIDE_RANKS = (64,)
+
+
+def sq_wide_enabled(value: str | None = None) -> bool:
+    """Whether the wide self_quant builds are asked for: `value`, or EPILORA_K2_SQ_WIDE when None
+    (1 / on / true: yes; 0 / off / false / empty: no; unset: SQ_WIDE_DEFAULT)."""
+    return _parse_flag(os.environ.get(SQ_WIDE_ENV, SQ_WIDE_DEFAULT) if value is None else value, SQ_WIDE_ENV)
+
+
+@functools.lru_cache(maxsize=None)
+def _parse_flag(v: str, name: str) -> bool:
+    t = v.strip().lower()
+    if t in ("1", "on", "true", "yes"):
+        return True
+    if t in ("", "0", "off", "false", "no", "none"):
+        return False
+    raise ValueError(f"{name}: {v!r} is neither on (1) nor off (0)")
+
+
+def wide_config(cfg: Config) -> Config | None:
+    """The wide twin of a default self_quant build (SQ_WIDE_KBLOCKS resident k-blocks, the same
+    pushes; its stages and B buffers as default_config fits them), or None where it has none (other
+    ranks, experiments, or no two-CTA fit)."""
+    if not cfg.self_quant or cfg.sq_xblocks or cfg.fused_h or cfg.sq_rowmax or cfg.trace or cfg.early:
+        return None
+    if cfg.lora and cfg.rank not in WIDE_RANKS:
+        return None
+    kw = dict(lora=True, num_slices=cfg.num_slices, rank=cfg.rank) if cfg.lora else dict(lora=False)
+    w = default_config(cfg.bn, cfg.bm, self_quant=True, sq_xblocks=SQ_WIDE_KBLOCKS, **kw)
+    if w.ctas != cfg.ctas:
+        return None
+    w = dataclasses.replace(w, push_maxima=cfg.push_maxima, push_partials=cfg.push_partials)
+    return w if w.fits_ctas() else None
+
+
+def sq_wide_applies(cfg: Config, n_out: int, k: int, m: int) -> Config | None:
+    """The wide twin of `cfg` when it runs m tokens of K at a smaller split than `cfg` (the
+    projection's CTAs in fewer waves), else None."""
+    w = wide_config(cfg)
+    if w is None:
+        return None
+    return w if split_for(w, n_out, k, m) < split_for(cfg, n_out, k, m) else None
+
+
+def _wide_or(cfg: Config | None, n_out: int, m: int, k: int) -> Config | None:
+    return None if cfg is None else (sq_wide_applies(cfg, n_out, k, m) or cfg)
+
+
+def wide_configs() -> list[Config]:
+    """The prebuilt wide self_quant builds: the twin of every default self_quant build of rank 64
+    and without adapter, with each push combination (the builds select() may return with
+    EPILORA_K2_SQ_WIDE on, whatever EPILORA_K2_PUSH says)."""
+    out = set()
+    for _, _, _, widths, _ in projection_shapes():
+        for bn in SELF_QUANT_TILES:
+            for names in ((), ("maxima",), ("partials",), ("maxima", "partials")):
+                for c in _select(tuple(widths), bn, 64, None, None, True, False, names):
+                    w = wide_config(c) if c is not None else None
+                    if w is not None:
+                        out.add(w)
+    return sorted(out, key=lambda c: (c.lora, c.num_slices, c.bm, c.push_maxima, c.push_partials))
+
+
 def push_configs() -> list[Config]:
     """The prebuilt push variants: every combination of the flags on the decode path's default
     builds of rank 64 and without adapter, for the supported models' projections (the builds
@@ -1751,7 +1837,7 @@ def push_configs() -> list[Config]:
 
 
 def select(widths, m: int, rank: int | None = None, ctas: int | None = None, stages: int | None = None,
-           self_quant: bool = False, fused_h: bool = False, push=None):
+           self_quant: bool = False, fused_h: bool = False, push=None, k: int | None = None, wide=None):
     """(adapter config or None, no-adapter config) for a projection with these slice widths.
 
     ctas / stages ask for an experimental build that tools/bench_stages.py times against the
@@ -1760,14 +1846,22 @@ def select(widths, m: int, rank: int | None = None, ctas: int | None = None, sta
     self_quant: the builds that quantize x themselves (see self_quant_applies); fused_h: those that
     also compute h (the path "decode_fh"; the same tokens and K). push: the push variants
     (push_variant; None reads EPILORA_K2_PUSH, "" asks for none) of the default builds.
+    k, wide: with self_quant and K given, the wide builds (Config.sq_xblocks) where they let m
+    tokens of K run at a smaller split than the default builds (sq_wide_applies; wide None reads
+    EPILORA_K2_SQ_WIDE). Callers then take the split from split_for(cfg, n, k, m).
     The ops call this once per decode launch: the answer is a pure function of the arguments and
-    the push names, so it is cached on them (a few hundred keys at most: widths x token tiles)."""
+    the environment's names, so it is cached on them (a few hundred keys at most)."""
     names = push_flags(push) if push is None or isinstance(push, str) else tuple(push)
-    return _select(tuple(widths), token_tile(m), rank, ctas, stages, self_quant, fused_h, names)
+    bn = token_tile(m)
+    wm = None  # the wide builds' key: (tokens, K) where they are asked for
+    if self_quant and not fused_h and k is not None and (sq_wide_enabled() if wide is None else wide):
+        wm = (min(m, bn), k)
+    return _select(tuple(widths), bn, rank, ctas, stages, self_quant, fused_h, names, wm)
 
 
 @functools.lru_cache(maxsize=4096)
-def _select(widths: tuple, bn: int, rank, ctas, stages, self_quant: bool, fused_h: bool, push: tuple):
+def _select(widths: tuple, bn: int, rank, ctas, stages, self_quant: bool, fused_h: bool, push: tuple,
+            wide_mk: tuple | None = None):
     bm = bm_for(widths)
     if self_quant or fused_h:
         fh = dict(fused_h=True) if fused_h else {}
@@ -1775,6 +1869,8 @@ def _select(widths: tuple, bn: int, rank, ctas, stages, self_quant: bool, fused_
                  if rank else None), default_config(bn, bm, lora=False, self_quant=True))
         if fused_h:
             return pair
+        if wide_mk is not None:
+            pair = tuple(_wide_or(c, sum(widths), *wide_mk) for c in pair)
         return tuple(push_variant(c, push) for c in pair)
 
     def pick(**kw):
@@ -1875,8 +1971,9 @@ def prebuild_configs() -> list[Config]:
     cfgs.update(early_configs())
     cfgs.update(rowmax_configs())
     cfgs.update(push_configs())
+    cfgs.update(wide_configs())
     return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank, c.ctas, c.stages, c.trace,
-                                       c.fused_h, c.push_maxima, c.push_partials))
+                                       c.fused_h, c.push_maxima, c.push_partials, c.sq_xblocks))
 
 
 def early_configs() -> list[Config]:

@@ -220,3 +220,63 @@ def test_push_variants_keep_the_abi_and_the_geometry():
             os.environ[k2_gemm.PUSH_ENV] = old
     with pytest.raises(ValueError):
         k2_gemm.Config(bn=8, lora=False, push_maxima=True)  # not self_quant
+
+
+def test_wide_self_quant_builds_split_and_abi(monkeypatch):
+    """The wide self-quantizing builds (Config.sq_xblocks, EPILORA_K2_SQ_WIDE; docs/perf.md v0.54):
+    the same parameters and grid rule as the default build they widen; chosen only where they
+    lower the split (gate_up at 1..4 tokens, down at 1..6); the launch holds every CTA to the
+    register bound min(M, bn) x k-blocks <= 128."""
+    import dataclasses
+
+    pre = set(k2_gemm.prebuild_configs())
+    assert k2_gemm.wide_configs() and set(k2_gemm.wide_configs()) <= pre
+    for w in k2_gemm.wide_configs():
+        base = k2_gemm.default_config(w.bn, w.bm, **k2_gemm._kw(w), self_quant=True)
+        base = dataclasses.replace(base, push_maxima=w.push_maxima, push_partials=w.push_partials)
+        assert base in pre and k2_gemm.wide_config(base) == w
+        assert [(p.name, p.size) for p in k2_gemm.params(w)] == [(p.name, p.size) for p in k2_gemm.params(base)]
+        assert w.fits_ctas() and w.ctas == 2 and w.sq_kblocks == k2_gemm.SQ_WIDE_KBLOCKS
+        assert w.name().endswith("_x32")
+    with pytest.raises(ValueError, match="sq_xblocks"):
+        k2_gemm.Config(bn=8, lora=False, sq_xblocks=32)  # not self_quant
+    with pytest.raises(ValueError, match="sq_xblocks"):
+        k2_gemm.Config(bn=8, lora=False, self_quant=True, sq_xblocks=64)
+    # The register bound: 128 k-block rows per CTA.
+    w = k2_gemm.default_config(8, 128, lora=False, self_quant=True, sq_xblocks=32)
+    d = k2_gemm.default_config(8, 128, lora=False, self_quant=True)
+    assert [k2_gemm.min_split(w, 4096, m) for m in (1, 4, 5, 8)] == [1, 1, 2, 2]
+    assert [k2_gemm.min_split(d, 4096, m) for m in (1, 4, 8)] == [2, 2, 2]
+    assert k2_gemm.min_split(w, 4096) == 2  # m unknown: a full tile
+    # Selection: off unless asked for; then only where the split drops.
+    gate_up, down, qkv = (12288, 12288), (4096,), (4096, 1024, 1024)
+    monkeypatch.delenv(k2_gemm.SQ_WIDE_ENV, raising=False)
+    assert k2_gemm.SQ_WIDE_DEFAULT == "0" and not k2_gemm.sq_wide_enabled()
+    assert not k2_gemm.select(gate_up, 1, 64, self_quant=True, k=4096)[0].sq_xblocks
+    monkeypatch.setenv(k2_gemm.SQ_WIDE_ENV, "1")
+    for widths, k, ms in ((gate_up, 4096, (1, 2, 3, 4)), (down, 12288, (1, 2, 3, 4, 5, 6))):
+        for m in range(1, 9):
+            lw, nw = k2_gemm.select(widths, m, 64, self_quant=True, k=k)
+            ld, _ = k2_gemm.select(widths, m, 64, self_quant=True)
+            assert bool(lw.sq_xblocks) == (m in ms), (widths, m)
+            n = sum(widths)
+            if m in ms:
+                assert k2_gemm.split_for(lw, n, k, m) < k2_gemm.split_for(ld, n, k, m)
+                assert lw.push_maxima == ld.push_maxima and lw.push_partials == ld.push_partials
+                assert lw in pre and nw in pre
+    assert not k2_gemm.select(qkv, 1, 64, self_quant=True, k=4096)[0].sq_xblocks  # qkv: split 2 either way
+    assert not k2_gemm.select(gate_up, 1, 16, self_quant=True, k=4096)[0].sq_xblocks  # rank 16: none built
+    assert not k2_gemm.select(gate_up, 1, 64, self_quant=True)[0].sq_xblocks  # K unknown
+    assert not k2_gemm.select(gate_up, 1, 64, self_quant=True, k=4096, wide=False)[0].sq_xblocks
+    monkeypatch.setenv(k2_gemm.SQ_WIDE_ENV, "maybe")
+    with pytest.raises(ValueError, match=k2_gemm.SQ_WIDE_ENV):
+        k2_gemm.select(gate_up, 1, 64, self_quant=True, k=4096)
+    # The launch checks the bound with the batch's M.
+    M, K = 5, 4096
+    x = torch.zeros(M, K, dtype=torch.bfloat16)
+    y = torch.zeros(M, 4096, dtype=torch.bfloat16)
+    wq = torch.zeros(4096, K, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="k-blocks"):
+        k2_gemm.launch(w, w_q=wq, w_scale=torch.ones(1), x=x, y=y, split=1)
+    spec = k2_gemm.launch(w, w_q=wq, w_scale=torch.ones(1), x=x[:4], y=y[:4], split=1)
+    assert spec["grid"] == (1, 32, 1) and spec["smem"] == w.smem_bytes()

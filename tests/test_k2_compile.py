@@ -58,6 +58,12 @@ FAST_K2 = [
     k2_gemm.default_config(8, 128, lora=True, num_slices=3, rank=64, self_quant=True, push_maxima=True,
                            push_partials=True),
     k2_gemm.default_config(8, 64, lora=False, self_quant=True, push_maxima=True, push_partials=True),
+    # The wide self-quantizing builds (32 resident k-blocks, EPILORA_K2_SQ_WIDE): the shipped
+    # pushes on gate_up's (2 slices, 3 stages), none on down's; the no-adapter one.
+    k2_gemm.default_config(8, 128, lora=True, num_slices=2, rank=64, self_quant=True, push_maxima=True,
+                           push_partials=True, sq_xblocks=32),
+    k2_gemm.default_config(8, 128, lora=True, num_slices=1, rank=64, self_quant=True, sq_xblocks=32),
+    k2_gemm.default_config(8, 128, lora=False, self_quant=True, push_partials=True, sq_xblocks=32),
 ]
 FAST_SHRINK = [
     lora_shrink.select(3, 16, 64),  # the decode path's build (8 stages)

@@ -202,3 +202,30 @@ def test_push_plan_sums_like_the_dsmem_reduction():
                 a = np.float32(a + bufs[o][q * plan["sh"] + e - lo])
                 b = np.float32(b + parts[q, e])
             assert a.tobytes() == b.tobytes()
+
+
+def test_self_quant_units_cover_every_chunk_at_the_launch_splits():
+    """The self-quantizing K2's quantization work units (thread ctid's units ctid + 128 u, u <
+    SQ_UNITS, over the CTA's M x k-block x 8 chunks) cover every chunk once, and its k-blocks fit
+    x_q's smem room, at every split launch() accepts: the default builds and the wide ones
+    (Config.sq_xblocks) whose bound depends on M."""
+    from kernels_dsl import k2_gemm
+
+    builds = [k2_gemm.default_config(8, 128, lora=False, self_quant=True)]
+    builds += [k2_gemm.wide_config(builds[0])]
+    for cfg in builds:
+        for K in (128, 2560, 4096, 12288, 14336, 29568 // 128 * 128):
+            nk = K // 128
+            for M in range(1, cfg.bn + 1):
+                lo_split = k2_gemm.min_split(cfg, K, M)
+                for split in range(lo_split, min(16, nk) + 1):
+                    for rank in range(split):
+                        lo, hi = k_range(rank, split, nk)
+                        nunits = M * (hi - lo) * 8
+                        covered = sorted(t + 128 * u for t in range(128) for u in range(k2_gemm.SQ_UNITS)
+                                         if t + 128 * u < nunits)
+                        assert covered == list(range(nunits)), (cfg.name(), K, M, split)
+                        assert hi - lo <= cfg.x_kblocks
+                if lo_split > 1:  # one less: some CTA would leave chunks unquantized or overflow x_q
+                    most = max(hi - lo for lo, hi in (k_range(r, lo_split - 1, nk) for r in range(lo_split - 1)))
+                    assert M * most * 8 > 128 * k2_gemm.SQ_UNITS or most > cfg.x_kblocks

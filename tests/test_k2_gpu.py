@@ -85,9 +85,12 @@ class DecodePath:
     fused: the one launch of path "decode_fh" (K2 computing h too; 1..8 tokens)."""
 
     def __init__(self, widths, K, rank, max_loras, M, seed=0, slot_ranks=None, dev="cuda", self_quant=True,
-                 fused=False, push=None):
+                 fused=False, push=None, wide=None):
         init_projection(self, widths, K, rank, max_loras, M, seed, slot_ranks, dev)
         self.push = push  # K2's push variants (k2_gemm.push_variant): None = EPILORA_K2_PUSH, "" = none
+        # the wide self_quant builds (k2_gemm.sq_wide_applies): None = EPILORA_K2_SQ_WIDE, "always" = the
+        # wide twin of the default build whatever the split
+        self.wide = wide
         self.self_quant = self_quant and k2_gemm.self_quant_applies(M, K)
         self.fused = fused
         if fused:
@@ -121,10 +124,15 @@ class DecodePath:
                       num_active=meta.num_active, slot_ranks=self.slot_ranks)
         xs = {} if sq else dict(x_q=self.x_q, x_scale=self.x_scale, sync=self.sync)
         sspec = shrink_mod.launch(s_cfg, x=x, lora_a=self.lora_a, h=self.h, split=ss, **xs, **common)
-        k_cfg, _ = k2_gemm.select(self.widths, M, self.rank, self_quant=sq, push=self.push)
+        forced = self.wide == "always"  # the wide twin at any split it can run (tests/test_k2_wide_gpu.py)
+        k_cfg, _ = k2_gemm.select(self.widths, M, self.rank, self_quant=sq, push=self.push, k=K,
+                                  wide=False if forced else self.wide)
+        if forced:
+            k_cfg = k2_gemm.wide_config(k_cfg)
+            assert k_cfg is not None, "no wide build for this projection"
         self.k_cfg = k_cfg
         # (a self-quantizing K2 needs split >= min_split: a forced smaller one is raised to it)
-        sk = max(split_k2, k2_gemm.min_split(k_cfg, K)) if split_k2 else k2_gemm.split_for(k_cfg, N, K)
+        sk = max(split_k2, k2_gemm.min_split(k_cfg, K, M)) if split_k2 else k2_gemm.split_for(k_cfg, N, K, M)
         if sq:
             xs = dict(x=x)
         else:

@@ -103,12 +103,30 @@ OUR_PATHS: dict[str, object] = {}
 
 
 # Which of our paths to time (EPILORA_BENCH_OURS, comma-separated; default all of them):
-# name -> (path, pdl, chain_pdl[, self_quant]).
+# name -> (path, pdl, chain_pdl[, environment the launches run under]).
 OUR_PATH_ARGS = {"no_adapter": ("no_adapter", True, False), "decode": ("decode", True, False),
                  "decode_nopdl": ("decode", False, False), "triton": ("triton", True, False),
                  "decode_chain": ("decode", True, True), "no_adapter_chain": ("no_adapter", True, True),
                  "decode_sq": ("decode_sq", True, False), "decode_sq_chain": ("decode_sq", True, True),
-                 "decode_fh": ("decode_fh", True, False), "decode_fh_chain": ("decode_fh", True, True)}
+                 "decode_fh": ("decode_fh", True, False), "decode_fh_chain": ("decode_fh", True, True),
+                 # decode_sq with the wide self-quantizing builds (perf.md v0.54), whatever the
+                 # process's EPILORA_K2_SQ_WIDE says
+                 "decode_sq_wide_chain": ("decode_sq", True, True, {"EPILORA_K2_SQ_WIDE": "1"})}
+
+
+def _under_env(env: dict, fn):
+    """fn() with these environment variables set (the ops read their EPILORA_K2_* switches per
+    call, so a graph captured here holds the kernels they pick)."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return fn()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _register_our_paths() -> None:
@@ -118,10 +136,12 @@ def _register_our_paths() -> None:
         return
     wanted = os.environ.get("EPILORA_BENCH_OURS", ",".join(OUR_PATH_ARGS)).split(",")
 
-    def make(path: str, pdl: bool, chain: bool):
+    def make(path: str, pdl: bool, chain: bool, env: dict | None = None):
         def build(c: LayerCase):
-            return lambda: ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=c.y,
-                                               path=path, pdl=pdl, chain_pdl=chain)
+            def launch():
+                return ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=c.y,
+                                           path=path, pdl=pdl, chain_pdl=chain)
+            return launch if not env else lambda: _under_env(env, launch)
         return build
     for name in wanted:
         if name in OUR_PATH_ARGS:

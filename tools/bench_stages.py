@@ -33,6 +33,9 @@ CUDA-graph replays with the L2 flushed (median), all in one run:
                     the shrink kernel)
   decode_fh_us      1..8 tokens: the self-quantizing K2 computing h itself (the path "decode_fh",
                     one launch, no shrink; docs/perf.md v0.43)
+  k2_sq_wide_us, k2_epilogue_sq_wide_us, decode_sq_wide_us   the same with the wide builds
+                    (Config.sq_xblocks: 32 resident k-blocks, docs/perf.md v0.54) where they run the
+                    batch at a smaller split (gate_up and down at 1..4 tokens)
   k2_sqr_us, decode_sqr_us   the same with the sq_rowmax builds (each CTA takes the token maxima
                     over the whole rows where M * K <= k2_gemm.ROWMAX_ELEMS: no cluster exchange)
   k2_fixed_us, k2_epilogue_fixed_us   the k2 / k2_epilogue rows' build, grid and cluster on one
@@ -154,6 +157,15 @@ class DecodeStages:
             # (one shrink spec for both pairs: without quantization planes it has no counter)
             sspec = lora_shrink.launch(self.s_cfg_nq, **shrink_args)
             self.pairs["decode_sq"] = (self.s_cfg_nq, sspec, lq, k2_gemm.launch(lq, **sq_common, **lora_args))
+            # The wide builds (Config.sq_xblocks, perf.md v0.54) where they lower the split, beside
+            # the default ones in the same run whatever EPILORA_K2_SQ_WIDE says.
+            lw, nw = (k2_gemm.sq_wide_applies(cf, n, k, m) for cf in (lq, nq))
+            if nw is not None:
+                self.fixed["k2_sq_wide"] = (nw, k2_gemm.launch(nw, **dict(sq_common, split=k2_gemm.split_for(nw, n, k, m))))
+            if lw is not None:
+                w_common = dict(sq_common, split=k2_gemm.split_for(lw, n, k, m))
+                self.fixed["k2_epilogue_sq_wide"] = (lw, k2_gemm.launch(lw, **w_common, **lora_args))
+                self.pairs["decode_sq_wide"] = (self.s_cfg_nq, sspec, lw, k2_gemm.launch(lw, **w_common, **lora_args))
             # decode_fh: the same K2 computing h too (one launch; its own counters and workspace).
             lf, _ = k2_gemm.select(widths, m, c.rank, fused_h=True)
             self.sync_fh = torch.zeros(2, dtype=torch.int32, device=dev)

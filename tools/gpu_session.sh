@@ -17,7 +17,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, decode, push-tests, push-bench or fh}
+mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, decode, push-tests, push-bench, wide-tests, wide-bench or fh}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -177,6 +177,33 @@ case $mode in
       EPILORA_K2_PUSH=$2 timeout -s KILL 35 compute-sanitizer --tool $1 --report-api-errors no \
         python3 tools/kernel_diag.py "${@:3}" 2>&1 | tail -4 | tee -a "$OUT/tests_push.log"
     done
+    ;;
+  wide-tests)
+    # The wide self-quantizing K2 builds (perf.md v0.54, EPILORA_K2_SQ_WIDE; carry the cache; ~7 min):
+    # their own GPU file, then K2's file with them on (the model shapes at 1 token take them for
+    # gate_up / down; every other case runs the shipped default builds, the push ones), racecheck
+    # of the wide pair at split 1 and 2 (K = 2560: split 1 only runs on the wide build).
+    timeout -s KILL 200 python3 -m pytest -q -m gpu tests/test_k2_wide_gpu.py 2>&1 | tail -4 | tee "$OUT/tests_wide.log"
+    EPILORA_K2_SQ_WIDE=1 timeout -s KILL 290 python3 -m pytest -q -m gpu tests/test_k2_gpu.py 2>&1 | tail -4 \
+      | tee -a "$OUT/tests_wide.log"
+    for s in 1 2; do
+      echo "== racecheck kernel_diag decode_wide $s" | tee -a "$OUT/tests_wide.log"
+      timeout -s KILL 45 compute-sanitizer --tool racecheck --report-api-errors no \
+        python3 tools/kernel_diag.py decode_wide $s 2>&1 | tail -4 | tee -a "$OUT/tests_wide.log"
+    done
+    ;;
+  wide-bench)
+    # After wide-tests (machine warm; ~3 min): the op-level GPU file with the wide builds on, `stages`
+    # at 1 / 2 / 4 / 6 tokens (the default and the wide rows of one run) and the chained layer at 1 / 2 /
+    # 4 tokens with and without them (vLLM's anchors when .devvllm/2 was carried after call A).
+    unpack_vllm
+    EPILORA_K2_SQ_WIDE=1 timeout -s KILL 90 python3 -m pytest -q -m gpu tests/test_lora_linear_gpu.py 2>&1 | tail -3 \
+      | tee "$OUT/tests_ops_wide.log"
+    EPILORA_BENCH_TOKENS=${WIDE_TOKENS:-1,2,4,6} timeout -s KILL 120 python3 tools/bench.py --quick --sections stages \
+      --out "$OUT/st" 2>&1 | tail -2
+    EPILORA_BENCH_TOKENS=${WIDE_LAYER_TOKENS:-1,2,4} EPILORA_BENCH_OURS=no_adapter_chain,decode_sq_chain,decode_sq_wide_chain \
+      timeout -s KILL 120 python3 tools/bench.py --quick --sections layer --out "$OUT/ly" 2>&1 | tail -14
+    (cd "$OUT" && tar czf wide_bench.tgz st ly 2> /dev/null && rm -rf st ly)
     ;;
   push-bench)
     # The push variants beside the builds without them (carry nothing after push-tests; ~1 min):

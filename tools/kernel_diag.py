@@ -5,7 +5,7 @@ or cuda-gdb (a hang or a fault then costs one small process, not a test file).
 
 CASE: k2_nolora (K2 alone, x_q given, no adapter, n_quant 0), shrink (the shrink+quant kernel
 alone), decode (shrink then the self-quantizing K2 with PDL, 3 tokens), decode_xq (shrink+quant
-then the x_q K2), expand (expand_add), k1 (K1 quant+shrink).
+then the x_q K2), decode_wide (decode with the wide self-quantizing K2, K = 2560), expand (expand_add), k1 (K1 quant+shrink).
 Prints "CASE ok" with the maximum error against the reference, after a device synchronize.
 The K2 builds follow EPILORA_K2_PUSH (k2_gemm.push_variant: `maxima`, `partials`, both by default, `none`) like
 the ops do; the K2 build launched is printed.
@@ -51,11 +51,11 @@ def k2_nolora(split: int, M: int = 8, N: int = 256, K: int = 1024) -> float:
     return err.max().item()
 
 
-def _decode_path(M=3, self_quant=True):
+def _decode_path(M=3, self_quant=True, K=1024, wide=None):
     from tests.test_k2_gpu import DecodePath, _tokens, _x
 
-    widths, K = (128, 128, 128), 1024
-    dp = DecodePath(widths, K, 64, 4, M, seed=1, self_quant=self_quant)
+    widths = (128, 128, 128)
+    dp = DecodePath(widths, K, 64, 4, M, seed=1, self_quant=self_quant, wide=wide)
     return dp, _x(M, K, 1), _tokens(M, 3, 1)
 
 
@@ -91,6 +91,17 @@ def decode_xq(split: int) -> float:
     return decode(split, self_quant=False)
 
 
+def decode_wide(split: int) -> float:
+    """decode with the wide self-quantizing K2 (Config.sq_xblocks) on K = 2560: 20 k-blocks, more
+    than a default build's CTA holds, so split 1 runs only this build."""
+    dp, x, tok = _decode_path(K=2560, wide="always")
+    y = dp.run(x, tok, split_k2=split, split_shrink=1)
+    print("k2 build", dp.k_cfg.name(), flush=True)
+    torch.cuda.synchronize()
+    dp.check(x, tok, y)
+    return 0.0
+
+
 def expand(_split: int) -> float:
     from tests import test_expand_add as T
 
@@ -105,7 +116,7 @@ def k1(_split: int) -> float:
     return 0.0
 
 
-CASES = {f.__name__: f for f in (k2_nolora, shrink, decode, decode_xq, expand, k1)}
+CASES = {f.__name__: f for f in (k2_nolora, shrink, decode, decode_xq, decode_wide, expand, k1)}
 
 if __name__ == "__main__":
     case = sys.argv[1]
