@@ -193,16 +193,23 @@ case $mode in
     done
     ;;
   wide-bench)
-    # After wide-tests (machine warm; ~3 min): the op-level GPU file with the wide builds on, `stages`
-    # at 1 / 2 / 4 / 6 tokens (the default and the wide rows of one run) and the chained layer at 1 / 2 /
-    # 4 tokens with and without them (vLLM's anchors when .devvllm/2 was carried after call A).
+    # After wide-tests (carry the cache, and .devvllm/2 after call A for vLLM's anchors; ~7 min):
+    # the wide file's cases other than the model shapes (split-K, codes, repeats), the op-level GPU
+    # file with the wide builds on, racecheck of the wide pair at split 1, `stages` at 1 / 4 tokens
+    # (the default and the wide rows of one run) and the chained layer at 1 / 4 tokens with and
+    # without them.
     unpack_vllm
-    EPILORA_K2_SQ_WIDE=1 timeout -s KILL 90 python3 -m pytest -q -m gpu tests/test_lora_linear_gpu.py 2>&1 | tail -3 \
-      | tee "$OUT/tests_ops_wide.log"
-    EPILORA_BENCH_TOKENS=${WIDE_TOKENS:-1,2,4,6} timeout -s KILL 120 python3 tools/bench.py --quick --sections stages \
+    timeout -s KILL 110 python3 -m pytest -q -m gpu tests/test_k2_wide_gpu.py -k "not model_shapes" 2>&1 | tail -3 \
+      | tee "$OUT/tests_wide2.log"
+    EPILORA_K2_SQ_WIDE=1 timeout -s KILL 80 python3 -m pytest -q -m gpu tests/test_lora_linear_gpu.py 2>&1 | tail -3 \
+      | tee -a "$OUT/tests_wide2.log"
+    echo "== racecheck kernel_diag decode_wide 1" | tee -a "$OUT/tests_wide2.log"
+    timeout -s KILL 100 compute-sanitizer --tool racecheck --report-api-errors no \
+      python3 tools/kernel_diag.py decode_wide 1 2>&1 | tail -4 | tee -a "$OUT/tests_wide2.log"
+    EPILORA_BENCH_TOKENS=${WIDE_TOKENS:-1,4} timeout -s KILL 90 python3 tools/bench.py --quick --sections stages \
       --out "$OUT/st" 2>&1 | tail -2
-    EPILORA_BENCH_TOKENS=${WIDE_LAYER_TOKENS:-1,2,4} EPILORA_BENCH_OURS=no_adapter_chain,decode_sq_chain,decode_sq_wide_chain \
-      timeout -s KILL 120 python3 tools/bench.py --quick --sections layer --out "$OUT/ly" 2>&1 | tail -14
+    EPILORA_BENCH_TOKENS=${WIDE_LAYER_TOKENS:-1,4} EPILORA_BENCH_OURS=no_adapter_chain,decode_sq_chain,decode_sq_wide_chain \
+      timeout -s KILL 90 python3 tools/bench.py --quick --sections layer --out "$OUT/ly" 2>&1 | tail -14
     (cd "$OUT" && tar czf wide_bench.tgz st ly 2> /dev/null && rm -rf st ly)
     ;;
   push-bench)

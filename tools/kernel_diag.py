@@ -5,7 +5,7 @@ or cuda-gdb (a hang or a fault then costs one small process, not a test file).
 
 CASE: k2_nolora (K2 alone, x_q given, no adapter, n_quant 0), shrink (the shrink+quant kernel
 alone), decode (shrink then the self-quantizing K2 with PDL, 3 tokens), decode_xq (shrink+quant
-then the x_q K2), decode_wide (decode with the wide self-quantizing K2, K = 2560), expand (expand_add), k1 (K1 quant+shrink).
+then the x_q K2), decode_wide (decode with the wide self-quantizing K2, K = 2176), expand (expand_add), k1 (K1 quant+shrink).
 Prints "CASE ok" with the maximum error against the reference, after a device synchronize.
 The K2 builds follow EPILORA_K2_PUSH (k2_gemm.push_variant: `maxima`, `partials`, both by default, `none`) like
 the ops do; the K2 build launched is printed.
@@ -92,9 +92,10 @@ def decode_xq(split: int) -> float:
 
 
 def decode_wide(split: int) -> float:
-    """decode with the wide self-quantizing K2 (Config.sq_xblocks) on K = 2560: 20 k-blocks, more
-    than a default build's CTA holds, so split 1 runs only this build."""
-    dp, x, tok = _decode_path(K=2560, wide="always")
+    """decode with the wide self-quantizing K2 (Config.sq_xblocks) on K = 2176: 17 k-blocks, more
+    than a default build's CTA holds, so split 1 runs only this build (K = 2560 did not finish
+    under racecheck in 45 s)."""
+    dp, x, tok = _decode_path(K=2176, wide="always")
     y = dp.run(x, tok, split_k2=split, split_shrink=1)
     print("k2 build", dp.k_cfg.name(), flush=True)
     torch.cuda.synchronize()
