@@ -96,8 +96,8 @@ MAX_CLUSTER = 16
 SQ_UNITS = 8
 # The wide self_quant builds (Config.sq_xblocks): room for SQ_WIDE_KBLOCKS resident k-blocks of
 # x_q, so that at 1..4 tokens a CTA covers K = 4096 alone (gate_up at split 1: one wave of CTAs
-# instead of two, docs/perf.md v0.54). Chosen at run time (EPILORA_K2_SQ_WIDE) where they lower the
-# split; built for the ranks of WIDE_RANKS and the no-adapter K2.
+# instead of two, docs/perf.md v0.54). Chosen at run time (EPILORA_K2_SQ_WIDE, on unless 0) where they
+# lower the split; built for the ranks of WIDE_RANKS and the no-adapter K2.
 SQ_WIDE_KBLOCKS = 32
 # The reduction's few-elements form (at most FEW_RED elements per thread and FEW_RED_SPLITS
 # splits): every split's load of an element in one round (docs/perf.md v0.47).
@@ -1756,7 +1756,9 @@ def push_variant(cfg: "Config | None", push=None) -> "Config | None":
 
 
 SQ_WIDE_ENV = "EPILORA_K2_SQ_WIDE"
-SQ_WIDE_DEFAULT = "0"  # opt-in until the H200 has measured them (docs/perf.md v0.54)
+# On by default since run20 (docs/perf.md v0.54 measured: the chained Qwen3-8B layer at one token
+# 81.4 -> 76.3 us; bitwise the default builds at equal splits); 0 turns them off.
+SQ_WIDE_DEFAULT = "1"
 WIDE_RANKS = (64,)
 
 

@@ -248,11 +248,14 @@ def test_wide_self_quant_builds_split_and_abi(monkeypatch):
     assert [k2_gemm.min_split(w, 4096, m) for m in (1, 4, 5, 8)] == [1, 1, 2, 2]
     assert [k2_gemm.min_split(d, 4096, m) for m in (1, 4, 8)] == [2, 2, 2]
     assert k2_gemm.min_split(w, 4096) == 2  # m unknown: a full tile
-    # Selection: off unless asked for; then only where the split drops.
+    # Selection: on unless turned off (run20); then only where the split drops.
     gate_up, down, qkv = (12288, 12288), (4096,), (4096, 1024, 1024)
     monkeypatch.delenv(k2_gemm.SQ_WIDE_ENV, raising=False)
-    assert k2_gemm.SQ_WIDE_DEFAULT == "0" and not k2_gemm.sq_wide_enabled()
-    assert not k2_gemm.select(gate_up, 1, 64, self_quant=True, k=4096)[0].sq_xblocks
+    assert k2_gemm.SQ_WIDE_DEFAULT == "1" and k2_gemm.sq_wide_enabled()
+    assert k2_gemm.select(gate_up, 1, 64, self_quant=True, k=4096)[0].sq_xblocks
+    for off in ("0", "off", ""):
+        monkeypatch.setenv(k2_gemm.SQ_WIDE_ENV, off)
+        assert not k2_gemm.select(gate_up, 1, 64, self_quant=True, k=4096)[0].sq_xblocks
     monkeypatch.setenv(k2_gemm.SQ_WIDE_ENV, "1")
     for widths, k, ms in ((gate_up, 4096, (1, 2, 3, 4)), (down, 12288, (1, 2, 3, 4, 5, 6))):
         for m in range(1, 9):

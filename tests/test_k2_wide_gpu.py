@@ -93,6 +93,8 @@ def test_wide_model_shapes_against_reference_and_default(shape, M):
     the wide build at the default build's split, bit for bit the default's y."""
     _hopper()
     _, _, _, widths, K = shape
+    if not k2_gemm.self_quant_applies(M, K):  # (the 72B TP = 2 down: K = 14784 is no multiple of 128)
+        pytest.skip(f"the self-quantizing K2 does not take K = {K}")
     if not k2_gemm.select(widths, M, 64, self_quant=True, k=K, wide=True)[0].sq_xblocks:
         pytest.skip(f"the wide build does not lower the split of {shape[2]} at {M} tokens")
     x, tok = _x(M, K, M + 5), _tokens(M, 3, M + 5)
