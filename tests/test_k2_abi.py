@@ -283,3 +283,68 @@ def test_wide_self_quant_builds_split_and_abi(monkeypatch):
         k2_gemm.launch(w, w_q=wq, w_scale=torch.ones(1), x=x, y=y, split=1)
     spec = k2_gemm.launch(w, w_q=wq, w_scale=torch.ones(1), x=x[:4], y=y[:4], split=1)
     assert spec["grid"] == (1, 32, 1) and spec["smem"] == w.smem_bytes()
+
+
+def test_lean_epilogue_builds_abi_and_selection(monkeypatch):
+    """The lean-epilogue builds (Config.lean_epilogue, EPILORA_K2_LEAN_EPILOGUE; docs/perf.md v0.55):
+    the twin of every shipped push build (wide or not) of rank 64 and without adapter, the same
+    parameters and shared memory; selected only where built, off unless asked for."""
+    import dataclasses
+
+    pre = set(k2_gemm.prebuild_configs())
+    lean = k2_gemm.lean_configs()
+    assert lean and set(lean) <= pre
+    for c in lean:
+        base = dataclasses.replace(c, lean_epilogue=False)
+        assert base in pre and k2_gemm.lean_variant(base) == c and c.name() == base.name() + "_le"
+        assert [(p.name, p.size) for p in k2_gemm.params(c)] == [(p.name, p.size) for p in k2_gemm.params(base)]
+        assert c.smem_bytes() == base.smem_bytes() and c.push_partials and c.push_maxima == c.self_quant
+    assert {c.self_quant for c in lean} == {True, False} and any(c.sq_xblocks for c in lean)
+    assert {c.lora for c in lean} == {True, False} and {c.bn for c in lean} == {8, 16, 32}
+    qkv, gate_up = (4096, 1024, 1024), (12288, 12288)
+    monkeypatch.delenv(k2_gemm.LEAN_ENV, raising=False)
+    assert k2_gemm.LEAN_DEFAULT == "0" and not k2_gemm.lean_enabled()
+    assert not k2_gemm.select(qkv, 1, 64, self_quant=True)[0].lean_epilogue
+    monkeypatch.setenv(k2_gemm.LEAN_ENV, "1")
+    for m in (1, 5, 8, 9, 20, 32):
+        for sq in ((True, False) if m <= 8 else (False,)):
+            l, n = k2_gemm.select(qkv, m, 64, self_quant=sq, k=4096)
+            assert l.lean_epilogue and n.lean_epilogue and l in pre and n in pre, (m, sq)
+    assert k2_gemm.select(gate_up, 1, 64, self_quant=True, k=4096)[0] in lean  # the wide twin's
+    assert not k2_gemm.select(qkv, 1, 16, self_quant=True)[0].lean_epilogue  # rank 16: not built
+    assert not k2_gemm.select(qkv, 20, 64, push="")[0].lean_epilogue  # no pushes: not the shipped build
+    assert not k2_gemm.select(qkv, 1, 64, fused_h=True)[0].lean_epilogue
+    assert not k2_gemm.select(qkv, 20, 64, lean=False)[0].lean_epilogue
+    monkeypatch.setenv(k2_gemm.LEAN_ENV, "sometimes")
+    with pytest.raises(ValueError, match=k2_gemm.LEAN_ENV):
+        k2_gemm.select(qkv, 20, 64)
+    with pytest.raises(ValueError, match="lean_epilogue"):
+        k2_gemm.Config(bn=8, lora=True, rank=64, self_quant=True, fused_h=True, lean_epilogue=True)
+
+
+def test_shrink_one_round_builds_and_selection(monkeypatch):
+    """The shrink's one-round h hand-off (lora_shrink.Config.one_round, EPILORA_SHRINK_ONE_ROUND):
+    prebuilt for the decode path's rank-64 builds (with and without the quantization planes),
+    the same parameters and grid; selected only there, off unless asked for."""
+    import dataclasses
+
+    from kernels_dsl import lora_shrink as S
+
+    pre = set(S.prebuild_configs())
+    one = [c for c in pre if c.one_round]
+    assert {(c.bn, c.num_slices, c.quant) for c in one} == (
+        {(bn, ns, True) for bn in (8, 16, 32) for ns in (1, 2, 3)} | {(8, ns, False) for ns in (1, 2, 3)})
+    for c in one:
+        base = dataclasses.replace(c, one_round=False)
+        assert base in pre and c.name() == base.name() + "_1rd"
+        assert [(p.name, p.size) for p in S.params(c)] == [(p.name, p.size) for p in S.params(base)]
+        assert c.smem_bytes() == base.smem_bytes()
+    monkeypatch.delenv(S.ONE_ROUND_ENV, raising=False)
+    assert S.ONE_ROUND_DEFAULT == "0" and not S.select(3, 1, 64).one_round
+    monkeypatch.setenv(S.ONE_ROUND_ENV, "1")
+    for m in (1, 8, 9, 32):
+        assert S.select(3, m, 64).one_round and S.select(3, m, 64) in pre
+    assert S.select(3, 1, 64, quant=False).one_round
+    assert not S.select(3, 1, 16).one_round  # rank 16: not built
+    assert not S.select(3, 1, 64, stages=4).one_round  # the bench's 4-stage experiment
+    assert not S.select(3, 1, 64, one_round=False).one_round

@@ -5,7 +5,7 @@ or cuda-gdb (a hang or a fault then costs one small process, not a test file).
 
 CASE: k2_nolora (K2 alone, x_q given, no adapter, n_quant 0), shrink (the shrink+quant kernel
 alone), decode (shrink then the self-quantizing K2 with PDL, 3 tokens), decode_xq (shrink+quant
-then the x_q K2), decode_wide (decode with the wide self-quantizing K2, K = 2176), expand (expand_add), k1 (K1 quant+shrink).
+then the x_q K2), decode_split2 (decode with the shrink split as K2), decode_wide (decode with the wide self-quantizing K2, K = 2176), expand (expand_add), k1 (K1 quant+shrink).
 Prints "CASE ok" with the maximum error against the reference, after a device synchronize.
 The K2 builds follow EPILORA_K2_PUSH (k2_gemm.push_variant: `maxima`, `partials`, both by default, `none`) like
 the ops do; the K2 build launched is printed.
@@ -78,9 +78,9 @@ def shrink(split: int) -> float:
     return (dp.x_scale - sx.reshape(-1)).abs().max().item()
 
 
-def decode(split: int, self_quant: bool = True) -> float:
+def decode(split: int, self_quant: bool = True, split_shrink: int = 1) -> float:
     dp, x, tok = _decode_path(self_quant=self_quant)
-    y = dp.run(x, tok, split_k2=split, split_shrink=1)
+    y = dp.run(x, tok, split_k2=split, split_shrink=split_shrink)
     print("k2 build", dp.k_cfg.name(), flush=True)
     torch.cuda.synchronize()
     dp.check(x, tok, y)
@@ -89,6 +89,11 @@ def decode(split: int, self_quant: bool = True) -> float:
 
 def decode_xq(split: int) -> float:
     return decode(split, self_quant=False)
+
+
+def decode_split2(split: int) -> float:
+    """decode with the shrink split too (its cluster reduction, the h hand-off, under racecheck)."""
+    return decode(split, split_shrink=split)
 
 
 def decode_wide(split: int) -> float:
@@ -117,7 +122,7 @@ def k1(_split: int) -> float:
     return 0.0
 
 
-CASES = {f.__name__: f for f in (k2_nolora, shrink, decode, decode_xq, decode_wide, expand, k1)}
+CASES = {f.__name__: f for f in (k2_nolora, shrink, decode, decode_xq, decode_split2, decode_wide, expand, k1)}
 
 if __name__ == "__main__":
     case = sys.argv[1]
