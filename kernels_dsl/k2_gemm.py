@@ -180,12 +180,6 @@ class Config:
     # More (SQ_WIDE_KBLOCKS) lets a batch of fewer tokens take a longer K range per CTA: the
     # register bound is on M x k-blocks (SQ_UNITS), checked per launch (min_split with M).
     sq_xblocks: int = 0
-    # The epilogue's serial path shortened (opt-in until the H200 has compared it bit for bit,
-    # EPILORA_K2_LEAN_EPILOGUE; docs/perf.md v0.55): the weight scale s_w is loaded before the main
-    # loop (it was a global round trip between the adapter's WGMMAs, or the main loop, and the
-    # partials), and a rank chunk the slot fills takes its k16 WGMMA steps without a branch each.
-    # The same values in the same order: y bit for bit the build without it.
-    lean_epilogue: bool = False
 
     def __post_init__(self):
         if (self.bm + RED_PAD) * self.bn * 4 > self.bm * self.bk * self.stages:
@@ -212,8 +206,6 @@ class Config:
             raise ValueError("the push variants are not built for fused_h")
         if self.push_partials and self.sq_rowmax:
             raise ValueError("push_partials is not built for sq_rowmax")
-        if self.lean_epilogue and (self.fused_h or self.sq_rowmax or self.trace or self.early):
-            raise ValueError("lean_epilogue is not built for fused_h / sq_rowmax / trace / early builds")
         if self.sq_xblocks and not (self.self_quant and not self.sq_rowmax and not self.fused_h
                                     and 128 // self.bn < self.sq_xblocks <= SQ_WIDE_KBLOCKS):
             raise ValueError(f"sq_xblocks is a variant of the self_quant builds (not sq_rowmax / fused_h), "
@@ -251,8 +243,7 @@ class Config:
                 + ("_sq" if self.self_quant else "") + ("_rowmax" if self.sq_rowmax else "")
                 + ("_fh" if self.fused_h else "")
                 + ("_pm" if self.push_maxima else "") + ("_pp" if self.push_partials else "")
-                + (f"_x{self.sq_xblocks}" if self.sq_xblocks else "") + ("_le" if self.lean_epilogue else "")
-                + ("_trace" if self.trace else ""))
+                + (f"_x{self.sq_xblocks}" if self.sq_xblocks else "") + ("_trace" if self.trace else ""))
 
     @property
     def consumer_regs(self) -> int:
@@ -650,9 +641,6 @@ if cute is not None:
                 # ===================================== consumer ====================================
                 cute.arch.setmaxregister_increase(cfg.consumer_regs)
                 ctid = tidx - 128
-                if cutlass.const_expr(cfg.lean_epilogue):
-                    # Its round trip now overlaps the main loop (a register held through it).
-                    s_w = mSw[0]
                 thr_mma = tiled_mma.get_slice(ctid)
                 tCsW = thr_mma.partition_A(sW)
                 tCsX = thr_mma.partition_B(sX)
@@ -724,8 +712,7 @@ if cute is not None:
                                         mH, sl, M, split, nsplit)
 
                 # partial = acc * s_x[token] * s_w (+ adapter), into this CTA's reduction buffer.
-                if cutlass.const_expr(not cfg.lean_epilogue):
-                    s_w = mSw[0]
+                s_w = mSw[0]
                 if cutlass.const_expr(not cfg.self_quant):
                     cute.arch.mbarrier_wait(sx_ready, 0)
                 # s_x read for every element first (j < bn: inside sSx), the token mask a select:
@@ -1371,14 +1358,6 @@ if cute is not None:
                         hv[u] = hv[u] + v
 
         @cute.jit
-        def _lora_steps(self, tiled_mma_l, acc_l, tLrB, tLrH, b, n_kk: cutlass.Constexpr, n_steps):
-            """The adapter WGMMA's k16 steps up to the chunk's effective rank (the steps past it
-            would multiply zeros)."""
-            for kk in cutlass.range_constexpr(n_kk):
-                if kk < n_steps:
-                    cute.gemm(tiled_mma_l, acc_l, tLrB[(None, None, kk, b)], tLrH[(None, None, kk, 0)], acc_l)
-
-        @cute.jit
         def _lora_epilogue(self, ctid, acc_l, tiled_mma_l, st, sB_layout, sH_layout, bfull, bempty,
                            mH, sl, M, split, nsplit):
             """Consumer: acc_l += B_chunk . hmask^T for this CTA's items, in the table's order."""
@@ -1433,17 +1412,10 @@ if cute is not None:
                             # k16 steps past the slot's effective rank multiply zeros: skip them.
                             n_steps = (cutlass.min(rg - c * RC, RC) + 15) // 16
                             cute.nvgpu.warpgroup.fence()
-                            if cutlass.const_expr(cfg.lean_epilogue):
-                                if n_steps == n_kk:
-                                    # A full chunk (the slot's rank fills it): the steps back to back,
-                                    # no branch and no wgmma fence between them.
-                                    for kk in cutlass.range_constexpr(n_kk):
-                                        cute.gemm(tiled_mma_l, acc_l, tLrB[(None, None, kk, b)],
-                                                  tLrH[(None, None, kk, 0)], acc_l)
-                                else:
-                                    self._lora_steps(tiled_mma_l, acc_l, tLrB, tLrH, b, n_kk, n_steps)
-                            else:
-                                self._lora_steps(tiled_mma_l, acc_l, tLrB, tLrH, b, n_kk, n_steps)
+                            for kk in cutlass.range_constexpr(n_kk):
+                                if kk < n_steps:
+                                    cute.gemm(tiled_mma_l, acc_l, tLrB[(None, None, kk, b)],
+                                              tLrH[(None, None, kk, 0)], acc_l)
                             cute.nvgpu.warpgroup.commit_group()
                             cute.nvgpu.warpgroup.wait_group(0)
                             cute.arch.mbarrier_arrive(bempty + b)
@@ -1835,37 +1807,6 @@ def _wide_or(cfg: Config | None, n_out: int, m: int, k: int) -> Config | None:
     return None if cfg is None else (sq_wide_applies(cfg, n_out, k, m) or cfg)
 
 
-LEAN_ENV = "EPILORA_K2_LEAN_EPILOGUE"
-# Off until the H200 has compared the lean builds bit for bit with the shipped ones (v0.55).
-LEAN_DEFAULT = "0"
-
-
-def lean_enabled(value: str | None = None) -> bool:
-    """Whether the lean-epilogue builds are asked for: `value`, or EPILORA_K2_LEAN_EPILOGUE when None
-    (1: yes; 0 / empty: no; unset: LEAN_DEFAULT)."""
-    return _parse_flag(os.environ.get(LEAN_ENV, LEAN_DEFAULT) if value is None else value, LEAN_ENV)
-
-
-@functools.lru_cache(maxsize=1024)
-def lean_variant(cfg: "Config | None") -> "Config | None":
-    """`cfg` with Config.lean_epilogue where it is built: the shipped decode builds (the push
-    combination PUSH_DEFAULT, wide or not) of rank 64 and without adapter; otherwise `cfg`."""
-    if cfg is None or cfg.lean_epilogue:
-        return cfg
-    shipped = cfg.push_partials and cfg.push_maxima == cfg.self_quant
-    if not shipped or cfg.fused_h or cfg.sq_rowmax or cfg.trace or cfg.early or (cfg.lora and cfg.rank not in PUSH_RANKS):
-        return cfg
-    c = dataclasses.replace(cfg, lean_epilogue=True)
-    return c if c.fits_ctas() else cfg
-
-
-def lean_configs() -> list[Config]:
-    """The prebuilt lean-epilogue builds: the lean twin of every shipped push build (wide or not)."""
-    out = {lean_variant(c) for c in push_configs() + wide_configs()}
-    return sorted((c for c in out if c.lean_epilogue),
-                  key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.self_quant, c.sq_xblocks))
-
-
 def wide_configs() -> list[Config]:
     """The prebuilt wide self_quant builds: the twin of every default self_quant build of rank 64
     and without adapter, with each push combination (the builds select() may return with
@@ -1898,8 +1839,7 @@ def push_configs() -> list[Config]:
 
 
 def select(widths, m: int, rank: int | None = None, ctas: int | None = None, stages: int | None = None,
-           self_quant: bool = False, fused_h: bool = False, push=None, k: int | None = None, wide=None,
-           lean=None):
+           self_quant: bool = False, fused_h: bool = False, push=None, k: int | None = None, wide=None):
     """(adapter config or None, no-adapter config) for a projection with these slice widths.
 
     ctas / stages ask for an experimental build that tools/bench_stages.py times against the
@@ -1910,8 +1850,7 @@ def select(widths, m: int, rank: int | None = None, ctas: int | None = None, sta
     (push_variant; None reads EPILORA_K2_PUSH, "" asks for none) of the default builds.
     k, wide: with self_quant and K given, the wide builds (Config.sq_xblocks) where they let m
     tokens of K run at a smaller split than the default builds (sq_wide_applies; wide None reads
-    EPILORA_K2_SQ_WIDE). Callers then take the split from split_for(cfg, n, k, m). lean: the
-    lean-epilogue twins (lean_variant) of the shipped builds (None reads EPILORA_K2_LEAN_EPILOGUE).
+    EPILORA_K2_SQ_WIDE). Callers then take the split from split_for(cfg, n, k, m).
     The ops call this once per decode launch: the answer is a pure function of the arguments and
     the environment's names, so it is cached on them (a few hundred keys at most)."""
     names = push_flags(push) if push is None or isinstance(push, str) else tuple(push)
@@ -1919,10 +1858,7 @@ def select(widths, m: int, rank: int | None = None, ctas: int | None = None, sta
     wm = None  # the wide builds' key: (tokens, K) where they are asked for
     if self_quant and not fused_h and k is not None and (sq_wide_enabled() if wide is None else wide):
         wm = (min(m, bn), k)
-    pair = _select(tuple(widths), bn, rank, ctas, stages, self_quant, fused_h, names, wm)
-    if lean_enabled() if lean is None else lean:
-        pair = (lean_variant(pair[0]), lean_variant(pair[1]))
-    return pair
+    return _select(tuple(widths), bn, rank, ctas, stages, self_quant, fused_h, names, wm)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -2038,9 +1974,8 @@ def prebuild_configs() -> list[Config]:
     cfgs.update(rowmax_configs())
     cfgs.update(push_configs())
     cfgs.update(wide_configs())
-    cfgs.update(lean_configs())
     return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank, c.ctas, c.stages, c.trace,
-                                       c.fused_h, c.push_maxima, c.push_partials, c.sq_xblocks, c.lean_epilogue))
+                                       c.fused_h, c.push_maxima, c.push_partials, c.sq_xblocks))
 
 
 def early_configs() -> list[Config]:

@@ -39,7 +39,6 @@ tail. Rules (a no-op wait when launched without PDL):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -71,10 +70,6 @@ TRACE_SLOTS = 8
 TRACE_SHRINK = ("start", "waited", "published_or_mainloop_done", "h_stored", "q_amax_cta", "q_amax_row",
                 "q_codes_stored", "q_before_fence")
 MAX_CLUSTER = 16  # the largest split-K cluster a launch may use (non-portable above 8)
-# one_round builds: the reduction in one round of loads when a thread owns at most FEW_RED elements
-# and the cluster has at most FEW_RED_SPLITS CTAs (decode: 1..32 tokens at the chosen splits).
-FEW_RED = 2
-FEW_RED_SPLITS = 8
 QV = 8  # 16-byte vectors of x per thread in flight at once in the quantization planes
 DEBUG_PRINT = False
 
@@ -94,12 +89,6 @@ class Config:
     stages: int = 4
     quant: bool = True
     trace: bool = False  # timeline stamps (%globaltimer) into an extra int64 [CTAs, 8] argument
-    # The h hand-off (opt-in until the H200 has compared it bit for bit, EPILORA_SHRINK_ONE_ROUND):
-    # the split-K reduction loads every split's partial of an element in one round of DSMEM loads
-    # (unconditional, the slot's test applied at the store) instead of one round trip per split
-    # under the slot's branch, and the last cluster barrier arrives relaxed. The same sums in the
-    # same order: h bit for bit the default build's (docs/perf.md v0.55).
-    one_round: bool = False
 
     def __post_init__(self):
         if self.bn not in (8, 16, 32):
@@ -119,7 +108,7 @@ class Config:
 
     def name(self) -> str:
         return (f"bn{self.bn}_r{self.rank}_s{self.num_slices}_bk{self.bk}_st{self.stages}" + ("" if self.quant else "_noq")
-                + ("_1rd" if self.one_round else "") + ("_trace" if self.trace else ""))
+                + ("_trace" if self.trace else ""))
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -410,50 +399,19 @@ if cute is not None:
                     base = sRed.iterator.toint()
                     vals = cute.make_rmem_tensor((RU,), cutlass.Float32)
                     vals.fill(0.0)
-                    one_round = False
-                    if cutlass.const_expr(cfg.one_round):
-                        one_round = (hi - lo + THREADS - 1) // THREADS <= FEW_RED and nsplit <= FEW_RED_SPLITS
-                    if one_round:
-                        # Decode's few elements per thread: every split's partial of an element in
-                        # one round of loads, then their sum in the order 0..S-1 as below (+0.0 past
-                        # S leaves a sum that starts at +0.0 as it is). The loop below is a runtime
-                        # loop over the splits, each load's add before the next load: one DSMEM
-                        # round trip per split, 8 in a row at split 8, the tail K2's epilogue
-                        # waits for (docs/perf.md v0.55).
-                        for u in cutlass.range_constexpr(min(RU, FEW_RED)):
+                    for q in cutlass.range(nsplit, unroll=1):
+                        for u in cutlass.range_constexpr(RU):
+                            e = lo + tidx + THREADS * u
                             if toks[u] == lid:
-                                e = lo + tidx + THREADS * u
                                 j = e // rows
-                                addr = base + (e - j * rows + j * (64 + RED_PAD)) * 4
-                                parts = cute.make_rmem_tensor((FEW_RED_SPLITS,), cutlass.Float32)
-                                for q in cutlass.range_constexpr(FEW_RED_SPLITS):
-                                    parts[q] = cutlass.Float32(0.0)
-                                    if q < nsplit:
-                                        parts[q] = D.ld_dsmem_f32(addr, q)
-                                for q in cutlass.range_constexpr(FEW_RED_SPLITS):
-                                    vals[u] = vals[u] + parts[q]
-                    else:
-                        for q in cutlass.range(nsplit, unroll=1):
-                            for u in cutlass.range_constexpr(RU):
-                                e = lo + tidx + THREADS * u
-                                if toks[u] == lid:
-                                    j = e // rows
-                                    vals[u] = vals[u] + D.ld_dsmem_f32(base + (e - j * rows + j * (64 + RED_PAD)) * 4, q)
+                                vals[u] = vals[u] + D.ld_dsmem_f32(base + (e - j * rows + j * (64 + RED_PAD)) * 4, q)
                     for u in cutlass.range_constexpr(RU):
                         e = lo + tidx + THREADS * u
                         if toks[u] == lid:
                             j = e // rows
                             mH[sl, j, c * 64 + e - j * rows] = vals[u]
                     self._stamp(trace_row, 3, tidx)
-                    # Keep this CTA's smem alive until every CTA of the cluster has read it.
-                    if cutlass.const_expr(cfg.one_round):
-                        # Relaxed: nothing is published here (the DSMEM loads have returned: their
-                        # values are in the h stores above; K2 sees h through this grid's
-                        # completion), and a release arrive is MEMBAR.ALL.GPU, which waits for the
-                        # h stores' acknowledgements first.
-                        cute.arch.cluster_arrive_relaxed()
-                    else:
-                        cute.arch.cluster_arrive()
+                    cute.arch.cluster_arrive()
                     cute.arch.cluster_wait()
 
         @cute.jit
@@ -665,30 +623,11 @@ def quant_planes(m: int, per_plane: int) -> int:
 STAGES = 8
 
 
-# The one-round h hand-off (Config.one_round) is chosen at run time: EPILORA_SHRINK_ONE_ROUND=1 asks
-# for it (unset: ONE_ROUND_DEFAULT). Built for the decode path's rank-64 builds (ONE_ROUND_RANKS,
-# the prebuilt set); other ranks keep the default build.
-ONE_ROUND_ENV = "EPILORA_SHRINK_ONE_ROUND"
-ONE_ROUND_DEFAULT = "0"
-ONE_ROUND_RANKS = (64,)
-
-
-def one_round_enabled(value: str | None = None) -> bool:
-    """Whether the one-round builds are asked for: `value`, or EPILORA_SHRINK_ONE_ROUND when None."""
-    from .k2_gemm import _parse_flag
-
-    return _parse_flag(os.environ.get(ONE_ROUND_ENV, ONE_ROUND_DEFAULT) if value is None else value, ONE_ROUND_ENV)
-
-
-def select(num_slices: int, m: int, rank: int, stages: int = STAGES, quant: bool = True,
-           one_round: bool | None = None) -> Config:
-    """The decode path's build; quant=False beside a self-quantizing K2. one_round: the one-round
-    hand-off where it is built (None reads EPILORA_SHRINK_ONE_ROUND)."""
+def select(num_slices: int, m: int, rank: int, stages: int = STAGES, quant: bool = True) -> Config:
+    """The decode path's build; quant=False beside a self-quantizing K2."""
     from .k2_gemm import token_tile
 
-    want = one_round_enabled() if one_round is None else one_round
-    return Config(bn=token_tile(m), rank=rank, num_slices=num_slices, stages=stages, quant=quant,
-                  one_round=want and rank in ONE_ROUND_RANKS and stages == STAGES)
+    return Config(bn=token_tile(m), rank=rank, num_slices=num_slices, stages=stages, quant=quant)
 
 
 def choose_split(k: int, num_slices: int, rank: int, groups: int, bk: int = 64, sms: int = 132,
@@ -725,10 +664,6 @@ def prebuild_configs() -> list[Config]:
     # former 4-stage build.
     cfgs += [Config(bn=bn, rank=64, num_slices=ns, stages=st, quant=q) for ns in (1, 2, 3)
              for bn in TOKEN_TILES for st, q in ((STAGES, False), (4, True))]
-    # The one-round hand-off (select(..., one_round=True)): the decode path's rank-64 builds.
-    cfgs += [Config(bn=bn, rank=r, num_slices=ns, stages=STAGES, quant=q, one_round=True) for ns in (1, 2, 3)
-             for bn in TOKEN_TILES for r in ONE_ROUND_RANKS for q in (True, False)
-             if q or bn in SELF_QUANT_TILES]
     return list(dict.fromkeys(cfgs + trace_configs()))
 
 

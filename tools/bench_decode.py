@@ -102,7 +102,6 @@ class VllmPath:
 OUR_PATHS: dict[str, object] = {}
 
 
-TAIL_ENV = {"EPILORA_K2_LEAN_EPILOGUE": "1", "EPILORA_SHRINK_ONE_ROUND": "1"}
 # Which of our paths to time (EPILORA_BENCH_OURS, comma-separated; default all of them):
 # name -> (path, pdl, chain_pdl[, environment the launches run under]).
 OUR_PATH_ARGS = {"no_adapter": ("no_adapter", True, False), "decode": ("decode", True, False),
@@ -112,14 +111,7 @@ OUR_PATH_ARGS = {"no_adapter": ("no_adapter", True, False), "decode": ("decode",
                  "decode_fh": ("decode_fh", True, False), "decode_fh_chain": ("decode_fh", True, True),
                  # decode_sq with the wide self-quantizing builds (perf.md v0.54), whatever the
                  # process's EPILORA_K2_SQ_WIDE says
-                 "decode_sq_wide_chain": ("decode_sq", True, True, {"EPILORA_K2_SQ_WIDE": "1"}),
-                 # the decode pair's shortened tails (perf.md v0.55): K2's lean epilogue and the
-                 # shrink's one-round h hand-off, together and each alone, and the lean no-adapter K2
-                 "decode_sq_tail_chain": ("decode_sq", True, True, TAIL_ENV),
-                 "decode_sq_lean_chain": ("decode_sq", True, True, {"EPILORA_K2_LEAN_EPILOGUE": "1"}),
-                 "decode_sq_1rd_chain": ("decode_sq", True, True, {"EPILORA_SHRINK_ONE_ROUND": "1"}),
-                 "decode_tail_chain": ("decode", True, True, TAIL_ENV),
-                 "no_adapter_lean_chain": ("no_adapter", True, True, {"EPILORA_K2_LEAN_EPILOGUE": "1"})}
+                 "decode_sq_wide_chain": ("decode_sq", True, True, {"EPILORA_K2_SQ_WIDE": "1"})}
 
 
 def _under_env(env: dict, fn):

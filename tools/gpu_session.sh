@@ -17,7 +17,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, decode, push-tests, push-bench, wide-tests, wide-bench, tail-tests, tail-bench or fh}
+mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, decode, push-tests, push-bench, wide-tests, wide-bench or fh}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -211,30 +211,6 @@ case $mode in
     EPILORA_BENCH_TOKENS=${WIDE_LAYER_TOKENS:-1,4} EPILORA_BENCH_OURS=no_adapter_chain,decode_sq_chain,decode_sq_wide_chain \
       timeout -s KILL 90 python3 tools/bench.py --quick --sections layer --out "$OUT/ly" 2>&1 | tail -14
     (cd "$OUT" && tar czf wide_bench.tgz st ly 2> /dev/null && rm -rf st ly)
-    ;;
-  tail-tests)
-    # The decode pair's shortened tails (perf.md v0.55: K2's lean epilogue, the shrink's one-round h
-    # hand-off; carry the cache; ~8 min): their GPU file (bitwise the shipped builds), the op-level
-    # GPU file with both on, racecheck of a pair with both on and both splits 2 (self-quantizing and
-    # x_q K2).
-    timeout -s KILL 300 python3 -m pytest -q -m gpu tests/test_decode_tail_gpu.py 2>&1 | tail -4 \
-      | tee "$OUT/tests_tail.log"
-    EPILORA_K2_LEAN_EPILOGUE=1 EPILORA_SHRINK_ONE_ROUND=1 timeout -s KILL 90 python3 -m pytest -q -m gpu \
-      tests/test_lora_linear_gpu.py -k "not prefill" 2>&1 | tail -3 | tee -a "$OUT/tests_tail.log"
-    for c in "decode_split2 2" "decode_xq 2"; do
-      echo "== racecheck kernel_diag $c (lean, one round)" | tee -a "$OUT/tests_tail.log"
-      EPILORA_K2_LEAN_EPILOGUE=1 EPILORA_SHRINK_ONE_ROUND=1 timeout -s KILL 50 compute-sanitizer --tool racecheck \
-        --report-api-errors no python3 tools/kernel_diag.py $c 2>&1 | tail -3 | tee -a "$OUT/tests_tail.log"
-    done
-    ;;
-  tail-bench)
-    # After tail-tests (carry the cache, and .devvllm/2 after call A for vLLM's anchors; ~5 min): the
-    # chained layer with and without the tails (together and each alone), vLLM's paths beside.
-    unpack_vllm
-    EPILORA_BENCH_TOKENS=${TAIL_LAYER_TOKENS:-1,4,8,16,32} \
-      EPILORA_BENCH_OURS=${TAIL_OURS:-no_adapter_chain,no_adapter_lean_chain,decode_chain,decode_tail_chain,decode_sq_chain,decode_sq_tail_chain,decode_sq_lean_chain,decode_sq_1rd_chain} \
-      timeout -s KILL 240 python3 tools/bench.py --quick --sections layer --out "$OUT/ly" 2>&1 | tail -14
-    (cd "$OUT" && [[ -d ly ]] && tar czf tail_layer.tgz ly && rm -rf ly)
     ;;
   push-bench)
     # The push variants beside the builds without them (carry nothing after push-tests; ~1 min):
