@@ -58,8 +58,9 @@ def vcfg():
             init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                          distributed_init_method=f"file://{tempfile.mkstemp()[1]}")
             initialize_model_parallel(1, 1)
-    # Layers only read the model dtype (and MoE-ness) from the model config.
-    object.__setattr__(cfg, "model_config", types.SimpleNamespace(dtype=BF16, is_moe=False))
+    # Layers only read the model dtype (and MoE-ness; the logits processor its head dtype) from the
+    # model config.
+    object.__setattr__(cfg, "model_config", types.SimpleNamespace(dtype=BF16, is_moe=False, head_dtype=None))
     _cpu_scaled_fp8_quant()
     return cfg
 
@@ -759,3 +760,109 @@ def test_layers_chain_except_right_after_preparing_the_metadata(vcfg, plugin_on,
     follower.apply(x)
     follower.apply(x[:3])
     assert seen == [False, True, False]
+
+
+# ----------------------------------------------------------------------------- lm_head LoRA
+
+VOCAB = 256
+
+
+def _lm_head_wrapper(vcfg):
+    """vLLM's logits processor + lm_head, wrapped by the model manager's builder (hooked when the
+    plugin is on), with vLLM's CPU punica wrapper mapped one adapter per token."""
+    import vllm.lora.model_manager as mm
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    with set_current_vllm_config(vcfg):
+        head = ParallelLMHead(VOCAB, K, params_dtype=BF16)
+        with torch.no_grad():
+            head.weight.copy_((torch.randn(head.weight.shape) * 0.2).to(BF16))
+        head.cpu_linear = torch.nn.functional.linear  # what vLLM's CPU weight post-processing sets
+        wrapper = mm.from_layer_logits_processor(LogitsProcessor(VOCAB), head, MAX_LORAS, _lora_config(), None)
+    return wrapper, head
+
+
+class _Spy:
+    """A punica wrapper whose add_lora_logits counts its calls (the rest is vLLM's)."""
+
+    def __init__(self, pw):
+        self.pw, self.calls = pw, 0
+
+    def add_lora_logits(self, *args, **kwargs):
+        self.calls += 1
+        return self.pw.add_lora_logits(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.pw, name)
+
+
+def test_lm_head_lora_adopted_and_skipped_while_no_slot_has_weights(vcfg, plugin_on):
+    """Installed, the model manager's lm_head wrapper is ours: while no slot holds lm_head weights
+    (every B zero) the logits are the base layer's without vLLM's shrink / expand call; once a
+    slot is filled, vLLM's own computation, equal to the stock class's; empty again after
+    reset_lora."""
+    import vllm.lora.layers as vl
+
+    from vllm_adapter import logits
+
+    wrapper, head = _lm_head_wrapper(vcfg)
+    assert type(wrapper).__name__ == "EpiLoRALogitsProcessorWithLoRA"
+    assert isinstance(wrapper, vl.LogitsProcessorWithLoRA) and logits.hook_problem(vl.LogitsProcessorWithLoRA) is None
+    stock, _ = _lm_head_wrapper(vcfg)
+    stock.__class__ = vl.LogitsProcessorWithLoRA  # the same buffers' math through vLLM's class
+    pw = _punica(wrapper, [1, 2, 0, 1])
+    spy = _Spy(pw)
+    wrapper.set_mapping(spy)
+    stock.set_mapping(pw)
+    x = (torch.randn(4, K) * 0.5).to(BF16)
+    base = wrapper._get_logits(x, head)
+    assert spy.calls == 0 and wrapper.punica_wrapper is spy  # skipped, and the wrapper put back
+    stock.lora_b_stacked.copy_(wrapper.lora_b_stacked)
+    torch.testing.assert_close(base, stock._get_logits(x, head), rtol=0, atol=0)
+    # An adapter with lm_head weights in slot 1: vLLM's path, the delta added.
+    a = (torch.randn(RANK, K) * 0.2).to(BF16)
+    b = (torch.randn(VOCAB, RANK) * 0.2).to(BF16)
+    for m in (wrapper, stock):
+        m.set_lora(1, a, b)
+    with_delta = wrapper._get_logits(x, head)
+    assert spy.calls == 1
+    torch.testing.assert_close(with_delta, stock._get_logits(x, head), rtol=0, atol=0)
+    assert not torch.equal(with_delta, base)
+    # Slot 1 taken by an adapter without lm_head weights (vLLM resets the slot): skipped again.
+    wrapper.reset_lora(1)
+    torch.testing.assert_close(wrapper._get_logits(x, head), base, rtol=0, atol=0)
+    assert spy.calls == 1
+
+
+def test_lm_head_lora_stays_vllms_when_asked_or_unknown(vcfg, plugin_on, monkeypatch, log):
+    import vllm.lora.layers as vl
+
+    from vllm_adapter import logits
+
+    monkeypatch.setenv(logits.ENV_SKIP, "0")
+    wrapper, _ = _lm_head_wrapper(vcfg)
+    assert type(wrapper) is vl.LogitsProcessorWithLoRA
+    monkeypatch.delenv(logits.ENV_SKIP)
+
+    class Other(vl.LogitsProcessorWithLoRA):
+        def _get_logits(self, *args, **kwargs):  # a layout this module does not know
+            return None
+
+    assert logits.hook_problem(Other) is not None
+    module = Other.__new__(Other)
+    assert logits.adopt(module) is module and type(module) is Other
+    assert any("lm_head LoRA stays on vLLM's Other" in r.getMessage() for r in log)
+
+
+def test_unregister_restores_the_lm_head_builder(vcfg):
+    import vllm.lora.model_manager as mm
+
+    from vllm_adapter import plugin
+
+    before = mm.from_layer_logits_processor
+    assert plugin.register() is True
+    assert mm.from_layer_logits_processor is not before
+    plugin.unregister()
+    assert mm.from_layer_logits_processor is before

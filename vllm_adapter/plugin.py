@@ -6,8 +6,10 @@ exceptions from plugins, so ``register()`` never raises: on any problem it logs 
 unchanged. Installed means on; ``EPILORA_DISABLE=1`` turns it off.
 
 What it changes: our LoRA linear subclasses go in front of ``vllm.lora.utils._all_lora_classes``
-(the tuple ``from_layer`` walks) and the custom op is registered. Nothing in vLLM's source is
-patched; ``unregister()`` restores the tuple (tests).
+(the tuple ``from_layer`` walks), ``vllm.lora.model_manager.from_layer_logits_processor`` (how
+vLLM builds its lm_head LoRA wrapper) hands its result to ``logits.adopt`` (no lm_head delta while
+no resident adapter has lm_head weights), and the custom op is registered. Nothing in vLLM's
+source is patched; ``unregister()`` restores both names (tests).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class _State:
     registered = False
     original: tuple | None = None  # vLLM's tuple before ours
     classes: tuple = ()
+    logits_builder = None  # vLLM's from_layer_logits_processor, where ours wraps it
 
 
 def is_registered() -> bool:
@@ -65,6 +68,7 @@ def _install() -> None:
         raise RuntimeError("none of the expected LoRA linear classes found in vllm.lora.layers")
     lora_utils._all_lora_classes = classes + stock
     _State.original, _State.classes, _State.registered = current, classes, True
+    _install_logits_hook()
     # A serving engine: settle every token bucket at a projection's first call (vLLM's profile
     # run), not on a request's first contact with a batch size (epilora_cute/bucket_warmup.py).
     from epilora_cute import bucket_warmup
@@ -72,14 +76,40 @@ def _install() -> None:
     bucket_warmup.enable_by_default()
 
 
+def _install_logits_hook() -> None:
+    """vLLM's model manager builds the lm_head wrapper with its module-level name
+    from_layer_logits_processor: wrap that name so the result goes through logits.adopt. Optional:
+    without the name (another vLLM layout) the lm_head wrapper stays vLLM's, said in one line."""
+    try:
+        import vllm.lora.model_manager as model_manager
+    except Exception as e:
+        logger.info("lm_head LoRA stays on vLLM's wrapper: vllm.lora.model_manager (%s: %s)", type(e).__name__, e)
+        return
+    build = getattr(model_manager, "from_layer_logits_processor", None)
+    if not callable(build):
+        logger.info("lm_head LoRA stays on vLLM's wrapper: no vllm.lora.model_manager.from_layer_logits_processor")
+        return
+    from . import logits
+
+    def from_layer_logits_processor(*args, **kwargs):
+        return logits.adopt(build(*args, **kwargs))
+
+    model_manager.from_layer_logits_processor = from_layer_logits_processor
+    _State.logits_builder = build
+
+
 def unregister() -> None:
-    """Put vLLM's tuple back (tests; a process that wants stock behaviour again)."""
+    """Put vLLM's tuple and lm_head builder back (tests; a process that wants stock behaviour again)."""
     if not _State.registered:
         return
     import vllm.lora.utils as lora_utils
 
     lora_utils._all_lora_classes = _State.original
-    _State.original, _State.classes, _State.registered = None, (), False
+    if _State.logits_builder is not None:
+        import vllm.lora.model_manager as model_manager
+
+        model_manager.from_layer_logits_processor = _State.logits_builder
+    _State.original, _State.classes, _State.registered, _State.logits_builder = None, (), False, None
     from epilora_cute import bucket_warmup
 
     bucket_warmup.enable_by_default(False)
