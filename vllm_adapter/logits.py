@@ -107,4 +107,6 @@ def adopt(module):
         logger.info("lm_head LoRA stays on vLLM's %s: %s", stock_cls.__name__, problem)
         return module
     module.__class__ = epi_class(stock_cls)
+    logger.info("lm_head LoRA: %s (vLLM's %s; no lm_head delta while no resident adapter has lm_head "
+                "weights)", module.__class__.__name__, stock_cls.__name__)
     return module
