@@ -264,12 +264,17 @@ def test_plugin_log_summary():
         "INFO vllm.epilora: EpiLoRA: model.layers.0.mlp.gate_up_proj stays on vLLM's MergedColumnParallelLinearWithLoRA: "
         "block-scaled FP8 weights (block [128, 128])",
         "INFO vllm.epilora: EpiLoRA: model.layers.1.self_attn.o_proj computes with vLLM's kernels: rank 600 > 512",
+        "INFO vllm.epilora: lm_head LoRA: EpiLoRALogitsProcessorWithLoRA (vLLM's LogitsProcessorWithLoRA; no lm_head "
+        "delta while no resident adapter has lm_head weights)",
         "INFO vllm: Directly load AOT compilation from path /x"])
     s = rpt.plugin_log_summary(text)
     assert s["plugin_active"] and not s["plugin_disabled"] and s["aot_cache_loaded"]
     assert (s["taken_over"], s["stays_on_vllm"], s["computes_with_vllm"]) == (2, 1, 1)
     assert s["fallback_reasons"] == {"block-scaled FP8 weights (block [128, 128])": 1, "rank 600 > 512": 1}
+    assert s["lm_head"].startswith("lm_head LoRA: EpiLoRALogitsProcessorWithLoRA (vLLM's")
     assert rpt.plugin_log_summary("EpiLoRA plugin disabled by EPILORA_DISABLE")["plugin_disabled"]
+    assert rpt.plugin_log_summary("x lm_head LoRA stays on vLLM's Foo: why")["lm_head"] == "lm_head LoRA stays on vLLM's Foo: why"
+    assert rpt.plugin_log_summary("")["lm_head"] is None
 
 
 # ----------------------------------------------------------------------------- comparison and report

@@ -88,6 +88,8 @@ def plugin_log_summary(text: str) -> dict:
             "plugin_active": "EpiLoRA plugin active" in text,
             "plugin_disabled": "EpiLoRA plugin disabled" in text,
             "plugin_off": re.findall(r"EpiLoRA plugin off: .*", text)[:1],
+            # vllm_adapter/logits.py: the lm_head LoRA wrapper the plugin installed, or why not
+            "lm_head": (re.findall(r"lm_head LoRA(?: stays on vLLM's [^:]*)?: .*", text) or [None])[0],
             **{k: len(v) for k, v in found.items()},
             "taken_over_classes": sorted(set(found["taken_over"].values())),
             "fallback_reasons": reasons,
@@ -425,6 +427,7 @@ def write_markdown(rep: dict, path: Path) -> None:
           f"layers, {pr.get('epilora_active', '—')} computing fused, of {4 * spec['layers']} LoRA linear layers expected",
           f"- left on vLLM: {pl.get('stays_on_vllm', '—')} (class), {pl.get('computes_with_vllm', '—')} (kernel); "
           f"reasons: {pl.get('fallback_reasons') or 'none'}",
+          f"- {pl.get('lm_head') or 'lm_head LoRA: no log line (vLLM built no lm_head LoRA wrapper, or a plugin before session 19)'}",
           f"- kernel path: {pr.get('kernel_path', '—')}"
           + (f" (epilora_cute.ops auto: {pr['ops_auto_path']})" if pr.get("ops_auto_path") else "")
           + f"; EPILORA_* in the engine: {pr.get('env', '—')}; model runner {pr.get('model_runner', '—')}"
