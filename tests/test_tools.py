@@ -395,3 +395,36 @@ def test_stages_adapter_counts_from_the_environment(monkeypatch):
     monkeypatch.setenv("EPILORA_BENCH_ADAPTERS", "0")
     with pytest.raises(ValueError, match="positive integers"):
         stage_adapters()
+
+
+def test_layer_bench_foreign_kernel_before_each_projection(monkeypatch):
+    """EPILORA_BENCH_FOREIGN=1: every layer column once more with the foreign kernel launched before
+    each projection (the engine's order); without it, no such column."""
+    import types
+
+    import tools.bench_decode as bd
+
+    log, orders = [], []
+
+    def fake_time_graph(fn):  # one replay: the launch order, and the launch count as the "time"
+        log.clear()
+        fn()
+        orders.append(list(log))
+        return float(len(log))
+
+    monkeypatch.setattr(bd, "time_graph", fake_time_graph)
+    monkeypatch.setattr(bd, "read_bandwidth_gbs", lambda: 4000.0)
+    monkeypatch.setattr(bd, "_foreign_kernel", lambda: (lambda: log.append("foreign")))
+    monkeypatch.setattr(bd, "LayerCase", lambda p, m, r: types.SimpleNamespace(proj=p))
+    monkeypatch.setattr(bd, "_register_our_paths", lambda: None)
+    monkeypatch.setattr(bd, "OUR_PATHS", {"ours_x": lambda c: (lambda: log.append(c.proj.name))})
+    monkeypatch.setitem(sys.modules, "vllm", None)  # no vLLM: our columns only
+    monkeypatch.setenv("EPILORA_BENCH_TOKENS", "1")
+    monkeypatch.setenv("EPILORA_BENCH_FOREIGN", "1")
+    (row,) = bd.bench_layer(quick=True)
+    names = [p.name for p in bd.QWEN3_8B]
+    assert row["ours_x_us"] == 4 and row["ours_x_foreign_us"] == 8
+    assert orders == [names, [x for n in names for x in ("foreign", n)]]
+    monkeypatch.delenv("EPILORA_BENCH_FOREIGN")
+    (row,) = bd.bench_layer(quick=True)
+    assert "ours_x_foreign_us" not in row and row["ours_x_us"] == 4

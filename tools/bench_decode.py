@@ -11,6 +11,11 @@ Columns, all from one run (CUDA-graph replays, L2 flushed before each, median):
                  projection per graph) they should equal their unchained columns; the decode_sq
                  columns: 1..8 tokens with K2 quantizing x itself (docs/perf.md v0.29); decode_fh:
                  the same K2 computing h too, one launch per projection (v0.43)
+  *_foreign_us   with EPILORA_BENCH_FOREIGN=1, every column above once more with a short foreign
+                 kernel (an elementwise op on a 4096-element buffer, no PDL trigger) before each
+                 projection: the engine's order, where Inductor's norm / activation kernel precedes
+                 each projection, so a chained projection starts only once that kernel completed
+                 (docs/perf.md, session 19: the e2e's adapter cost is the unchained one)
 """
 
 from __future__ import annotations
@@ -168,26 +173,43 @@ def bench_layer(quick: bool) -> list[dict]:
             weight_bytes = sum(p.n * p.k for p in QWEN3_8B)
             row = {"section": "layer", "model": "Qwen3-8B", "M": m, "rank": rank,
                    "floor_us": weight_bytes / (bw * 1e9) * 1e6}
+            columns = {}  # name -> one launcher per projection
             if have_vllm:
                 vp = [VllmPath(c) for c in cases]
-                row["vllm_fp8_us"] = time_graph(lambda: [p.base() for p in vp])
-                row["vllm_lora_us"] = time_graph(lambda: [p.with_lora() for p in vp])
+                columns["vllm_fp8"] = [p.base for p in vp]
+                columns["vllm_lora"] = [p.with_lora for p in vp]
             for name, build in OUR_PATHS.items():
                 try:
-                    fns = [build(c) for c in cases]
-                    row[f"{name}_us"] = time_graph(lambda: [f() for f in fns])
+                    columns[name] = [build(c) for c in cases]
                 except Exception as e:  # a path that can't run is reported, not fatal to the bench
                     row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
-            if "vllm_lora_us" in row:
-                for name in OUR_PATHS:
-                    if f"{name}_us" in row:
-                        row[f"{name}_over_vllm"] = row[f"{name}_us"] / row["vllm_lora_us"]
+            foreign = _foreign_kernel() if os.environ.get("EPILORA_BENCH_FOREIGN") == "1" else None
+            for name, fns in columns.items():
+                for suffix, before in (("", None), ("_foreign", foreign)):
+                    if suffix and before is None:
+                        continue
+                    try:
+                        row[f"{name}{suffix}_us"] = time_graph(lambda: [(before and before(), f()) for f in fns])
+                    except Exception as e:
+                        row[f"{name}{suffix}_error"] = f"{type(e).__name__}: {e}"[:200]
+            for suffix in ("", "_foreign"):
+                if f"vllm_lora{suffix}_us" in row:
+                    for name in OUR_PATHS:
+                        if f"{name}{suffix}_us" in row:
+                            row[f"{name}{suffix}_over_vllm"] = row[f"{name}{suffix}_us"] / row[f"vllm_lora{suffix}_us"]
             rows.append(row)
             print("layer " + "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                                        for k, v in row.items() if k != "section"), flush=True)
             if not quick and rank == 64:
                 rows += _per_projection(cases, have_vllm, bw)
     return rows
+
+
+def _foreign_kernel():
+    """A short kernel that is not ours (one elementwise launch, ~2 us, no PDL trigger): what
+    precedes each projection in the engine."""
+    buf = torch.zeros(4096, device="cuda", dtype=torch.bfloat16)
+    return lambda: buf.add_(1.0)
 
 
 def _per_projection(cases: list[LayerCase], have_vllm: bool, bw: float) -> list[dict]:
