@@ -21,6 +21,26 @@ from .kernel_abi import ParamSpec, TensorMapParam, check_params
 
 _MAX_STATIC_SMEM = 48 * 1024
 
+# TMA descriptors (128 bytes each, encoded by cuTensorMapEncodeTiled through cuda-python: the
+# largest part of a launch's host time) are a pure function of the parameter's declaration and the
+# tensor's address, shape, strides and dtype. Weights and adapter buffers are the same tensors call
+# after call, and activations often come back at the same address from torch's caching allocator:
+# an eager call re-encoded every one of them. Bounded: emptied when full.
+_TENSORMAPS: dict = {}
+_TENSORMAPS_MAX = 4096
+
+
+def _tensormap(p: TensorMapParam, t: torch.Tensor) -> bytes:
+    """p.pack(t), encoded once per (declaration, address, shape, strides, dtype)."""
+    key = (p, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    blob = _TENSORMAPS.get(key)
+    if blob is None:
+        blob = p.pack(t)
+        if len(_TENSORMAPS) >= _TENSORMAPS_MAX:
+            _TENSORMAPS.clear()
+        _TENSORMAPS[key] = blob
+    return blob
+
 
 class CudaError(RuntimeError):
     pass
@@ -180,7 +200,7 @@ class Kernel:
         dev, loaded = self._load()
         raw, base, _, ptrs_addr = self._buffers()
         for p, a, off in zip(self.params, args, self._offsets):
-            blob = p.pack(a)
+            blob = _tensormap(p, a) if isinstance(p, TensorMapParam) and isinstance(a, torch.Tensor) else p.pack(a)
             ctypes.memmove(base + off, blob, len(blob))
         handle = (stream if stream is not None else torch.cuda.current_stream(dev)).cuda_stream
         self._ensure_attrs(loaded, dev, smem, cluster)

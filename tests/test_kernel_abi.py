@@ -58,3 +58,38 @@ def test_ptx_signature_reader_and_check():
     check_params(params, [24, 128, 4, 16], "kern")
     with pytest.raises(RuntimeError, match="do not match"):
         check_params(params[:3], [24, 128, 4, 16], "kern")
+
+
+def test_tensor_maps_encoded_once_per_tensor_and_declaration(monkeypatch):
+    """The launcher encodes a TMA descriptor once per (declaration, address, shape, strides, dtype):
+    the same tensor again takes the stored bytes; another view, dtype or declaration encodes anew;
+    the store is emptied when full."""
+    import struct
+    from dataclasses import dataclass
+
+    from epilora_cute import launcher
+    from epilora_cute.kernel_abi import TensorMapParam
+
+    calls = []
+
+    @dataclass(frozen=True)
+    class FakeTma(TensorMapParam):
+        box: tuple = (64, 8)
+
+        def pack(self, t):
+            calls.append(t)
+            return struct.pack("<QQQ", t.data_ptr(), t.shape[0], t.stride(0)) + bytes(104)
+
+    monkeypatch.setattr(launcher, "_TENSORMAPS", {})
+    p, q = FakeTma("tma_a"), FakeTma("tma_a", box=(64, 16))
+    w = torch.zeros(64, 128, dtype=torch.bfloat16)
+    first = launcher._tensormap(p, w)
+    assert launcher._tensormap(p, w) == first == p.pack(w) and len(calls) == 2  # (the second: p.pack above)
+    assert launcher._tensormap(p, w[:32]) != first  # another shape: its own descriptor
+    assert launcher._tensormap(p, w[32:]) != first  # another address
+    assert launcher._tensormap(p, w.view(torch.int16)) == first and len(calls) == 5  # another dtype: encoded anew
+    launcher._tensormap(q, w)  # another declaration (box)
+    assert len(calls) == 6 and len(launcher._TENSORMAPS) == 5
+    monkeypatch.setattr(launcher, "_TENSORMAPS_MAX", 5)
+    launcher._tensormap(p, w[:16])  # full: emptied first
+    assert len(launcher._TENSORMAPS) == 1 and len(calls) == 7

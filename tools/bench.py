@@ -86,12 +86,42 @@ def bench_launch(quick: bool) -> list[dict]:
                  "host_us": host_launch_us(lambda: k(x, codes, scales, grid=(1, 1, 1), smem=cfg.smem_bytes))})
     rows.append({"section": "launch", "what": "ours raw Kernel.__call__ with PDL attribute",
                  "host_us": host_launch_us(lambda: k(x, codes, scales, grid=(1, 1, 1), smem=cfg.smem_bytes, pdl=True))})
+    rows += _op_host_rows()
     vops = vllm_ops()
     if vops is not None:
         rows.append({"section": "launch", "what": "vLLM scaled_fp8_quant (torch custom op)",
                      "host_us": host_launch_us(lambda: vops.scaled_fp8_quant(x, use_per_token_if_dynamic=True))})
     for r in rows:
-        print(f"launch: {r['what']}: host {r['host_us']:.2f} us/launch", flush=True)
+        extra = (f" (TMA descriptors encoded each call: {r['host_us_tma_encoded_each_call']:.2f})"
+                 if "host_us_tma_encoded_each_call" in r else "")
+        print(f"launch: {r['what']}: " + (f"host {r['host_us']:.2f} us/launch{extra}" if "host_us" in r
+                                          else r.get("error", "")), flush=True)
+    return rows
+
+
+def _op_host_rows() -> list[dict]:
+    """Host time of one eager LoRA projection call (Qwen3-8B qkv, one token, one rank-64 adapter)
+    per path, with the launcher's TMA descriptors reused (the default) and encoded anew each call
+    (the launcher before session 19): what an eager step pays per projection."""
+    from epilora_cute import launcher, ops
+    from tools.bench_decode import QWEN3_8B, LayerCase
+
+    c = LayerCase(QWEN3_8B[0], 1, 64)
+    rows = []
+    for path in ("decode_sq", "decode", "hybrid"):
+        def call():
+            ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=c.y, path=path)
+
+        def call_uncached():
+            launcher._TENSORMAPS.clear()
+            call()
+        try:
+            rows.append({"section": "launch", "what": f"ours lora_linear_fp8 path={path}, qkv, 1 token",
+                         "host_us": host_launch_us(call, reps=200),
+                         "host_us_tma_encoded_each_call": host_launch_us(call_uncached, reps=200)})
+        except Exception as e:  # a path that cannot run here is reported, not fatal
+            rows.append({"section": "launch", "what": f"ours lora_linear_fp8 path={path}",
+                         "error": f"{type(e).__name__}: {e}"[:200]})
     return rows
 
 
