@@ -189,7 +189,7 @@ def bench_layer(quick: bool) -> list[dict]:
                     if suffix and before is None:
                         continue
                     try:
-                        row[f"{name}{suffix}_us"] = time_graph(lambda: [(before and before(), f()) for f in fns])
+                        row[f"{name}{suffix}_us"] = time_graph(_in_order(fns, before))
                     except Exception as e:
                         row[f"{name}{suffix}_error"] = f"{type(e).__name__}: {e}"[:200]
             for suffix in ("", "_foreign"):
@@ -203,6 +203,16 @@ def bench_layer(quick: bool) -> list[dict]:
             if not quick and rank == 64:
                 rows += _per_projection(cases, have_vllm, bw)
     return rows
+
+
+def _in_order(fns, before=None):
+    """One layer: each projection's launches, `before()` ahead of each one when given."""
+    def run():
+        for f in fns:
+            if before is not None:
+                before()
+            f()
+    return run
 
 
 def _foreign_kernel():
