@@ -756,6 +756,10 @@ def test_profile_phase_with_stand_in_engine(tmp_path):
         assert set(prof) == {"none", "one_adapter", "eight_adapters_b64"}, prof
         for case in prof.values():
             assert case["wall_ms_per_token"] >= 0 and case["kernels_per_token"] == 0 and case["top"] == []
+        # the batched case also keeps its 1-token run (the batch's prefill) as it is
+        first = prof["eight_adapters_b64"]["first_run"]
+        assert first["kernels"] == 0 and first["top"] == [] and first["wall_ms"] >= 0
+        assert "first_run" not in prof["none"] and "first_run" not in prof["one_adapter"]
     md = (tmp_path / "out" / "e2e.md").read_text()
     assert "Where a generated token's time goes" in md and "| ours, one_adapter |" in md
     assert "| ours, eight_adapters_b64 |" in md
@@ -768,6 +772,11 @@ def test_profile_markdown_tables():
     assert "| ours, none | 4.103 | 3776 | 4109 | 657 |" not in md and "| ours, none | 4.100 | 3776 | 4109 | 657 |" in md
     assert "ours, none: kernels the GPU idles before, per token" in md and "| `quant` | 144.0 | 307.9 | 200.0 |" in md
     assert rpt.profile_markdown({"ours": {"phases": {}}}) == []
+    first = {"wall_ms": 310.0, "busy_us": 290000.0, "span_us": 300000.0, "kernels": 9000,
+             "top": [["gemm", 144, 150000.0, 3.0]]}
+    md = "\n".join(rpt.profile_markdown({"ours": {"phases": {"profile": {"eight_adapters_b64": {**r, "first_run": first}}}}}))
+    assert "ours, eight_adapters_b64: its 1-token run (the batch's prefill and one step)" in md
+    assert "| `gemm` | 144 | 150000.0 | 3.0 |" in md
 
 
 def test_margin_simulation_runs_and_reports(capsys):
@@ -795,6 +804,15 @@ def test_profile_per_token_differences():
     assert r["span_us_per_token"] == pytest.approx(120.0) and r["kernels_per_token"] == pytest.approx(10.0)
     assert r["top"] == [["gemm", 4.0, 40.0, 2.0], ["prep", 1.25, 1.25, 0.0]]
     assert r["top_gaps"] == [["gemm", 4.0, 40.0, 2.0]]
+
+
+def test_run_kernels_keeps_one_run_as_it_is():
+    summary = {"n_kernels": 3, "busy_us": 30.0, "span_us": 40.0,
+               "kernels": {"a": {"count": 1, "total_us": 5.0, "gap_before_us": 1.0},
+                           "b": {"count": 2, "total_us": 25.0, "gap_before_us": 0.0}}}
+    r = e._run_kernels(0.02, summary)
+    assert r == {"wall_ms": pytest.approx(20.0), "busy_us": 30.0, "span_us": 40.0, "kernels": 3,
+                 "top": [["b", 2, 25.0, 0.0], ["a", 1, 5.0, 1.0]]}
 
 
 def test_shared_env_keeps_the_knobs_both_engines_inherit():

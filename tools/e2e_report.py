@@ -389,6 +389,12 @@ def profile_markdown(runs: dict, top: int = 12) -> list[str]:
                       "|---|---|---|---|"]
                 L += [f"| `{row[0][:90]}` | {row[1]:.1f} | {row[2]:.1f} | {_f(row[3] if len(row) > 3 else None, '{:.1f}')} |"
                       for row in r[key][:top]]
+            first = r.get("first_run")
+            if first and first.get("top"):  # the batched case's 1-token run: the batch's prefill
+                L += ["", f"{c}, {case}: its 1-token run (the batch's prefill and one step), whole run: "
+                      f"wall {first['wall_ms']:.1f} ms, busy {first['busy_us']:.0f} µs, span {first['span_us']:.0f} µs, "
+                      f"{first['kernels']} kernels", "", "| kernel | count | µs | idle before, µs |", "|---|---|---|---|"]
+                L += [f"| `{row[0][:90]}` | {row[1]} | {row[2]:.1f} | {row[3]:.1f} |" for row in first["top"][:top]]
     return L
 
 

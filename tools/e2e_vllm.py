@@ -332,7 +332,18 @@ def phase_profile(c: Ctx) -> dict:
             runs.append((wall, s[0] if isinstance(s, list) else s))
         errors = [s["error"] for _, s in runs if "error" in s]
         out[case] = {"error": errors[0]} if errors else _profile_per_token(runs[0], runs[1], n)
+        if not errors and lo and len(p) > 1:
+            # The batched case's 1-token run is the batch's prefill (+ one step): where a
+            # throughput run's prefill chunks spend their time, per kernel name.
+            out[case]["first_run"] = _run_kernels(*runs[0])
     return out
+
+
+def _run_kernels(wall: float, summary: dict) -> dict:
+    """One profiled run as it is: wall ms, busy / span µs, kernels, the top kernel names by time."""
+    rows = [[k, v["count"], v["total_us"], v["gap_before_us"]] for k, v in summary["kernels"].items()]
+    return {"wall_ms": 1e3 * wall, "busy_us": summary["busy_us"], "span_us": summary["span_us"],
+            "kernels": summary["n_kernels"], "top": sorted(rows, key=lambda r: -r[2])[:40]}
 
 
 PHASE_FNS = {"greedy": phase_greedy, "logprobs": phase_logprobs, "tpot": phase_tpot, "throughput": phase_throughput,
