@@ -117,6 +117,59 @@ def test_hybrid_path_without_adapters_is_quantization_plus_the_vendor_gemm(monke
     assert torch.equal(y, reference.fp8_scaled_mm(codes, scales, wq, ws).bfloat16())
 
 
+def test_hybrid_par_forks_after_the_quantization_and_issues_k1_after_the_gemm(monkeypatch):
+    """v0.58: the side branch (K1) forks from the caller's stream after the quantization and is
+    issued after the GEMM, so the critical path never queues behind K1's CTAs; expand-add waits for
+    the join. Fake streams and events record what each stream was asked to do, in order."""
+    import contextlib
+
+    from kernels_dsl import expand_add, k1_shrink
+
+    log = []
+
+    class FakeStream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_event(self, ev):
+            log.append((self.name, "wait", ev.at))
+
+        def wait_stream(self, other):
+            log.append((self.name, "wait", f"{other.name}@now"))
+
+    class FakeEvent:
+        def record(self, stream):
+            self.at = f"{stream.name}@{sum(1 for e in log if e[0] == stream.name)}"
+            log.append((stream.name, "record", self.at))
+
+    main, side = FakeStream("main"), FakeStream("side")
+    current = [main]
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(ops, "_side_stream", lambda dev: side)
+    monkeypatch.setattr(ops, "quantize_fp8_per_token", lambda x: log.append((current[-1].name, "quant")) or
+                        reference.quantize_fp8_per_token(x))
+    monkeypatch.setattr(ops, "vendor_fp8_gemm", lambda codes, scales, w_q, w_scale, out=None:
+                        log.append((current[-1].name, "gemm")) or out)
+    monkeypatch.setattr(k1_shrink, "k1_quant_shrink", lambda x, a, meta, codes, scales, h, slot_ranks=None:
+                        log.append((current[-1].name, "k1")))
+    monkeypatch.setattr(expand_add, "expand_add", lambda out, h, b, meta, slot_ranks=None:
+                        log.append((current[-1].name, "expand")) or out)
+    x, wq, ws, a, b, meta, _ = _linear_case()
+    out = torch.empty(x.shape[0], wq.shape[0], dtype=torch.bfloat16)
+    ops._hybrid_par_path(x, wq, ws, a, b, meta, out, None)
+    assert log == [("main", "quant"), ("main", "record", "main@1"), ("main", "gemm"),
+                   ("side", "wait", "main@1"), ("side", "k1"), ("main", "wait", "side@now"), ("main", "expand")]
+
+
 @pytest.mark.parametrize("host_adapters", [None, 1])
 def test_base_path_refuses_a_batch_that_may_have_adapters(host_adapters):
     """"base" drops the adapters: without the host's word that no token has one it is an error,
