@@ -7,6 +7,7 @@ taken only where the result is identical (the quantization) or explicitly reques
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -441,6 +442,10 @@ def _hybrid_path(x, w_q, w_scale, a, b, meta, out, slot_ranks):
 
 
 _side_streams: dict[int, torch.cuda.Stream] = {}  # hybrid_par's second stream, one per device
+# hybrid_par's launch order (v0.58, an experiment): "fork_first" (K1's branch forks before the
+# quantization, the shipped order) or "quant_first" (it forks after the quantization and K1 is
+# issued after the GEMM). Same kernels, same inputs: y is the same bit for bit either way.
+HYBRID_PAR_ORDER_ENV = "EPILORA_HYBRID_PAR_ORDER"
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -461,10 +466,10 @@ def _hybrid_par_path(x, w_q, w_scale, a, b, meta, out, slot_ranks):
     after the other although only expand-add needs h; at 64 tokens K1 is 15-27 µs of latency per
     projection with most SMs idle (run13), at 2048 it is 25 % of the op.
 
-    Order (v0.58): the branch forks *after* the quantization and K1 is issued after the GEMM, so
-    the critical path (quantization -> GEMM) never queues behind K1's CTAs: forked first, K1's
-    hundreds of CTAs took the SMs before the quantization's (run21's 64-request decode step:
-    the quantization 6.6 µs per call there against 2.1 µs at one token)."""
+    Order: ``HYBRID_PAR_ORDER_ENV`` (v0.58) can fork the branch after the quantization and issue
+    K1 after the GEMM instead, so that the critical path (quantization -> GEMM) does not queue
+    behind K1's CTAs (run21's 64-request decode step: the quantization took 6.6 µs per call there
+    against 2.1 µs at one token)."""
     from kernels_dsl.expand_add import expand_add
     from kernels_dsl.k1_shrink import k1_quant_shrink
 
@@ -477,13 +482,20 @@ def _hybrid_par_path(x, w_q, w_scale, a, b, meta, out, slot_ranks):
     h = torch.empty((len(a), m, int(a[0].shape[-2])), dtype=torch.float32, device=dev)
     main = torch.cuda.current_stream(dev)
     side = _side_stream(dev)
-    codes, scales = quantize_fp8_per_token(x)
-    fork = torch.cuda.Event()
-    fork.record(main)  # x, the metadata and the buffers are ready (and the quantization queued)
-    vendor_fp8_gemm(codes, scales, w_q, w_scale, out=out)
-    side.wait_event(fork)
-    with torch.cuda.stream(side):
-        k1_quant_shrink(x, a, meta, scratch_codes, scratch_scales, h, slot_ranks=slot_ranks)
+    if os.environ.get(HYBRID_PAR_ORDER_ENV, "fork_first") == "fork_first":
+        side.wait_stream(main)  # x, the metadata and the buffers are ready
+        with torch.cuda.stream(side):
+            k1_quant_shrink(x, a, meta, scratch_codes, scratch_scales, h, slot_ranks=slot_ranks)
+        codes, scales = quantize_fp8_per_token(x)
+        vendor_fp8_gemm(codes, scales, w_q, w_scale, out=out)
+    else:  # "quant_first"
+        codes, scales = quantize_fp8_per_token(x)
+        fork = torch.cuda.Event()
+        fork.record(main)  # x, the metadata and the buffers are ready (and the quantization queued)
+        vendor_fp8_gemm(codes, scales, w_q, w_scale, out=out)
+        side.wait_event(fork)
+        with torch.cuda.stream(side):
+            k1_quant_shrink(x, a, meta, scratch_codes, scratch_scales, h, slot_ranks=slot_ranks)
     main.wait_stream(side)  # the join: h is complete before expand-add reads it
     return expand_add(out, h, b, meta, slot_ranks=slot_ranks)
 

@@ -117,10 +117,12 @@ def test_hybrid_path_without_adapters_is_quantization_plus_the_vendor_gemm(monke
     assert torch.equal(y, reference.fp8_scaled_mm(codes, scales, wq, ws).bfloat16())
 
 
-def test_hybrid_par_forks_after_the_quantization_and_issues_k1_after_the_gemm(monkeypatch):
-    """v0.58: the side branch (K1) forks from the caller's stream after the quantization and is
-    issued after the GEMM, so the critical path never queues behind K1's CTAs; expand-add waits for
-    the join. Fake streams and events record what each stream was asked to do, in order."""
+@pytest.mark.parametrize("order", [None, "fork_first", "quant_first"])
+def test_hybrid_par_launch_order(monkeypatch, order):
+    """The side branch (K1) forks from the caller's stream before the quantization (the shipped
+    order), or with EPILORA_HYBRID_PAR_ORDER=quant_first (v0.58) after it, K1 issued after the
+    GEMM; expand-add waits for the join either way. Fake streams and events record what each
+    stream was asked to do, in order."""
     import contextlib
 
     from kernels_dsl import expand_add, k1_shrink
@@ -165,9 +167,17 @@ def test_hybrid_par_forks_after_the_quantization_and_issues_k1_after_the_gemm(mo
                         log.append((current[-1].name, "expand")) or out)
     x, wq, ws, a, b, meta, _ = _linear_case()
     out = torch.empty(x.shape[0], wq.shape[0], dtype=torch.bfloat16)
+    if order is None:
+        monkeypatch.delenv(ops.HYBRID_PAR_ORDER_ENV, raising=False)
+    else:
+        monkeypatch.setenv(ops.HYBRID_PAR_ORDER_ENV, order)
     ops._hybrid_par_path(x, wq, ws, a, b, meta, out, None)
-    assert log == [("main", "quant"), ("main", "record", "main@1"), ("main", "gemm"),
-                   ("side", "wait", "main@1"), ("side", "k1"), ("main", "wait", "side@now"), ("main", "expand")]
+    if order == "quant_first":
+        assert log == [("main", "quant"), ("main", "record", "main@1"), ("main", "gemm"),
+                       ("side", "wait", "main@1"), ("side", "k1"), ("main", "wait", "side@now"), ("main", "expand")]
+    else:
+        assert log == [("side", "wait", "main@now"), ("side", "k1"), ("main", "quant"), ("main", "gemm"),
+                       ("main", "wait", "side@now"), ("main", "expand")]
 
 
 @pytest.mark.parametrize("host_adapters", [None, 1])
