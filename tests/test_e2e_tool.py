@@ -806,6 +806,23 @@ def test_profile_per_token_differences():
     assert r["top_gaps"] == [["gemm", 4.0, 40.0, 2.0]]
 
 
+def test_machine_line_names_each_machine_once():
+    f = {"gpu_uuid": "GPU-1", "driver_version": "580.1", "cpu_count": 16, "cpu_model": "Xeon"}
+    runs = {"stock": {"probe": {"machine": f}}, "ours": {"probe": {"machine": dict(f)}}}
+    assert rpt.machine_line(runs) == "GPU GPU-1, driver 580.1, 16 × Xeon (stock, ours)"
+    runs["ours"]["probe"]["machine"]["gpu_uuid"] = "GPU-2"
+    assert rpt.machine_line(runs).count("GPU GPU-") == 2
+    assert rpt.machine_line({"ours": {"probe": {"machine": {"error": "x"}}}}) == "not recorded"
+    assert rpt.machine_line({}) == "not recorded"
+
+
+def test_machine_facts_best_effort():
+    from tools.gpu_timing import machine_facts
+
+    f = machine_facts()  # no GPU here: nvidia-smi is missing, the rest is read
+    assert set(f) == {"cpu_count", "cpu_model", "kernel", "gpu_uuid", "driver_version"} and f["cpu_count"] >= 1
+
+
 def test_run_kernels_keeps_one_run_as_it_is():
     summary = {"n_kernels": 3, "busy_us": 30.0, "span_us": 40.0,
                "kernels": {"a": {"count": 1, "total_us": 5.0, "gap_before_us": 1.0},

@@ -428,3 +428,24 @@ def test_layer_bench_foreign_kernel_before_each_projection(monkeypatch):
     monkeypatch.delenv("EPILORA_BENCH_FOREIGN")
     (row,) = bd.bench_layer(quick=True)
     assert "ours_x_foreign_us" not in row and row["ours_x_us"] == 4
+
+
+def test_bench_host_profile_ranks_own_time():
+    """bench's launch section profiles an eager call on the host: the rows say which function
+    spends the time, per call."""
+    import time as _time
+
+    from tools import bench
+
+    def slow():
+        _time.sleep(0.0005)
+
+    def call():
+        slow()
+        sum(range(10))
+
+    rows = bench.host_profile(call, reps=20, top=5)
+    assert rows and all(len(r) == 4 for r in rows)
+    assert any("sleep" in r[0] for r in rows[:2]), rows
+    assert rows[0][2] >= 400  # µs of own time per call: the sleep
+

@@ -96,6 +96,8 @@ def bench_launch(quick: bool) -> list[dict]:
                  if "host_us_tma_encoded_each_call" in r else "")
         print(f"launch: {r['what']}: " + (f"host {r['host_us']:.2f} us/launch{extra}" if "host_us" in r
                                           else r.get("error", "")), flush=True)
+        for fn, n, own, cum in r.get("host_profile", [])[:8]:
+            print(f"    {own:7.1f} us own, {cum:7.1f} cumulative, {n:5.1f} calls  {fn}", flush=True)
     return rows
 
 
@@ -118,11 +120,32 @@ def _op_host_rows() -> list[dict]:
         try:
             rows.append({"section": "launch", "what": f"ours lora_linear_fp8 path={path}, qkv, 1 token",
                          "host_us": host_launch_us(call, reps=200),
-                         "host_us_tma_encoded_each_call": host_launch_us(call_uncached, reps=200)})
+                         "host_us_tma_encoded_each_call": host_launch_us(call_uncached, reps=200),
+                         "host_profile": host_profile(call)})
         except Exception as e:  # a path that cannot run here is reported, not fatal
             rows.append({"section": "launch", "what": f"ours lora_linear_fp8 path={path}",
                          "error": f"{type(e).__name__}: {e}"[:200]})
     return rows
+
+
+def host_profile(fn, reps: int = 100, top: int = 15) -> list[list]:
+    """Where an eager call's host time goes (run22: one qkv call at one token took 395 µs of host
+    time on the H200 for two ~27 µs launches): cProfile over ``reps`` calls, the functions with the
+    most own time, as [function, calls per call, own µs per call, cumulative µs per call]."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(reps):
+        fn()
+    prof.disable()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats
+    rows = [[f"{Path(f).name}:{line}({name})", nc / reps, 1e6 * tt / reps, 1e6 * ct / reps]
+            for (f, line, name), (_, nc, tt, ct, _) in stats.items()]
+    return sorted(rows, key=lambda r: -r[2])[:top]
 
 
 SECTIONS = {"quant": bench_quant, "launch": bench_launch}
@@ -151,6 +174,9 @@ def environment() -> dict:
         p = torch.cuda.get_device_properties(0)
         env.update(gpu=p.name, sms=p.multi_processor_count, cc=f"{p.major}.{p.minor}",
                    driver=torch.version.cuda)
+    from tools.gpu_timing import machine_facts
+
+    env["machine"] = machine_facts()
     return env
 
 

@@ -391,6 +391,12 @@ class WorkerProbe:
         out = {"lora_classes": classes, "epilora_layers": epi, "epilora_active": active,
                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
                "torch": torch.__version__, "env": {k: v for k, v in os.environ.items() if k.startswith("EPILORA_")}}
+        try:
+            from tools.gpu_timing import machine_facts
+
+            out["machine"] = machine_facts()
+        except Exception as e:  # a probe never fails the run
+            out["machine"] = {"error": f"{type(e).__name__}: {e}"}
         runner = getattr(self, "model_runner", None)
         out["model_runner"] = f"{type(runner).__module__}.{type(runner).__name__}"
         try:

@@ -361,6 +361,20 @@ def fp32_reference_markdown(rep: dict) -> list[str]:
     return L
 
 
+def machine_line(runs: dict) -> str:
+    """The machine the engines ran on (their probes' ``machine`` facts; runs differ by machine)."""
+    facts = [(c, _get(runs, c, "probe", "machine")) for c in CONFIGS]
+    facts = [(c, f) for c, f in facts if isinstance(f, dict) and "error" not in f]
+    if not facts:
+        return "not recorded"
+    seen: dict[str, list[str]] = {}
+    for c, f in facts:
+        text = (f"GPU {f.get('gpu_uuid') or '?'}, driver {f.get('driver_version') or '?'}, "
+                f"{f.get('cpu_count') or '?'} × {f.get('cpu_model') or '?'}")
+        seen.setdefault(text, []).append(c)
+    return "; ".join(f"{t} ({', '.join(cs)})" for t, cs in seen.items())
+
+
 def profile_markdown(runs: dict, top: int = 12) -> list[str]:
     """The ``profile`` phase (tools/e2e_vllm.py): per engine and case, a generated token's kernels
     (busy time, span, count) beside its wall time, and the kernels that take the most time."""
@@ -407,6 +421,7 @@ def write_markdown(rep: dict, path: Path) -> None:
          f"{NUM_ADAPTERS} rank-{RANK} adapters; vLLM {_get(runs, 'stock', 'vllm') or _get(runs, 'ours', 'vllm') or '—'}, "
          f"GPU {_get(runs, 'ours', 'probe', 'gpu') or _get(runs, 'stock', 'probe', 'gpu') or '—'}",
          f"- both engines inherit: {rep.get('shared_env') or '{}'}",
+         f"- machine: {machine_line(runs)}",
          f"- ours: env {rep['ours_env'] or '{}'}; engine start stock "
          f"{_f(_get(runs, 'stock', 'engine_start_s'), '{:.0f}')} s, ours {_f(_get(runs, 'ours', 'engine_start_s'), '{:.0f}')} s"
          + (" (started together)" if rep["concurrent"] else "")]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -76,3 +77,37 @@ def read_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").uniform_()
     us = time_graph(lambda: x.sum(dtype=torch.float32), reps=20, warmup=3)
     return nbytes / (us * 1e-6) / 1e9
+
+
+def machine_facts() -> dict:
+    """Which machine a measurement ran on, so that runs can be told apart (run22: two H200
+    machines of one session gave our engine's TPOT 0.15-0.33 ms more than run21's, stock's not):
+    the GPU's UUID and driver build (nvidia-smi), the host's CPU model and count, the kernel
+    string (/proc/version: Firecracker and gVisor machines differ there). Best effort: a fact that
+    cannot be read is None."""
+    import os
+    import subprocess
+
+    facts: dict = {"cpu_count": os.cpu_count(), "cpu_model": None, "kernel": None, "gpu_uuid": None,
+                   "driver_version": None}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                facts["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        facts["kernel"] = Path("/proc/version").read_text().strip()[:160]
+    except OSError:
+        pass
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=uuid,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10).stdout.strip().splitlines()
+        if out:
+            uuid, driver = (v.strip() for v in out[0].split(",", 1))
+            facts.update(gpu_uuid=uuid, driver_version=driver)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        pass
+    return facts
+
