@@ -60,15 +60,21 @@ MODES = ("graph", "eager")
 # hybrid path at 1..2048 tokens, eager and replayed from a CUDA graph with new inputs.
 # decode_fh passes its GPU tests (run16) but is left out: slower than decode_sq at every size
 # measured (docs/perf.md v0.43), timing it would only lengthen each key's first call.
-VERIFIED_PATHS = frozenset({"triton", "decode", "decode_sq", "no_adapter", "hybrid", "hybrid_par", "base"})
+# hybrid_par_q (hybrid_par forked after the quantization, v0.58): run22
+# (docs/gpu_record/run22/hybrid_tests_441f4b6.log, where it was hybrid_par's order): bit-identical
+# to the hybrid path, eager and replayed from a CUDA graph with new inputs.
+VERIFIED_PATHS = frozenset({"triton", "decode", "decode_sq", "no_adapter", "hybrid", "hybrid_par", "hybrid_par_q",
+                            "base"})
 # A path's variable overrides VERIFIED_PATHS when set: "1" lets an unverified path join the
 # candidates, "0" keeps a verified one out. "no_adapter" runs K2, so it follows the decode path's.
 OPT_IN_ENV = {"decode": "EPILORA_DECODE_PATH", "decode_sq": "EPILORA_DECODE_PATH", "decode_fh": "EPILORA_DECODE_PATH",
               "no_adapter": "EPILORA_DECODE_PATH",
-              "hybrid": "EPILORA_HYBRID_PATH", "hybrid_par": "EPILORA_HYBRID_PAR_PATH"}
+              "hybrid": "EPILORA_HYBRID_PATH", "hybrid_par": "EPILORA_HYBRID_PAR_PATH",
+              "hybrid_par_q": "EPILORA_HYBRID_PAR_PATH"}
 # What a key gets when it cannot be timed (under capture, or every candidate failed): the first of
 # these among the candidates — what "auto" took before the timed dispatch existed.
-DEFAULT_ORDER = ("base", "decode", "decode_sq", "decode_fh", "triton", "hybrid", "hybrid_par", "no_adapter", "reference")
+DEFAULT_ORDER = ("base", "decode", "decode_sq", "decode_fh", "triton", "hybrid", "hybrid_par", "hybrid_par_q",
+                 "no_adapter", "reference")
 # Batches the host knows to have no adapter (vLLM's no-LoRA flag): "base" (default) computes them
 # with vLLM's own FP8 linear path only (same codes, same CUTLASS GEMM), so a projection of
 # base-model traffic returns exactly what stock vLLM's returns; in the engine that was no slower than
@@ -235,8 +241,8 @@ def applicable_paths(call: Call) -> tuple[str, ...]:
     "decode": ≤ 32 tokens on sm_90a with shapes its kernels take; "decode_sq": the same at 1..8
     tokens where the self-quantizing K2 takes K, and "decode_fh" (K2 computing h too) with it;
     "no_adapter": the same as "decode", and the
-    host knows no token has an adapter; "hybrid" and "hybrid_par" (its K1 on a second stream beside
-    the GEMM): sm_90a; "triton": any CUDA GPU. "reference" is
+    host knows no token has an adapter; "hybrid", "hybrid_par" (its K1 on a second stream beside
+    the GEMM) and "hybrid_par_q" (that branch forked after the quantization): sm_90a; "triton": any CUDA GPU. "reference" is
     never a candidate on a GPU. Whether a kernel can be loaded (cached or compiled here) shows when
     it is timed: a candidate that fails is dropped.
     """
@@ -253,6 +259,7 @@ def applicable_paths(call: Call) -> tuple[str, ...]:
     if call.arch == "sm_90a":
         paths.append("hybrid")
         paths.append("hybrid_par")
+        paths.append("hybrid_par_q")
     paths.append("triton")
     return tuple(paths)
 

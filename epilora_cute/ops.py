@@ -7,7 +7,6 @@ taken only where the result is identical (the quantization) or explicitly reques
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -107,7 +106,8 @@ def _reference_quant_into(x, codes, scales, warn_reason: str | None):
 # The fused LoRA linear: y = quant(x) @ W_q^T * s_x * s_w + per-token adapter update.
 
 DECODE_MAX_TOKENS = 32
-PATHS = ("auto", "base", "decode", "decode_sq", "decode_fh", "no_adapter", "hybrid", "hybrid_par", "prefill", "triton", "reference")
+PATHS = ("auto", "base", "decode", "decode_sq", "decode_fh", "no_adapter", "hybrid", "hybrid_par", "hybrid_par_q",
+         "prefill", "triton", "reference")
 # The decode and no-adapter paths' variable for "auto" (dispatch.OPT_IN_ENV): "0" keeps them out of
 # the candidates, "1" lets them in if they ever leave dispatch.VERIFIED_PATHS.
 DECODE_PATH_ENV = "EPILORA_DECODE_PATH"
@@ -299,7 +299,8 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     == 0``, e.g. from vLLM's no-LoRA flag: the quantization + the vendor FP8 GEMM, i.e. vLLM's own
     FP8 path, so base-model traffic gets stock vLLM's results bit for bit; any CUDA GPU), "hybrid"
     (K1 + the vendor FP8 GEMM + our expand-add; any batch size on sm_90a), "hybrid_par" (the same
-    y bit for bit, with K1 on a second stream beside the quantization kernel + the GEMM), "prefill" (33..8192
+    y bit for bit, with K1 on a second stream beside the quantization kernel + the GEMM;
+    "hybrid_par_q": the same with the branch forked after the quantization), "prefill" (33..8192
     tokens, sm_90a: K1, the activations gathered into adapter-sorted order, the prefill K2 with the grouped epilogue; compiled but not yet run on a
     GPU: explicit only), "decode" (≤ 32 tokens, sm_90a: the shrink kernel, then K2
     as its PDL dependent — two launches; ``pdl=False`` serializes them; the shrink's extra CTAs
@@ -351,7 +352,7 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
         if not x.is_cuda:
             raise ValueError("path='base' needs a CUDA GPU (the vendor FP8 GEMM)")
         return _base_path(x, w_q, w_scale, out)
-    if path in ("hybrid", "hybrid_par"):
+    if path in ("hybrid", "hybrid_par", "hybrid_par_q"):
         if arch_of(x) is None:
             raise ValueError(f"path={path!r} does not apply: it needs a CUDA GPU with a CuTe target")
         # The host knows no token has an adapter (vLLM's no-LoRA flag): just the quantization and
@@ -360,8 +361,8 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
         # stock vLLM runs.
         if getattr(meta, "host_num_adapters", None) == 0:
             return _base_path(x, w_q, w_scale, out)
-        if path == "hybrid_par":
-            return _hybrid_par_path(x, w_q, w_scale, a, b, meta, out, slot_ranks)
+        if path in ("hybrid_par", "hybrid_par_q"):
+            return _hybrid_par_path(x, w_q, w_scale, a, b, meta, out, slot_ranks, quant_first=path == "hybrid_par_q")
         return _hybrid_path(x, w_q, w_scale, a, b, meta, out, slot_ranks)
     if path == "prefill":
         reason = _prefill_reason(x, w_q, widths, rank, a, b)
@@ -442,10 +443,6 @@ def _hybrid_path(x, w_q, w_scale, a, b, meta, out, slot_ranks):
 
 
 _side_streams: dict[int, torch.cuda.Stream] = {}  # hybrid_par's second stream, one per device
-# hybrid_par's launch order (v0.58, an experiment): "fork_first" (K1's branch forks before the
-# quantization, the shipped order) or "quant_first" (it forks after the quantization and K1 is
-# issued after the GEMM). Same kernels, same inputs: y is the same bit for bit either way.
-HYBRID_PAR_ORDER_ENV = "EPILORA_HYBRID_PAR_ORDER"
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -456,7 +453,7 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return side
 
 
-def _hybrid_par_path(x, w_q, w_scale, a, b, meta, out, slot_ranks):
+def _hybrid_par_path(x, w_q, w_scale, a, b, meta, out, slot_ranks, quant_first: bool = False):
     """The hybrid path with its down-projection beside the GEMM (v0.34): the quantization kernel
     (the same codes and scales as K1's, bit for bit) feeds the vendor GEMM on the caller's stream
     while K1 computes h on a second stream that forks from and joins back into it (a fork / join a
@@ -466,10 +463,11 @@ def _hybrid_par_path(x, w_q, w_scale, a, b, meta, out, slot_ranks):
     after the other although only expand-add needs h; at 64 tokens K1 is 15-27 µs of latency per
     projection with most SMs idle (run13), at 2048 it is 25 % of the op.
 
-    Order: ``HYBRID_PAR_ORDER_ENV`` (v0.58) can fork the branch after the quantization and issue
-    K1 after the GEMM instead, so that the critical path (quantization -> GEMM) does not queue
-    behind K1's CTAs (run21's 64-request decode step: the quantization took 6.6 µs per call there
-    against 2.1 µs at one token)."""
+    Order: K1's branch forks before the quantization; ``quant_first`` (the path "hybrid_par_q",
+    v0.58) forks it after the quantization and issues K1 after the GEMM, so that the critical path
+    (quantization -> GEMM) does not queue behind K1's CTAs. Neither order wins everywhere (run22,
+    vLLM's GEMM, 8 adapters: 64 tokens 145 vs 188 µs per layer, 256 tokens 219 vs 207): the timed
+    dispatch takes either per key."""
     from kernels_dsl.expand_add import expand_add
     from kernels_dsl.k1_shrink import k1_quant_shrink
 
@@ -482,13 +480,13 @@ def _hybrid_par_path(x, w_q, w_scale, a, b, meta, out, slot_ranks):
     h = torch.empty((len(a), m, int(a[0].shape[-2])), dtype=torch.float32, device=dev)
     main = torch.cuda.current_stream(dev)
     side = _side_stream(dev)
-    if os.environ.get(HYBRID_PAR_ORDER_ENV, "fork_first") == "fork_first":
+    if not quant_first:
         side.wait_stream(main)  # x, the metadata and the buffers are ready
         with torch.cuda.stream(side):
             k1_quant_shrink(x, a, meta, scratch_codes, scratch_scales, h, slot_ranks=slot_ranks)
         codes, scales = quantize_fp8_per_token(x)
         vendor_fp8_gemm(codes, scales, w_q, w_scale, out=out)
-    else:  # "quant_first"
+    else:
         codes, scales = quantize_fp8_per_token(x)
         fork = torch.cuda.Event()
         fork.record(main)  # x, the metadata and the buffers are ready (and the quantization queued)

@@ -129,7 +129,7 @@ def _without_hybrid_par(monkeypatch):
 def test_candidates_follow_applicability_and_opt_in(monkeypatch):
     monkeypatch.delenv("EPILORA_HYBRID_PAR_PATH")
     # decode_sq / decode_fh: the decode path's 1..8-token variants (the default call has 12 tokens).
-    H = ("hybrid", "hybrid_par")
+    H = ("hybrid", "hybrid_par", "hybrid_par_q")
     SQ = ("decode_sq", "decode_fh")
     assert d.applicable_paths(call(tokens=7)) == ("decode", *SQ, *H, "triton")
     assert d.applicable_paths(call()) == ("decode", *H, "triton")
@@ -141,7 +141,8 @@ def test_candidates_follow_applicability_and_opt_in(monkeypatch):
     assert d.applicable_paths(call(arch=None, decode_reason="needs sm_90a", host_adapters=0)) == ("base", "triton")
     # Verified on the H200 (run6; base: run9; decode_sq: run12): every applicable path is a
     # candidate without a variable.
-    assert SHIPPED_VERIFIED == {"triton", "decode", "decode_sq", "no_adapter", "hybrid", "hybrid_par", "base"}
+    assert SHIPPED_VERIFIED == {"triton", "decode", "decode_sq", "no_adapter", "hybrid", "hybrid_par", "hybrid_par_q",
+                                "base"}
     monkeypatch.setattr(d, "VERIFIED_PATHS", SHIPPED_VERIFIED)
     allowed = lambda c: [p for p in d.applicable_paths(c) if d.path_allowed(p)]  # noqa: E731
     assert allowed(call(tokens=7, host_adapters=0)) == ["base", "decode", "decode_sq", "no_adapter", *H, "triton"]
@@ -163,10 +164,11 @@ def test_candidates_follow_applicability_and_opt_in(monkeypatch):
     assert allowed(call()) == ["decode", "hybrid", "triton"]
     assert "reference" not in d.applicable_paths(call())
     assert d.OPT_IN_ENV["decode"] == d.OPT_IN_ENV["decode_sq"] == d.OPT_IN_ENV["decode_fh"] == ops.DECODE_PATH_ENV
-    # hybrid_par (v0.34, run13) has a variable of its own: "0" keeps it out
+    # hybrid_par (v0.34, run13) and hybrid_par_q (v0.58, run22) have a variable of their own:
+    # "0" keeps them out
     monkeypatch.setattr(d, "VERIFIED_PATHS", SHIPPED_VERIFIED)
     monkeypatch.delenv("EPILORA_HYBRID_PATH")
-    assert allowed(call()) == ["decode", "hybrid", "hybrid_par", "triton"]
+    assert allowed(call()) == ["decode", "hybrid", "hybrid_par", "hybrid_par_q", "triton"]
     monkeypatch.setenv("EPILORA_HYBRID_PAR_PATH", "0")
     assert allowed(call()) == ["decode", "hybrid", "triton"]
 

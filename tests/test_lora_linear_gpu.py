@@ -213,23 +213,26 @@ def test_hybrid_path_matches_reference(proj, m):
     assert _rel_err(y, _reference(x, wq, ws, a, b, mapping)) < 1e-2
 
 
+@pytest.mark.parametrize("path", ["hybrid_par", "hybrid_par_q"])
 @pytest.mark.parametrize("m", [1, 33, 64, 256, 2048])
 @pytest.mark.parametrize("proj", ["qkv", "o", "down"])
-def test_hybrid_par_is_the_hybrid_path_bit_for_bit(proj, m):
-    """hybrid_par (K1 on a second stream beside the quantization + GEMM) returns the hybrid path's
-    y bit for bit (the same codes, GEMM and h), into a poisoned output, and matches the reference."""
+def test_hybrid_par_is_the_hybrid_path_bit_for_bit(proj, m, path):
+    """hybrid_par (K1 on a second stream beside the quantization + GEMM) and hybrid_par_q (that
+    branch forked after the quantization) return the hybrid path's y bit for bit (the same codes,
+    GEMM and h), into a poisoned output, and match the reference."""
     widths, k = QWEN3_8B[proj]
     x, wq, ws, a, b, mapping = _case(widths, k, m, seed=m + 11)
     meta = build_meta(mapping, 4)
     want = ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="hybrid")
     out = torch.full((m, sum(widths)), float("nan"), dtype=torch.bfloat16, device="cuda")
-    y = ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path="hybrid_par")
+    y = ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path=path)
     torch.cuda.synchronize()
     assert y.data_ptr() == out.data_ptr() and torch.equal(y, want)
     assert _rel_err(y, _reference(x, wq, ws, a, b, mapping)) < 1e-2
 
 
-def test_hybrid_par_in_a_cuda_graph_with_new_inputs():
+@pytest.mark.parametrize("path", ["hybrid_par", "hybrid_par_q"])
+def test_hybrid_par_in_a_cuda_graph_with_new_inputs(path):
     """The fork / join is captured as two branches of one graph; replays with new x and a new
     adapter mapping match the eager hybrid path bit for bit; the second stream is joined (the
     capture would fail otherwise) and the output is written once per replay."""
@@ -238,11 +241,11 @@ def test_hybrid_par_in_a_cuda_graph_with_new_inputs():
     x, wq, ws, a, b, mapping = _case(widths, k, m, seed=31)
     meta = build_meta(mapping, 4, m)
     out = torch.empty(m, sum(widths), dtype=torch.bfloat16, device="cuda")
-    ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path="hybrid_par")  # load modules eagerly
+    ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path=path)  # load modules eagerly
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path="hybrid_par")
+        ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path=path)
     for seed in (32, 33):
         x2, _, _, _, _, mapping2 = _case(widths, k, m, seed=seed)
         x.copy_(x2)

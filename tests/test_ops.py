@@ -89,7 +89,7 @@ def test_plugin_hooks():
     assert "multiple of 8" in ops.lora_linear_fp8_unsupported(6144, 4100, 64, 3)
 
 
-@pytest.mark.parametrize("path", ["hybrid", "hybrid_par"])
+@pytest.mark.parametrize("path", ["hybrid", "hybrid_par", "hybrid_par_q"])
 def test_hybrid_paths_need_a_gpu(path):
     x, wq, ws, a, b, meta, _ = _linear_case()
     with pytest.raises(ValueError, match=f"path='{path}' does not apply"):
@@ -117,12 +117,11 @@ def test_hybrid_path_without_adapters_is_quantization_plus_the_vendor_gemm(monke
     assert torch.equal(y, reference.fp8_scaled_mm(codes, scales, wq, ws).bfloat16())
 
 
-@pytest.mark.parametrize("order", [None, "fork_first", "quant_first"])
-def test_hybrid_par_launch_order(monkeypatch, order):
-    """The side branch (K1) forks from the caller's stream before the quantization (the shipped
-    order), or with EPILORA_HYBRID_PAR_ORDER=quant_first (v0.58) after it, K1 issued after the
-    GEMM; expand-add waits for the join either way. Fake streams and events record what each
-    stream was asked to do, in order."""
+@pytest.mark.parametrize("quant_first", [False, True])
+def test_hybrid_par_launch_order(monkeypatch, quant_first):
+    """hybrid_par: the side branch (K1) forks from the caller's stream before the quantization;
+    hybrid_par_q (v0.58): after it, K1 issued after the GEMM; expand-add waits for the join either
+    way. Fake streams and events record what each stream was asked to do, in order."""
     import contextlib
 
     from kernels_dsl import expand_add, k1_shrink
@@ -167,12 +166,8 @@ def test_hybrid_par_launch_order(monkeypatch, order):
                         log.append((current[-1].name, "expand")) or out)
     x, wq, ws, a, b, meta, _ = _linear_case()
     out = torch.empty(x.shape[0], wq.shape[0], dtype=torch.bfloat16)
-    if order is None:
-        monkeypatch.delenv(ops.HYBRID_PAR_ORDER_ENV, raising=False)
-    else:
-        monkeypatch.setenv(ops.HYBRID_PAR_ORDER_ENV, order)
-    ops._hybrid_par_path(x, wq, ws, a, b, meta, out, None)
-    if order == "quant_first":
+    ops._hybrid_par_path(x, wq, ws, a, b, meta, out, None, quant_first=quant_first)
+    if quant_first:
         assert log == [("main", "quant"), ("main", "record", "main@1"), ("main", "gemm"),
                        ("side", "wait", "main@1"), ("side", "k1"), ("main", "wait", "side@now"), ("main", "expand")]
     else:

@@ -13,6 +13,7 @@ replays with the L2 flushed before each (median, tools/gpu_timing):
   expand_add_us  our expand-add alone (kernels_dsl/expand_add.py) on K1's h, adding into y
   hybrid_us      the whole op, lora_linear_fp8(path="hybrid") (validation + the three launches)
   hybrid_par_us  the same with K1 on a second stream beside the quantization + GEMM (v0.34)
+  hybrid_par_q_us  hybrid_par with that branch forked after the quantization (v0.58)
   k1_z1_us, expand_add_z1_us     the same kernels with the group split (grid z) forced to 1: the
                  launch geometry before v0.6 (timed only where the default z is > 1)
   k1_zN_us, expand_add_zN_us     with EPILORA_BENCH_ZSWEEP=1, also z = 2, 4, ..., 64 where it differs
@@ -55,7 +56,7 @@ from tools.gpu_timing import read_bandwidth_gbs, time_graph  # noqa: E402
 RANK = 64
 TOKENS = (32, 256, 2048)
 ADAPTERS = (1, 32)
-STAGES = ("k1", "gemm", "expand_add", "hybrid", "hybrid_par")
+STAGES = ("k1", "gemm", "expand_add", "hybrid", "hybrid_par", "hybrid_par_q")
 ZSWEEP = (2, 4, 8, 16, 32, 64)
 ZSWEEP_ENV = "EPILORA_BENCH_ZSWEEP"
 K1SWEEP_ENV = "EPILORA_BENCH_K1SWEEP"  # "1": also K1 / expand-add under their sweep_configs
@@ -159,7 +160,9 @@ class HybridStages:
                "hybrid": lambda: ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=self.out,
                                                      path="hybrid"),
                "hybrid_par": lambda: ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta,
-                                                         out=self.out, path="hybrid_par")}
+                                                         out=self.out, path="hybrid_par"),
+               "hybrid_par_q": lambda: ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta,
+                                                           out=self.out, path="hybrid_par_q")}
         if os.environ.get(K1SWEEP_ENV) == "1":
             from kernels_dsl import k1_shrink as k1mod
             for name, cfg in k1mod.sweep_configs(len(c.proj.slices), c.proj.k, c.rank).items():
