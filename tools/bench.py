@@ -104,13 +104,14 @@ def bench_launch(quick: bool) -> list[dict]:
 def _op_host_rows() -> list[dict]:
     """Host time of one eager LoRA projection call (Qwen3-8B qkv, one token, one rank-64 adapter)
     per path, with the launcher's TMA descriptors reused (the default) and encoded anew each call
-    (the launcher before session 19): what an eager step pays per projection."""
+    (the launcher before session 19), and a host profile of the call: what an eager step pays per
+    projection (the Triton path: what the dispatch's eager keys at small batches took in run21)."""
     from epilora_cute import launcher, ops
     from tools.bench_decode import QWEN3_8B, LayerCase
 
     c = LayerCase(QWEN3_8B[0], 1, 64)
     rows = []
-    for path in ("decode_sq", "decode", "hybrid"):
+    for path in ("decode_sq", "decode", "hybrid", "hybrid_par", "triton"):
         def call():
             ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=c.y, path=path)
 
