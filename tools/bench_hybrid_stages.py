@@ -157,12 +157,10 @@ class HybridStages:
         fns = {"k1": k1(),
                "gemm": lambda: ops.vendor_fp8_gemm(self.codes, self.scales, c.w_q, c.w_s, out=self.y),
                "expand_add": ex(),
-               "hybrid": lambda: ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=self.out,
-                                                     path="hybrid"),
-               "hybrid_par": lambda: ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta,
-                                                         out=self.out, path="hybrid_par"),
-               "hybrid_par_q": lambda: ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta,
-                                                           out=self.out, path="hybrid_par_q")}
+               # the whole op, per path (the default argument binds each lambda's own path)
+               **{path: lambda path=path: ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta,
+                                                              out=self.out, path=path)
+                  for path in ("hybrid", "hybrid_par", "hybrid_par_q")}}
         if os.environ.get(K1SWEEP_ENV) == "1":
             from kernels_dsl import k1_shrink as k1mod
             for name, cfg in k1mod.sweep_configs(len(c.proj.slices), c.proj.k, c.rank).items():
