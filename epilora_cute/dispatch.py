@@ -487,11 +487,12 @@ def _device_name(index: int) -> str:
 
 def describe(x, w_q, widths, rank, lora_a, lora_b, meta) -> Call | None:
     """The dispatch's view of a validated ``lora_linear_fp8`` call; None off CUDA."""
-    if not x.is_cuda:
+    from . import ops
+
+    if not ops._on_gpu(x):
         return None
     import torch
 
-    from . import ops
     from .arch import arch_of
 
     arch = arch_of(x)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 import struct
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import torch
@@ -65,6 +66,33 @@ class TensorParam:
     def size(self) -> int:
         return self.layout()[1]
 
+    @cached_property
+    def _struct(self) -> struct.Struct:
+        return struct.Struct(self.layout()[0])
+
+    def writer(self):
+        """write(buf, offset, t): the bytes of pack(t) written into buf (the launcher's parameter
+        buffer) at offset — the launch's hot path, so no intermediate bytes object; any check
+        pack() would fail falls back to pack() for its error message."""
+        st, dtype, rank, align = self._struct, self.dtype, self.rank, self.align
+        shape_modes, stride_modes = self.dynamic_shape, self.dynamic_stride
+
+        def write(buf, off, t):
+            ptr = t.data_ptr()
+            if t.dtype != dtype or t.dim() != rank or ptr % align:
+                self.pack(t)  # raises with the reason
+            shape = t.shape
+            vals = [shape[i] for i in shape_modes]
+            if stride_modes:
+                stride = t.stride()
+                vals += [stride[i] for i in stride_modes]
+            try:
+                st.pack_into(buf, off, ptr, *vals)
+            except struct.error:
+                self.pack(t)  # a dimension beyond int32: the same message as pack()
+                raise
+        return write
+
 
 @dataclass(frozen=True)
 class ScalarParam:
@@ -77,6 +105,9 @@ class ScalarParam:
     @property
     def size(self) -> int:
         return struct.calcsize("<" + self.fmt)
+
+    def writer(self):
+        return struct.Struct("<" + self.fmt).pack_into
 
 
 @dataclass(frozen=True)
@@ -92,6 +123,11 @@ class TensorMapParam:
     @property
     def size(self) -> int:
         return 128
+
+    def writer(self):
+        def write(buf, off, v):
+            buf[off:off + 128] = self.pack(v)
+        return write
 
 
 ParamSpec = TensorParam | ScalarParam | TensorMapParam

@@ -31,15 +31,40 @@ _TENSORMAPS_MAX = 4096
 
 
 def _tensormap(p: TensorMapParam, t: torch.Tensor) -> bytes:
-    """p.pack(t), encoded once per (declaration, address, shape, strides, dtype)."""
-    key = (p, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
-    blob = _TENSORMAPS.get(key)
-    if blob is None:
-        blob = p.pack(t)
-        if len(_TENSORMAPS) >= _TENSORMAPS_MAX:
-            _TENSORMAPS.clear()
-        _TENSORMAPS[key] = blob
+    """p.pack(t), encoded once per (declaration, address, shape, strides, dtype). Keyed by the
+    declaration's identity (hashing a frozen declaration walks all its fields, per call): the entry
+    holds p itself, so its id cannot be reused while the entry lives."""
+    key = (id(p), t.data_ptr(), t.shape, t.stride(), t.dtype)
+    hit = _TENSORMAPS.get(key)
+    if hit is not None and hit[0] is p:
+        return hit[1]
+    blob = p.pack(t)
+    if len(_TENSORMAPS) >= _TENSORMAPS_MAX:
+        _TENSORMAPS.clear()
+    _TENSORMAPS[key] = (p, blob)
     return blob
+
+
+def _tensormap_writer(p: TensorMapParam):
+    def write(buf, off, v):
+        blob = _tensormap(p, v) if isinstance(v, torch.Tensor) else p.pack(v)
+        buf[off:off + 128] = blob
+    return write
+
+
+def _writer(p: ParamSpec):
+    """write(buf, offset, value) for one declared parameter (the declaration's own writer when it
+    has one, else pack() copied in)."""
+    if isinstance(p, TensorMapParam):
+        return _tensormap_writer(p)
+    w = getattr(p, "writer", None)
+    if w is not None:
+        return w()
+
+    def write(buf, off, v):
+        blob = p.pack(v)
+        buf[off:off + len(blob)] = blob
+    return write
 
 
 class CudaError(RuntimeError):
@@ -112,17 +137,21 @@ class Kernel:
             offsets.append(off)
             off += p.size
         self._offsets = offsets
+        self._writers = tuple(_writer(p) for p in self.params)
         self._tls = threading.local()
         self._buf_size = off + 64
 
     def _buffers(self):
-        """This thread's parameter buffer and the pointer array into it (made once per thread)."""
+        """This thread's parameter buffer, the offset of its 64-byte aligned start, and the
+        address of the pointer array into it (made once per thread)."""
         bufs = getattr(self._tls, "bufs", None)
         if bufs is None:
             raw = ctypes.create_string_buffer(self._buf_size + 64)
             base = (ctypes.addressof(raw) + 63) // 64 * 64
             ptrs = (ctypes.c_void_p * len(self.params))(*[base + o for o in self._offsets])
-            bufs = self._tls.bufs = (raw, base, ptrs, ctypes.addressof(ptrs))
+            shift = base - ctypes.addressof(raw)
+            slots = tuple(zip(self._writers, [shift + o for o in self._offsets]))
+            bufs = self._tls.bufs = (raw, slots, ptrs, ctypes.addressof(ptrs))
         return bufs
 
     def _load(self) -> tuple[int, _Loaded]:
@@ -198,10 +227,9 @@ class Kernel:
         if min(grid) < 1:
             return  # empty launch: nothing to do (the driver would reject it)
         dev, loaded = self._load()
-        raw, base, _, ptrs_addr = self._buffers()
-        for p, a, off in zip(self.params, args, self._offsets):
-            blob = _tensormap(p, a) if isinstance(p, TensorMapParam) and isinstance(a, torch.Tensor) else p.pack(a)
-            ctypes.memmove(base + off, blob, len(blob))
+        raw, slots, _, ptrs_addr = self._buffers()
+        for (write, off), a in zip(slots, args):
+            write(raw, off, a)
         handle = (stream if stream is not None else torch.cuda.current_stream(dev)).cuda_stream
         self._ensure_attrs(loaded, dev, smem, cluster)
         cfg = self._config(grid, smem, pdl, cluster, handle)

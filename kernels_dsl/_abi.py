@@ -38,6 +38,15 @@ class CoordParam:
             raise ValueError(f"{self.name}: dims out of int32 range: {dims}")
         return struct.pack("<" + "i" * self.n, *dims)
 
+    def writer(self):
+        st, n = struct.Struct("<" + "i" * self.n), self.n
+
+        def write(buf, off, dims):
+            if len(dims) != n or not all(0 < d < 2**31 for d in dims):
+                self.pack(dims)  # raises with the reason
+            st.pack_into(buf, off, *dims)
+        return write
+
 
 # cuTensorMapEncodeTiled enums, by name (values are cuda-python's enum members, resolved lazily).
 _DTYPES = {torch.float8_e4m3fn: "UINT8", torch.uint8: "UINT8", torch.int8: "UINT8",

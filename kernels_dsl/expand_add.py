@@ -41,6 +41,7 @@ array would cost a dependent load per tile and a host-side table to keep valid u
 from __future__ import annotations
 
 import sys
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -102,7 +103,7 @@ class Config:
     def block(self) -> tuple[int, int, int]:
         return (self.threads, 1, 1)
 
-    @property
+    @functools.cached_property  # launches ask for it on every call
     def smem_bytes(self) -> int:
         """Dynamic smem, the kernel's struct field by field: sA (bf16 [bm, Rp]) then the B double
         buffer, which the fp32 epilogue tile [bm, bn + C_PAD] reuses (the larger of the two)."""
@@ -465,6 +466,7 @@ SLICE_COUNTS = (1, 2, 3, 4)
 WIDE_M = 2048  # token count from which select() takes the narrow (bn 64) tile
 
 
+@functools.lru_cache(maxsize=8192)  # a pure function of its arguments, asked on every launch
 def select(num_slices: int, m: int, rank: int) -> Config:
     """bm 64 at every M (v0.13: bm 128, taken from 2048 tokens before, compiles to ~146 registers x
     256 threads, one CTA per SM, and each CTA is a chain of round trips with nothing to overlap it:
@@ -629,14 +631,15 @@ def expand_add(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks
     check_slot_ranks(slot_ranks, L, y.device)
     if M == 0:
         return y
-    if not y.is_cuda:
+    arch = arch_of(y)  # None off CUDA (and on GPUs without a CuTe target)
+    if arch is None:
         raise ValueError("expand_add runs on CUDA tensors only (reference.lora_expand / emulate() on the CPU)")
     cfg = config or select(S, M, R)
     if cfg.rank != R or cfg.num_slices != S:
         raise ValueError(f"config {cfg.name()} does not match rank {R} / {S} slices")
     if zsplit is not None and not 1 <= zsplit <= 65535:
         raise ValueError(f"zsplit must be 1..65535, got {zsplit}")
-    kernel = get_kernel(sys.modules[__name__], cfg, arch_of(y))
+    kernel = get_kernel(sys.modules[__name__], cfg, arch)
     ranks = slot_ranks if slot_ranks is not None else meta.active_lora_ids  # never read when has_ranks = 0
     args = [y, h, meta.token_indices_sorted_by_lora_ids, meta.sorted_lora_ids, meta.row_group,
             meta.active_lora_ids, meta.lora_token_start_loc, ranks]

@@ -20,6 +20,7 @@ is read before the wait, so chaining this kernel assumes nothing about its prede
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +56,7 @@ class Config:
     def block(self) -> tuple[int, int, int]:
         return (self.threads, 1, 1)
 
-    @property
+    @functools.cached_property  # launches ask for it on every call
     def smem_bytes(self) -> int:
         return 4 * (self.threads // 32)  # one fp32 partial max per warp
 
@@ -68,6 +69,7 @@ PARAMS = (
 )
 
 
+@functools.lru_cache(maxsize=None)  # a pure function of k, asked on every launch
 def config_for(k: int) -> Config:
     """The configuration that covers a row of k elements (k % 8 == 0) with the fewest idle slots.
 

@@ -42,6 +42,7 @@ Capacity: K <= splits * KC with splits <= 8 (a portable cluster); the configurat
 from __future__ import annotations
 
 import sys
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -127,7 +128,7 @@ class Config:
     def block(self) -> tuple[int, int, int]:
         return (self.threads, 1, 1)
 
-    @property
+    @functools.cached_property  # launches ask for it on every call
     def smem_bytes(self) -> int:
         """sX [bm, kc] bf16, the A ring [RP, 64, stages] bf16, the partial [bm, R + pad] fp32 and
         the per-row partial maxima [bm] fp32, each 1024-aligned (the DSL allocator's order)."""
@@ -612,6 +613,7 @@ TARGET_CTAS = 2 * 132  # about two CTAs per H100/H200 SM
 Z_TARGET_CTAS = 3 * 132
 
 
+@functools.lru_cache(maxsize=8192)  # a pure function of its arguments, asked on every launch
 def select(num_slices: int, k: int, rank: int, m: int | None = None) -> Config:
     """The configuration for K1 at m tokens (None: the resident rule alone, _select_resident).
 
@@ -638,6 +640,7 @@ def select(num_slices: int, k: int, rank: int, m: int | None = None) -> Config:
     return base
 
 
+@functools.lru_cache(maxsize=None)
 def _select_resident(num_slices: int, k: int, rank: int) -> Config:
     """The smallest resident chunk that covers K with <= 8 splits; then a deep A ring (v0.10: the
     shallow 3-stage ring kept two blocks in flight and made K1 a chain of DRAM round trips): the
@@ -827,7 +830,8 @@ def k1_quant_shrink(x: torch.Tensor, lora_a_slices, meta, codes: torch.Tensor | 
     check_slot_ranks(slot_ranks, L, x.device)
     if M == 0:
         return codes, scales, h
-    if not x.is_cuda:
+    arch = arch_of(x)  # None off CUDA (and on GPUs without a CuTe target)
+    if arch is None:
         raise ValueError("k1_quant_shrink runs on CUDA tensors only (the reference / emulate() on the CPU)")
     cfg = config or select(S, K, R, M)
     if cfg.rank != R or cfg.num_slices != S:
@@ -838,7 +842,7 @@ def k1_quant_shrink(x: torch.Tensor, lora_a_slices, meta, codes: torch.Tensor | 
     nkb_total = -(-K // BK)
     if not 1 <= g[0] <= MAX_SPLITS or -(-nkb_total // g[0]) > cfg.nkb:
         raise ValueError(f"{g[0]} splits of K = {K} do not fit {cfg.name()} (<= {MAX_SPLITS} splits of <= {cfg.kc})")
-    kernel = get_kernel(sys.modules[__name__], cfg, arch_of(x))
+    kernel = get_kernel(sys.modules[__name__], cfg, arch)
     ranks = slot_ranks if slot_ranks is not None else meta.active_lora_ids  # never read when has_ranks = 0
     args = [x, codes.view(torch.int16), scales.reshape(-1), h, meta.token_indices_sorted_by_lora_ids,
             meta.row_group, meta.active_lora_ids, meta.lora_token_start_loc, ranks]

@@ -257,6 +257,7 @@ class Config:
     def block(self) -> tuple[int, int, int]:
         return (THREADS, 1, 1)
 
+    @functools.lru_cache(maxsize=None)  # launches ask for it on every call (configs are immutable)
     def smem_bytes(self) -> int:
         """Dynamic shared memory of a launch: the kernel's smem struct, field by field."""
         st, nb, bn = self.stages, self.b_bufs, self.bn

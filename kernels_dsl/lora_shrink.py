@@ -39,6 +39,7 @@ tail. Rules (a no-op wait when launched without PDL):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +115,7 @@ class Config:
     def block(self) -> tuple[int, int, int]:
         return (THREADS, 1, 1)
 
+    @functools.lru_cache(maxsize=None)  # launches ask for it on every call (configs are immutable)
     def smem_bytes(self) -> int:
         """Dynamic shared memory of a launch: the kernel's smem struct, field by field."""
         st, bn, bk = self.stages, self.bn, self.bk

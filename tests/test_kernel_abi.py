@@ -93,3 +93,79 @@ def test_tensor_maps_encoded_once_per_tensor_and_declaration(monkeypatch):
     monkeypatch.setattr(launcher, "_TENSORMAPS_MAX", 5)
     launcher._tensormap(p, w[:16])  # full: emptied first
     assert len(launcher._TENSORMAPS) == 1 and len(calls) == 7
+
+
+def _written(p, v) -> bytes:
+    from epilora_cute import launcher
+
+    buf = bytearray(8 + p.size + 8)
+    launcher._writer(p)(buf, 8, v)
+    assert buf[:8] == bytes(8) and buf[8 + p.size:] == bytes(8)  # nothing outside the slot
+    return bytes(buf[8:8 + p.size])
+
+
+def test_writers_write_exactly_what_pack_returns():
+    """The launcher's hot path writes each parameter in place (kernel_abi writers); the bytes must
+    be pack()'s, for every kind of declaration, and bad values must fail as pack() fails."""
+    from kernels_dsl._abi import CoordParam
+
+    base = torch.empty(6, 40, dtype=torch.bfloat16)
+    cases = [
+        (TensorParam("x", torch.bfloat16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,)), base[:, :32]),
+        (TensorParam("y", torch.float32, 2, dynamic_shape=(0,), dynamic_stride=(0,), align=4), torch.empty(5, 7)),
+        (TensorParam("s", torch.float32, 2, dynamic_shape=(0,), align=4), torch.empty(9, 1)),
+        (TensorParam("h", torch.float32, 3, dynamic_shape=(1,), dynamic_stride=(0,)), torch.empty(3, 11, 64)),
+        (TensorParam("v", torch.int32, 1, align=4), torch.empty(2, dtype=torch.int32)),
+        (ScalarParam("n", "i"), -7), (ScalarParam("q", "q"), 1 << 40), (ScalarParam("f", "f"), 0.5),
+        (CoordParam("dims", 2), (4096, 6144)), (CoordParam("rows", 1), (8,)),
+        (TensorMapParam("tma"), bytes(range(128))),
+    ]
+    for p, v in cases:
+        assert _written(p, v) == p.pack(v), p.name
+    x = cases[0][0]
+    with pytest.raises(TypeError, match="bfloat16"):
+        _written(x, torch.empty(2, 8))
+    with pytest.raises(ValueError, match="2-D"):
+        _written(x, torch.empty(8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="aligned"):
+        _written(x, torch.empty(2, 9, dtype=torch.bfloat16)[:, 1:])
+    with pytest.raises(ValueError, match="int32"):
+        _written(x, torch.empty(2**31, 0, dtype=torch.bfloat16).t().t())
+    with pytest.raises(ValueError):
+        _written(CoordParam("dims", 2), (0, 5))
+    with pytest.raises(ValueError):
+        _written(CoordParam("dims", 2), (5,))
+    with pytest.raises(ValueError):
+        _written(TensorMapParam("tma"), bytes(64))
+
+
+def test_kernel_call_packs_every_parameter_at_its_offset(monkeypatch):
+    """Kernel.__call__'s parameter buffer, read at the launch: each slot holds pack(arg) at its
+    aligned offset, and the pointer array points at the slots (the driver copies from there)."""
+    import ctypes
+    import types
+
+    from epilora_cute import launcher
+
+    params = [TensorParam("a", torch.bfloat16, 2, (0, 1), (0,)), TensorMapParam("t"), ScalarParam("n", "i"),
+              TensorParam("s", torch.float32, 2, (0,), align=4)]
+    art = types.SimpleNamespace(param_sizes=[24, 128, 4, 16], kernel_name="kern", family="fake")
+    k = launcher.Kernel(art, params, (128, 1, 1))
+    seen = []
+    real = launcher._driver()
+
+    def launch(cfg, fn, ptrs, extra):
+        arr = ctypes.cast(ptrs, ctypes.POINTER(ctypes.c_void_p))
+        seen.append([ctypes.string_at(arr[i], p.size) for i, p in enumerate(params)])
+        return (real.CUresult.CUDA_SUCCESS,)
+
+    drv = types.SimpleNamespace(**{n: getattr(real, n) for n in dir(real) if not n.startswith("__")})
+    drv.cuLaunchKernelEx = launch
+    monkeypatch.setattr(launcher, "_driver", lambda: drv)
+    monkeypatch.setattr(launcher.Kernel, "_load", lambda self: (0, launcher._Loaded(None, None)))
+    monkeypatch.setattr(launcher.Kernel, "_ensure_attrs", lambda self, *a: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: types.SimpleNamespace(cuda_stream=0))
+    for i in range(3):  # the buffer is reused: every call rewrites every slot
+        args = [torch.empty(3 + i, 16, dtype=torch.bfloat16), bytes([i]) * 128, 5 - i, torch.empty(7 + i, 1)]
+        k(*args, grid=(1, 1, 1))
+        assert seen[-1] == [p.pack(a) for p, a in zip(params, args)]

@@ -74,8 +74,13 @@ def test_lora_linear_cpu_is_the_reference():
     (lambda c: c.update(path="fastest"), ValueError, "path must be"),
     (lambda c: c.update(path="decode"), ValueError, "does not apply"),
 ])
-def test_lora_linear_bad_input(mutate, exc, match):
+@pytest.mark.parametrize("warm", [False, True])
+def test_lora_linear_bad_input(mutate, exc, match, warm):
+    """warm: the good buffers were used first, so their facts are memoized (_layer_facts): a bad
+    buffer or activation given next must still be caught."""
     x, wq, ws, a, b, meta, _ = _linear_case()
+    if warm:
+        ops.lora_linear_fp8(x, wq, ws, a, b, meta)
     c = dict(x=x, wq=wq, ws=ws, a=a, b=b, out=None, path="auto")
     mutate(c)
     with pytest.raises(exc, match=match):
