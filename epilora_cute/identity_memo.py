@@ -12,6 +12,9 @@ What may be stored: plain values (ints, strings, tuples of them, bytes). Never a
 of one: a view keeps its base alive (torch preserves the base's Python object), which would pin
 every buffer ever seen.
 
+A view made anew on every call (``weight.t()``, ``scale.reshape(1)``: what an engine's compiled
+code passes) is keyed by its base and its geometry instead (``tensor_key``).
+
 Assumed: a tensor's address, shape, strides and dtype do not change in place (``resize_``,
 ``set_``, ``as_strided_``) — vLLM updates its adapter buffers with in-place copies only.
 """
@@ -29,8 +32,9 @@ class IdentityMemo:
         self._d: dict[tuple, tuple] = {}
         self._maxsize = maxsize
 
-    def get(self, objs: Sequence, make: Callable[[], T]) -> T:
-        key = tuple(map(id, objs))
+    def get(self, objs: Sequence, make: Callable[[], T], extra: tuple = ()) -> T:
+        """The value for these objects (and the plain key part ``extra``), made once."""
+        key = (*map(id, objs), extra)
         hit = self._d.get(key)
         if hit is not None:
             refs, value = hit
@@ -50,3 +54,12 @@ class IdentityMemo:
 
     def __len__(self) -> int:
         return len(self._d)
+
+
+def tensor_key(t) -> tuple:
+    """(objects, plain key part) identifying tensor t for IdentityMemo: t itself, or for a view its
+    base and the view's geometry (a fresh view of the same base and geometry is the same tensor)."""
+    base = t._base
+    if base is None:
+        return (t,), ()
+    return (base,), (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)

@@ -14,7 +14,7 @@ import torch
 from . import reference
 from .arch import SIMPLE_KERNEL_TARGETS, arch_of
 from .compile_cache import KernelUnavailable
-from .identity_memo import IdentityMemo
+from .identity_memo import IdentityMemo, tensor_key
 from .kernels import get_kernel
 
 log = logging.getLogger("epilora_cute")
@@ -243,6 +243,19 @@ _layer_facts_memo = IdentityMemo()
 _layout_memo = IdentityMemo()
 
 
+def _layer_key(w_q, w_scale, a, b) -> tuple:
+    """IdentityMemo's (objects, extra) for a layer's buffers. The weight and its scale often come
+    as views made anew on every call (vLLM's layer passes ``weight.t()``; compiled code re-makes
+    views), so those are keyed by base and geometry; the adapter slices are vLLM's own buffers."""
+    objs, extra = [], []
+    for t in (w_q, w_scale):
+        if isinstance(t, torch.Tensor):
+            o, e = tensor_key(t)
+            objs += o
+            extra.append(e)
+    return (*objs, *a, *b), tuple(extra)
+
+
 def _layer_facts(w_q, w_scale, a, b) -> _LayerFacts:
     """Validate the layer's buffers (raises on bad input) and derive their facts."""
     _check_2d("w_q", w_q, torch.float8_e4m3fn)
@@ -275,7 +288,8 @@ def _validate_linear(x, w_q, w_scale, lora_a, lora_b, meta, out):
     identity: an eager call's host time is the engine's pace outside CUDA graphs), the per-call
     tensors every time."""
     a, b = _slices(lora_a), _slices(lora_b)
-    f = _layer_facts_memo.get((w_q, w_scale, *a, *b), lambda: _layer_facts(w_q, w_scale, a, b))
+    objs, extra = _layer_key(w_q, w_scale, a, b)
+    f = _layer_facts_memo.get(objs, lambda: _layer_facts(w_q, w_scale, a, b), extra)
     _check_2d("x", x, torch.bfloat16)
     m, k = x.shape
     if k != f.k:
@@ -321,7 +335,8 @@ def _buffer_layout_reason(x, w_q, a, b) -> str | None:
         return "x, w_q and the adapter buffers must be contiguous"
     if x.data_ptr() % 16:
         return "buffers must be 16-byte aligned"
-    return _layout_memo.get((w_q, *a, *b), lambda: _layout_reason(w_q, a, b))
+    objs, extra = _layer_key(w_q, None, a, b)
+    return _layout_memo.get(objs, lambda: _layout_reason(w_q, a, b), extra)
 
 
 def _layout_reason(w_q, a, b) -> str | None:
@@ -446,14 +461,27 @@ def _cutlass_into(out, x_q, w_q):
     return op
 
 
+_VLLM_OPS: list = []  # [vllm._custom_ops or None], once resolved
+
+
+def _vllm_ops():
+    """vLLM's op module, or None where vLLM is absent or its ops are unbuilt; imported once (a
+    failing import searches sys.path again on every call: ~200 µs of host time per projection on
+    the H200's host, run23)."""
+    if not _VLLM_OPS:
+        try:
+            from vllm import _custom_ops as vops
+        except Exception:  # noqa: BLE001 - vLLM absent or its ops unbuilt: use cuBLAS
+            vops = None
+        _VLLM_OPS.append(vops)
+    return _VLLM_OPS[0]
+
+
 def vendor_fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """The vendor FP8 GEMM with per-token x and per-tensor W scales: vLLM's CUTLASS kernel when
     vLLM is importable, else cuBLAS through torch._scaled_mm (row-wise scales)."""
-    try:
-        from vllm import _custom_ops as vops
-    except Exception:  # noqa: BLE001 - vLLM absent or its ops unbuilt: use cuBLAS
-        vops = None
+    vops = _vllm_ops()
     sx = x_scale.reshape(-1, 1)
     direct = _cutlass_into(out, x_q, w_q) if vops is not None else None
     if direct is not None:

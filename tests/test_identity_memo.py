@@ -29,13 +29,13 @@ def test_a_recycled_id_is_not_a_hit():
     memo = IdentityMemo()
     t = torch.zeros(4)
     memo.get((t,), lambda: "old")
-    key = (id(t),)
+    key = (id(t), ())
     refs, value = memo._d[key]
     del t
     gc.collect()
     assert refs[0]() is None
     u = torch.zeros(8)
-    memo._d[(id(u),)] = (refs, value)  # as if u had been given the dead tensor's id
+    memo._d[(id(u), ())] = (refs, value)  # as if u had been given the dead tensor's id
     assert memo.get((u,), lambda: "new") == "new"
 
 
@@ -59,3 +59,35 @@ def test_a_failing_make_stores_nothing_and_full_memo_starts_over():
     for i, x in enumerate(ts):
         memo.get((x,), lambda: i)
     assert len(memo) == 1  # emptied when full, then the third stored
+
+
+def test_fresh_views_of_one_base_share_an_entry_and_other_geometries_do_not():
+    """What an engine passes: weight.t() made anew on every call is one tensor; a view of another
+    shape, offset or dtype of the same base is another."""
+    from epilora_cute.identity_memo import tensor_key
+
+    memo, made = IdentityMemo(), []
+    w = torch.zeros(8, 16)
+
+    def facts(t):
+        objs, extra = tensor_key(t)
+        return memo.get(objs, lambda: made.append(tuple(t.shape)) or tuple(t.shape), extra)
+
+    assert facts(w.t()) == (16, 8) and facts(w.t()) == (16, 8) and len(made) == 1
+    assert facts(w) == (8, 16) and len(made) == 2  # the base itself
+    assert facts(w[1:].t()) == (16, 7) and facts(w[:, :8].t()) == (8, 8) and len(made) == 4
+    assert facts(w.view(torch.int32).t()) == (16, 8) and len(made) == 5  # another dtype
+
+
+def test_layer_facts_follow_a_replaced_weight():
+    """ops._validate_linear with the weight passed as a fresh view each call: memoized per base,
+    and a weight of another shape given later is validated anew (and refused)."""
+    from epilora_cute import ops
+    from tests.test_ops import _linear_case
+
+    x, wq, ws, a, b, meta, _ = _linear_case()
+    base = wq.t().contiguous()  # stored [K, N] as vLLM keeps its FP8 weights; the op gets .t()
+    for _ in range(3):
+        assert ops._validate_linear(x, base.t(), ws.reshape(1), a, b, meta, None)[2] == (32, 16, 16)
+    with pytest.raises(ValueError, match="add up"):
+        ops._validate_linear(x, torch.cat([base, base], 1).t(), ws.reshape(1), a, b, meta, None)
