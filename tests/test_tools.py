@@ -449,3 +449,18 @@ def test_bench_host_profile_ranks_own_time():
     assert any("sleep" in r[0] for r in rows[:2]), rows
     assert rows[0][2] >= 400  # µs of own time per call: the sleep
 
+
+
+def test_host_cpu_times_an_eager_call_with_the_gpu_faked():
+    """tools/host_cpu.py runs the op's host code on CPU tensors (GPU calls faked): both launches of
+    the no-adapter path happen, through the dispatch too, and nothing is left patched."""
+    import torch
+
+    from epilora_cute import launcher, ops
+    from tools import host_cpu
+
+    rows = host_cpu.measure(["no_adapter", "auto:no_adapter"], [1])
+    assert [r.get("launches") for r in rows] == [2, 2], rows
+    assert all(r["host_us"] > 0 for r in rows)
+    assert ops.arch_of.__module__ == "epilora_cute.arch" and launcher._driver.__module__ == "epilora_cute.launcher"
+    assert not hasattr(torch.cuda.current_stream, "__wrapped__") and ops._on_gpu(torch.zeros(1)) is False
