@@ -88,6 +88,7 @@ CONSUMER_REGS = 232  # 128 x (40 + 2 x 232) = 64512 <= 65536 (168 x 384 at launc
 RED_PAD = 4  # fp32 words of padding per token column of the output tile (bank spread)
 SMEM_LIMIT = 227 * 1024  # the opt-in maximum dynamic smem of an H100/H200 CTA
 M_MIN, M_MAX = 33, 8192
+ACCUM_MODES = ("serial", "overlap", "fast")
 
 # Named barriers (id 0 is __syncthreads).
 _BAR_HMASK = 1
@@ -107,6 +108,15 @@ class Config:
     rank: the adapter buffers' rank R (vLLM's max_lora_rank), lora only.
     b_bufs: smem ring of B chunks (each bm x min(R, 64) bf16).
     pdl: build with griddepcontrol.wait (PDL dependent of the kernel producing x_q / s_x / h).
+    accum: how the main loop sums the FP8 products (ACCUM_MODES):
+      "serial"  each 128-deep k-block a fresh tensor-core sum, waited for, then added to the fp32
+                accumulator on the CUDA cores (the tensor cores idle during the wait and the add);
+      "overlap" the same sums in the same order (bit for bit "serial"'s result), two k-blocks in
+                flight: block i+1's WGMMAs run while block i is added (one more accumulator);
+      "fast"    one tensor-core sum over all of K (no promotion; CUTLASS's FP8FastAccum), the
+                previous stage released while the next block runs.
+    vstore: the output tile leaves as 16-byte stores (8 features of one token per thread and
+      instruction) instead of one bf16 per thread and instruction; needs y's rows 16-byte aligned.
     """
 
     bn: int = 128
@@ -118,8 +128,12 @@ class Config:
     rank: int = 64
     b_bufs: int = 2
     pdl: bool = False
+    accum: str = "serial"
+    vstore: bool = False
 
     def __post_init__(self):
+        if self.accum not in ACCUM_MODES:
+            raise ValueError(f"accum must be one of {ACCUM_MODES}")
         if self.bn not in (64, 128):
             raise ValueError("bn must be 64 or 128")
         if self.bm not in (64, 128):
@@ -157,6 +171,8 @@ class Config:
             s += f"_lora_s{self.num_slices}_r{self.rank}_nb{self.b_bufs}"
         else:
             s += "_nolora"
+        s += "" if self.accum == "serial" else f"_{self.accum}"
+        s += "_vs" if self.vstore else ""
         return s + ("_pdl" if self.pdl else "")
 
     @property
@@ -170,8 +186,9 @@ class Config:
     def acc_regs(self) -> dict:
         """fp32 registers per consumer thread for each accumulator (acc, acc_blk, acc_lora)."""
         per = self.bm * self.bn // CONSUMER_THREADS
-        return dict(acc=per, acc_blk=per, acc_lora=per if self.lora else 0,
-                    peak=2 * per)  # acc_blk dies with the main loop, acc_lora is born after it
+        blk = {"serial": per, "overlap": 2 * per, "fast": 0}[self.accum]
+        return dict(acc=per, acc_blk=blk, acc_lora=per if self.lora else 0,
+                    peak=per + blk)  # acc_blk dies with the main loop, acc_lora is born after it
 
     def stage_union_bytes(self) -> int:
         """The first smem buffer: weight stages, reused for the fp32 output tile afterwards."""
@@ -303,9 +320,7 @@ if cute is not None:
                 tma_bs, mBs, mH, mActive, mNumActive, mStart, mSlotRanks, mSliceStart = lora_pack
             # Built here, not passed: a TiledMma kernel argument becomes a 1-byte dummy parameter.
             kmaj = cute.nvgpu.warpgroup.OperandMajorMode.K
-            tiled_mma = sm90_utils.make_trivial_tiled_mma(
-                cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, kmaj, kmaj, cutlass.Float32, cfg.atom_layout,
-                tiler_mn=(64, cfg.mma_n))
+            tiled_mma = self._fp8_mma()
             tiled_mma_l = sm90_utils.make_trivial_tiled_mma(
                 cutlass.BFloat16, cutlass.BFloat16, kmaj, kmaj, cutlass.Float32, cfg.atom_layout,
                 tiler_mn=(64, cfg.mma_n))
@@ -432,23 +447,39 @@ if cute is not None:
                 tCcC = thr_mma.partition_C(cC)
                 acc = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
                 acc.fill(0.0)
-                acc_blk = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
                 num_kk = cute.size(tCrW, mode=[2])
-
-                for i in cutlass.range(nk, unroll=1):
-                    s = i % STAGES
-                    cute.arch.mbarrier_wait(full + s, (i // STAGES) % 2)
-                    cute.nvgpu.warpgroup.fence()
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                    for kk in cutlass.range_constexpr(num_kk):
-                        cute.gemm(tiled_mma, acc_blk, tCrW[(None, None, kk, s)], tCrX[(None, None, kk, s)], acc_blk)
-                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                    cute.nvgpu.warpgroup.commit_group()
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    cute.arch.mbarrier_arrive(empty + s)
-                    # Promotion: each 128-deep k-block is a fresh tensor-core sum, added in fp32.
-                    for e in cutlass.range_constexpr(cute.size(acc)):
-                        acc[e] = acc[e] + acc_blk[e]
+                mma = (tiled_mma, tCrW, tCrX, full, empty, num_kk)
+                if cutlass.const_expr(cfg.accum == "serial"):
+                    acc_blk = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
+                    for i in cutlass.range(nk, unroll=1):
+                        self._issue_block(mma, acc_blk, i, False)
+                        self._retire_block(mma, acc, acc_blk, i, 0)
+                elif cutlass.const_expr(cfg.accum == "overlap"):
+                    # Blocks alternate between two promotion accumulators; block i is retired
+                    # (waited for, its stage released, added) after block i+1 is issued. The adds
+                    # keep k-block order: the same fp32 sums as "serial".
+                    b0 = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
+                    b1 = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
+                    self._issue_block(mma, b0, 0, False)
+                    for ip in cutlass.range((nk - 1) // 2, unroll=1):
+                        i = 2 * ip + 1
+                        self._issue_block(mma, b1, i, False)
+                        self._retire_block(mma, acc, b0, i - 1, 1)
+                        self._issue_block(mma, b0, i + 1, False)
+                        self._retire_block(mma, acc, b1, i, 1)
+                    if (nk - 1) % 2 == 1:
+                        self._issue_block(mma, b1, nk - 1, False)
+                        self._retire_block(mma, acc, b0, nk - 2, 1)
+                        self._retire_block(mma, acc, b1, nk - 1, 0)
+                    else:
+                        self._retire_block(mma, acc, b0, nk - 1, 0)
+                else:
+                    # One tensor-core sum over all of K; stage i-1 is released once block i runs.
+                    self._issue_block(mma, acc, 0, True)
+                    for i in cutlass.range(1, nk, unroll=1):
+                        self._issue_block(mma, acc, i, True)
+                        self._release_stage(mma, i - 1, 1)
+                    self._release_stage(mma, nk - 1, 0)
 
                 if cutlass.const_expr(cfg.pdl):
                     # s_x and h come from the previous grid.
@@ -476,13 +507,65 @@ if cute is not None:
                     sRed[r, j] = v
                 cute.arch.barrier(barrier_id=_BAR_EPI, number_of_threads=CONSUMER_THREADS)
                 # Row scatter to the original token order, coalesced along the features.
-                n_el = BM * valid
-                for e in cutlass.range(ctid, n_el, CONSUMER_THREADS, unroll=1):
-                    j = e // BM
-                    r = e - j * BM
-                    mY[sTok[j], n0 + r] = sRed[r, j].to(cutlass.BFloat16)
+                if cutlass.const_expr(cfg.vstore):
+                    # 8 features of one token per thread: two 16-byte smem loads (a token's column
+                    # of the tile is contiguous), one rounding, one 16-byte store.
+                    vpr = BM // 8
+                    for e in cutlass.range(ctid, vpr * valid, CONSUMER_THREADS, unroll=1):
+                        j = e // vpr
+                        vec = e - j * vpr
+                        r_c = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+                        cute.autovec_copy(cute.zipped_divide(sRed[None, j], (8,))[None, vec], r_c)
+                        r_o = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
+                        r_o.store(r_c.load().to(cutlass.BFloat16))
+                        cute.autovec_copy(r_o, cute.zipped_divide(mY[sTok[j], None], (8,))[None, n0 // 8 + vec])
+                else:
+                    n_el = BM * valid
+                    for e in cutlass.range(ctid, n_el, CONSUMER_THREADS, unroll=1):
+                        j = e // BM
+                        r = e - j * BM
+                        mY[sTok[j], n0 + r] = sRed[r, j].to(cutlass.BFloat16)
 
         # -----------------------------------------------------------------------------------------
+        def _fp8_mma(self):
+            kmaj = cute.nvgpu.warpgroup.OperandMajorMode.K
+            return sm90_utils.make_trivial_tiled_mma(
+                cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, kmaj, kmaj, cutlass.Float32, self.cfg.atom_layout,
+                tiler_mn=(64, self.cfg.mma_n))
+
+        @cute.jit
+        def _issue_block(self, mma, acc_t, i, into_acc: cutlass.Constexpr):
+            """Consumers: wait for k-block i's stage and issue its WGMMAs into acc_t (a fresh sum,
+            or, into_acc, added to acc_t's running sum), committed as one group."""
+            _, tCrW, tCrX, full, empty, num_kk = mma
+            # A fresh TiledMma per block: its ACCUMULATE field is state that a set() inside this
+            # (staged) body must not leak out of it (the DSL cannot thread attribute rebinds).
+            tiled_mma = self._fp8_mma()
+            s = i % self.stages
+            cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
+            cute.nvgpu.warpgroup.fence()
+            # acc starts zero-filled, so a running sum accumulates from its first block on.
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, into_acc)
+            for kk in cutlass.range_constexpr(num_kk):
+                cute.gemm(tiled_mma, acc_t, tCrW[(None, None, kk, s)], tCrX[(None, None, kk, s)], acc_t)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            cute.nvgpu.warpgroup.commit_group()
+
+        @cute.jit
+        def _release_stage(self, mma, i, pending: cutlass.Constexpr):
+            """Consumers: wait until at most `pending` WGMMA groups are in flight (k-block i's is
+            then complete) and hand its stage back to the producer."""
+            _, _, _, _, empty, _ = mma
+            cute.nvgpu.warpgroup.wait_group(pending)
+            cute.arch.mbarrier_arrive(empty + i % self.stages)
+
+        @cute.jit
+        def _retire_block(self, mma, acc, acc_t, i, pending: cutlass.Constexpr):
+            """_release_stage, then the promotion: k-block i's fresh sum added to acc in fp32."""
+            self._release_stage(mma, i, pending)
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                acc[e] = acc[e] + acc_t[e]
+
         @cute.jit
         def _load_sx(self, ctid, sSx, mSx, p0, valid):
             if ctid < self.bn:
@@ -678,6 +761,8 @@ def launch(config: Config, *, w_q, w_scale, x_q_sorted, x_scale_sorted, y, token
         raise ValueError(f"K={K} must be a multiple of 16")
     if y.shape[0] < M or y.shape[1] != N or y.stride(1) != 1:
         raise ValueError(f"y must be [>= {M}, {N}] with unit column stride")
+    if config.vstore and (y.stride(0) % 8 or y.data_ptr() % 16):
+        raise ValueError("a vstore build needs y's rows 16-byte aligned (row stride a multiple of 8)")
     tok = token_indices_sorted[:M]
     T = -(-M // config.bn)
     group = l2_group(M, K, config.bn) if group is None else int(group)
@@ -765,7 +850,13 @@ def prebuild_configs() -> list[Config]:
             cfgs.add(Config(bn=bn, bm=bm, lora=False))
             for r in RANKS:
                 cfgs.add(Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=r))
-    return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank))
+            # The other main-loop accumulations (tools/bench_prefill_k2.py), at the bench's rank.
+            for accum in ACCUM_MODES[1:]:
+                for vs in (False, True):
+                    cfgs.add(Config(bn=bn, bm=bm, lora=False, accum=accum, vstore=vs))
+                    cfgs.add(Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=64, accum=accum,
+                                    vstore=vs))
+    return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank, c.accum, c.vstore))
 
 
 # ---------------------------------------------------------------------------------------------

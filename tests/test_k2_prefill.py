@@ -17,6 +17,8 @@ that is how the 4.6.0 venv checks the same configurations in a subprocess.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import re
 import shutil
@@ -40,6 +42,8 @@ FAST = [
     P.Config(bn=64, lora=False),
     P.Config(bm=64, bn=128, lora=True, num_slices=2, rank=8),
     P.Config(bn=128, lora=True, num_slices=1, rank=256, pdl=True),
+    P.Config(bn=128, lora=True, num_slices=3, rank=64, accum="overlap"),
+    P.Config(bn=128, lora=False, accum="fast", vstore=True),
 ]
 
 
@@ -177,7 +181,9 @@ def test_smem_and_register_budget():
         # the output tile fits the reused stage buffer
         assert (cfg.bm + P.RED_PAD) * cfg.bn * 4 <= cfg.stage_union_bytes()
         r = cfg.acc_regs()
-        assert r["peak"] <= 128 and r["acc"] + r["acc_lora"] <= 128, (cfg.name(), r)
+        # "overlap" holds two promotion blocks beside acc: 192 of the consumers' 232 registers.
+        assert r["peak"] <= (192 if cfg.accum == "overlap" else 128), (cfg.name(), r)
+        assert r["acc"] + r["acc_lora"] <= 128, (cfg.name(), r)
         assert cfg.block == (384, 1, 1)
     assert 128 * (P.PRODUCER_REGS + 2 * P.CONSUMER_REGS) <= 65536
 
@@ -535,7 +541,7 @@ class PrefillPath:
         self.y = torch.empty(M, sum(widths), dtype=torch.bfloat16, device=dev)
         self.dev = dev
 
-    def run(self, x, tok, lora=True, poison=True, group=None):
+    def run(self, x, tok, lora=True, poison=True, group=None, accum="serial", vstore=False):
         from epilora_cute.kernels import get_kernel
         from epilora_cute.metadata import build_meta
         from kernels_dsl.k1_shrink import k1_quant_shrink
@@ -548,7 +554,7 @@ class PrefillPath:
         if poison:
             self.y.fill_(float("nan"))
         c_l, c_n = P.select(self.widths, M, self.rank)
-        cfg = c_l if lora else c_n
+        cfg = dataclasses.replace(c_l if lora else c_n, accum=accum, vstore=vstore)
         kw = {}
         if lora:
             kw = dict(h=h, active_lora_ids=meta.active_lora_ids, num_active=meta.num_active,
@@ -648,6 +654,29 @@ def test_gpu_grouped_rasterization(group):
     pp = PrefillPath(widths, K, 64, 8, M, seed=group)
     x, tok = _x(M, K, group), _tokens(M, 8, group)
     pp.check(x, tok, pp.run(x, tok, group=group))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "nolora"])
+@pytest.mark.parametrize("M", [33, 200, 2048])
+@pytest.mark.parametrize("proj", ["qkv", "down"])
+def test_gpu_accum_modes(proj, M, lora):
+    """"overlap" sums the same k-blocks in the same order as "serial": equal bit for bit; "fast"
+    (one tensor-core sum over K) within the reference's tolerance; the 16-byte stores (vstore)
+    write the same bits as the scalar ones; every build deterministic."""
+    _hopper()
+    widths, K = {"qkv": ((4096, 1024, 1024), 4096), "down": ((4096,), 12288)}[proj]
+    pp = PrefillPath(widths, K, 64, 8, M, seed=M + 7)
+    x, tok = _x(M, K, M + 7), _tokens(M, 8, M + 7)
+    builds = [("serial", False)] + [(a, vs) for a in P.ACCUM_MODES[1:] for vs in (False, True)]
+    ys = {b: pp.run(x, tok, lora=lora, accum=b[0], vstore=b[1]).clone() for b in builds}
+    for b, y in ys.items():
+        pp.check(x, tok, y, lora=lora)
+        assert torch.equal(pp.run(x, tok, lora=lora, accum=b[0], vstore=b[1]).view(torch.int16), y.view(torch.int16)), b
+    bits = {b: y.view(torch.int16) for b, y in ys.items()}
+    for b in (("overlap", False), ("overlap", True)):
+        assert torch.equal(bits[b], bits[("serial", False)]), b
+    assert torch.equal(bits[("fast", True)], bits[("fast", False)])
 
 
 @pytest.mark.gpu

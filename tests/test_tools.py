@@ -464,3 +464,32 @@ def test_host_cpu_times_an_eager_call_with_the_gpu_faked():
     assert all(r["host_us"] > 0 for r in rows)
     assert ops.arch_of.__module__ == "epilora_cute.arch" and launcher._driver.__module__ == "epilora_cute.launcher"
     assert not hasattr(torch.cuda.current_stream, "__wrapped__") and ops._on_gpu(torch.zeros(1)) is False
+
+
+# --- tools/bench_prefill_k2.py (the `prefill_k2` section): everything but the GPU timing --------
+
+
+def test_prefill_k2_section_registered_and_skips_without_a_hopper_gpu(capsys, monkeypatch):
+    from tools import bench, bench_prefill_k2 as bk
+
+    bench._optional_sections()
+    assert bench.SECTIONS["prefill_k2"] is bk.bench_prefill_k2
+    monkeypatch.setattr(bk.torch.cuda, "is_available", lambda: False)
+    assert bk.bench_prefill_k2(True) == []
+    assert "needs a Hopper GPU" in capsys.readouterr().out
+
+
+def test_prefill_k2_settings_and_layer_row():
+    from tools import bench_prefill_k2 as bk
+
+    assert bk.settings(True, {}) == ([2048], [1, 8])
+    assert bk.settings(False, {"EPILORA_BENCH_TOKENS": "64,300", "EPILORA_BENCH_ADAPTERS": "32"}) == ([64, 300], [32])
+    rows = [{"M": 2048, "adapters": 1, "gflop": g, "scaled_mm_us": t, "k2_serial_us": 2 * t, "k2_fast_us": t}
+            for g, t in ((100.0, 100.0), (300.0, 200.0))]
+    rows[1].pop("k2_fast_us")  # a column missing from one projection is left out of the layer
+    lr = bk.layer_row(rows)
+    assert lr["proj"] == "layer" and lr["gflop"] == 400.0
+    assert lr["scaled_mm_us"] == 300.0 and lr["k2_serial_us"] == 600.0 and "k2_fast_us" not in lr
+    assert lr["k2_serial_over_vendor"] == 2.0
+    assert abs(lr["scaled_mm_tflops"] - 400.0 / 300.0 * 1e3) < 1e-9  # GFLOP / µs = PFLOP/s
+    assert "layer" in bk.format_row(lr)

@@ -1,0 +1,199 @@
+"""Bench section `prefill_k2`: the prefill K2 alone against the vendor FP8 GEMM, per accumulation mode.
+
+    python tools/bench.py --sections prefill_k2 [--quick] [--out DIR]
+
+Issue #4 asks for ≤ 1.1× vLLM's FP8 GEMM at 2048 tokens with one adapter, which the hybrid path
+cannot reach (its expand-add's y round trip alone is over the margin, docs/perf.md v0.33): the
+adapter has to be in the GEMM's epilogue, so the prefill K2's main loop has to be as fast as the
+vendor's. Per Qwen3-8B projection, per (tokens M, adapters A), CUDA-graph replays with the L2
+flushed (median), the activations already quantized and sorted (K1 and the gather are the same
+for every column):
+
+  vllm_gemm_us        vLLM's cutlass_scaled_mm on the same codes (no adapter; absent without vLLM)
+  scaled_mm_us        torch._scaled_mm on the same codes (cuBLASLt; always there)
+  k2_<mode>_us        the prefill K2 without adapter, Config.accum = mode (k2_prefill.ACCUM_MODES)
+  k2_lora_<mode>_us   the same with the grouped adapter epilogue (rank 64, A adapters)
+  ..._vs_us           the same builds with 16-byte output stores (Config.vstore)
+  expand_add_us       the hybrid's expand-add on the same h (what the epilogue replaces)
+  <col>_tflops        base FLOPs / time
+  overlap_bitwise     the "overlap" K2's y equal bit for bit to the "serial" one's (they sum in
+                      the same order), with and without adapter
+  fast_max_rel        max |fast - serial| / max |serial| (fast accumulation's rounding)
+
+Plus one "layer" row per (M, A) summing the four projections. Knobs: EPILORA_BENCH_TOKENS
+(default 256,2048,8192; --quick 2048), EPILORA_BENCH_ADAPTERS (default 1,8).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tools.bench_decode import QWEN3_8B, LayerCase, Projection  # noqa: E402
+from tools.gpu_timing import time_graph  # noqa: E402
+
+RANK = 64
+DEFAULT_TOKENS = (256, 2048, 8192)
+QUICK_TOKENS = (2048,)
+DEFAULT_ADAPTERS = (1, 8)
+
+
+def settings(quick: bool, env=None) -> tuple[list[int], list[int]]:
+    env = os.environ if env is None else env
+    toks = env.get("EPILORA_BENCH_TOKENS")
+    tokens = [int(t) for t in toks.split(",")] if toks else list(QUICK_TOKENS if quick else DEFAULT_TOKENS)
+    ads = env.get("EPILORA_BENCH_ADAPTERS")
+    adapters = [int(a) for a in ads.split(",")] if ads else list(DEFAULT_ADAPTERS)
+    return tokens, adapters
+
+
+def base_flops(p: Projection, m: int) -> float:
+    return 2.0 * m * p.n * p.k
+
+
+class PrefillK2Case:
+    """One projection's inputs for the prefill K2: K1's codes / scales / h, the sorted activations."""
+
+    def __init__(self, c: LayerCase):
+        from epilora_cute.ops import _full_ranks, _slice_start
+        from kernels_dsl import k2_prefill as P
+        from kernels_dsl.k1_shrink import k1_quant_shrink
+
+        self.c = c
+        self.codes, self.scales, self.h = k1_quant_shrink(c.x, c.lora_a, c.meta)
+        tok = c.meta.token_indices_sorted_by_lora_ids
+        self.xs, self.ss = P.sort_activations(self.codes, self.scales, tok)
+        self.slot_ranks = _full_ranks(c.max_loras, c.rank, c.x.device)
+        self.slice_start = _slice_start(tuple(c.proj.slices), c.x.device)
+        self.y = torch.empty(c.m, c.proj.n, dtype=torch.bfloat16, device=c.x.device)
+        torch.cuda.synchronize()
+
+    def k2(self, mode: str, lora: bool, vstore: bool = False):
+        """A zero-argument launcher of the prefill K2 (select()'s tile, accum = mode)."""
+        import dataclasses
+
+        from epilora_cute.kernels import get_kernel
+        from kernels_dsl import k2_prefill as P
+
+        c = self.c
+        c_l, c_n = P.select(tuple(c.proj.slices), c.m, c.rank)
+        cfg = dataclasses.replace(c_l if lora else c_n, accum=mode, vstore=vstore)
+        kw = {}
+        if lora:
+            kw = dict(h=self.h, active_lora_ids=c.meta.active_lora_ids, num_active=c.meta.num_active,
+                      lora_token_start_loc=c.meta.lora_token_start_loc, slot_ranks=self.slot_ranks,
+                      slice_start=self.slice_start, lora_b=c.lora_b)
+        spec = P.launch(cfg, w_q=c.w_q, w_scale=c.w_s, x_q_sorted=self.xs, x_scale_sorted=self.ss, y=self.y,
+                        token_indices_sorted=c.meta.token_indices_sorted_by_lora_ids, **kw)
+        kern = get_kernel(P, cfg, "sm_90a")
+        return lambda: kern(*spec["args"], grid=spec["grid"], smem=spec["smem"], pdl=False,
+                            cluster=spec["cluster"])
+
+    def result(self, fn) -> torch.Tensor:
+        self.y.fill_(float("nan"))
+        fn()
+        torch.cuda.synchronize()
+        return self.y.clone()
+
+
+def _vendor(c: LayerCase, pk: PrefillK2Case) -> dict:
+    fns = {"scaled_mm": lambda: torch._scaled_mm(pk.codes, c.w_q.t(), scale_a=pk.scales.reshape(-1, 1),
+                                                   scale_b=c.w_s.reshape(1, 1).float(), out_dtype=torch.bfloat16)}
+    try:
+        from vllm import _custom_ops as vops
+        w_t = c.w_q.t()
+        fns["vllm_gemm"] = lambda: vops.cutlass_scaled_mm(pk.codes, w_t, scale_a=pk.scales, scale_b=c.w_s,
+                                                          out_dtype=torch.bfloat16)
+    except Exception:  # noqa: BLE001 - no vLLM: the cuBLASLt anchor only
+        pass
+    return fns
+
+
+def bench_projection(p: Projection, m: int, adapters: int) -> dict:
+    from kernels_dsl import k2_prefill as P
+    from kernels_dsl.expand_add import expand_add
+
+    c = LayerCase(p, m, RANK, num_adapters=adapters, max_loras=max(8, adapters))
+    pk = PrefillK2Case(c)
+    row = {"section": "prefill_k2", "proj": p.name, "M": m, "adapters": adapters, "rank": RANK,
+           "gflop": base_flops(p, m) / 1e9}
+    fns = dict(_vendor(c, pk))
+    launchers = {}
+    builds = [("serial", False)] + [(a, vs) for a in P.ACCUM_MODES[1:] for vs in (False, True)]
+    for mode, vs in builds:
+        for lora in (False, True):
+            name = f"k2_{'lora_' if lora else ''}{mode}{'_vs' if vs else ''}"
+            try:
+                launchers[name] = pk.k2(mode, lora, vs)
+            except Exception as e:  # noqa: BLE001 - a build missing from the cache is reported
+                row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
+    fns.update(launchers)
+    y_ex = torch.zeros(m, p.n, dtype=torch.bfloat16, device="cuda")
+    fns["expand_add"] = lambda: expand_add(y_ex, pk.h, c.lora_b, c.meta)
+    for name, fn in fns.items():
+        try:
+            us = time_graph(fn)
+        except Exception as e:  # noqa: BLE001
+            row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
+            continue
+        row[f"{name}_us"] = us
+        row[f"{name}_tflops"] = base_flops(p, m) / (us * 1e-6) / 1e12
+    for pre in ("k2_", "k2_lora_"):
+        ser, ovl, fast = (launchers.get(f"{pre}{m_}") for m_ in ("serial", "overlap", "fast"))
+        if ser is None:
+            continue
+        ys = pk.result(ser)
+        if ovl is not None:
+            row[f"{pre}overlap_bitwise"] = bool(torch.equal(pk.result(ovl).view(torch.int16), ys.view(torch.int16)))
+        if fast is not None:
+            yf = pk.result(fast).float()
+            row[f"{pre}fast_max_rel"] = float((yf - ys.float()).abs().max() / ys.float().abs().max())
+    return row
+
+
+def layer_row(rows: list[dict]) -> dict:
+    out = {"section": "prefill_k2", "proj": "layer", "M": rows[0]["M"], "adapters": rows[0]["adapters"],
+           "rank": RANK, "gflop": sum(r["gflop"] for r in rows)}
+    for k in rows[0]:
+        if k.endswith("_us") and all(k in r for r in rows):
+            out[k] = sum(r[k] for r in rows)
+            out[k[:-3] + "_tflops"] = out["gflop"] / out[k] * 1e3
+    ref = out.get("vllm_gemm_us", out.get("scaled_mm_us"))
+    if ref:
+        for k in list(out):
+            if k.startswith("k2_") and k.endswith("_us"):
+                out[k[:-3] + "_over_vendor"] = out[k] / ref
+    return out
+
+
+def format_row(r: dict) -> str:
+    cols = [k for k in r if k.endswith("_us")]
+    return (f"{r['proj']:>8} M={r['M']:5d} A={r['adapters']:2d}  "
+            + "  ".join(f"{k[:-3]} {r[k]:8.1f}" for k in cols))
+
+
+def bench_prefill_k2(quick: bool) -> list[dict]:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        print("prefill_k2: needs a Hopper GPU; skipped")
+        return []
+    tokens, adapters = settings(quick)
+    rows = []
+    for m in tokens:
+        for a in adapters:
+            prow = [bench_projection(p, m, a) for p in QWEN3_8B]
+            for r in prow:
+                print(format_row(r), flush=True)
+            lr = layer_row(prow)
+            print(format_row(lr), flush=True)
+            rows += prow + [lr]
+    return rows
+
+
+SECTIONS = {"prefill_k2": bench_prefill_k2}
