@@ -104,8 +104,11 @@ class PrefillK2Case:
 
 
 def _vendor(c: LayerCase, pk: PrefillK2Case) -> dict:
-    fns = {"scaled_mm": lambda: torch._scaled_mm(pk.codes, c.w_q.t(), scale_a=pk.scales.reshape(-1, 1),
-                                                   scale_b=c.w_s.reshape(1, 1).float(), out_dtype=torch.bfloat16)}
+    # cuBLASLt's row-wise scaling takes both scale vectors (the per-tensor W scale broadcast).
+    sw = c.w_s.reshape(1, 1).float().expand(1, c.w_q.shape[0]).contiguous()
+    sx = pk.scales.reshape(-1, 1)
+    fns = {"scaled_mm": lambda: torch._scaled_mm(pk.codes, c.w_q.t(), scale_a=sx, scale_b=sw,
+                                                   out_dtype=torch.bfloat16)}
     try:
         from vllm import _custom_ops as vops
         w_t = c.w_q.t()
@@ -135,7 +138,7 @@ def bench_projection(p: Projection, m: int, adapters: int) -> dict:
             except Exception as e:  # noqa: BLE001 - a build missing from the cache is reported
                 row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
     fns.update(launchers)
-    y_ex = torch.zeros(m, p.n, dtype=torch.bfloat16, device="cuda")
+    y_ex = torch.zeros(m, p.n, dtype=torch.bfloat16, device=c.x.device)
     fns["expand_add"] = lambda: expand_add(y_ex, pk.h, c.lora_b, c.meta)
     for name, fn in fns.items():
         try:
