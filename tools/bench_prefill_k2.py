@@ -15,13 +15,15 @@ for every column):
   k2_lora_<mode>_us   the same with the grouped adapter epilogue (rank 64, A adapters)
   ..._vs_us           the same builds with 16-byte output stores (Config.vstore)
   expand_add_us       the hybrid's expand-add on the same h (what the epilogue replaces)
+  gather_us           the prefill path's gather of codes / scales into adapter-sorted order
+                      (so prefill = K1 + gather + k2_lora against hybrid = K1 + GEMM + expand-add)
   <col>_tflops        base FLOPs / time
   overlap_bitwise     the "overlap" K2's y equal bit for bit to the "serial" one's (they sum in
                       the same order), with and without adapter
   fast_max_rel        max |fast - serial| / max |serial| (fast accumulation's rounding)
 
 Plus one "layer" row per (M, A) summing the four projections. Knobs: EPILORA_BENCH_TOKENS
-(default 256,2048,8192; --quick 2048), EPILORA_BENCH_ADAPTERS (default 1,8).
+(default 64,256,2048,8192; --quick 2048), EPILORA_BENCH_ADAPTERS (default 1,8).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from tools.bench_decode import QWEN3_8B, LayerCase, Projection  # noqa: E402
 from tools.gpu_timing import time_graph  # noqa: E402
 
 RANK = 64
-DEFAULT_TOKENS = (256, 2048, 8192)
+DEFAULT_TOKENS = (64, 256, 2048, 8192)
 QUICK_TOKENS = (2048,)
 DEFAULT_ADAPTERS = (1, 8)
 
@@ -140,6 +142,7 @@ def bench_projection(p: Projection, m: int, adapters: int) -> dict:
     fns.update(launchers)
     y_ex = torch.zeros(m, p.n, dtype=torch.bfloat16, device=c.x.device)
     fns["expand_add"] = lambda: expand_add(y_ex, pk.h, c.lora_b, c.meta)
+    fns["gather"] = lambda: P.sort_activations(pk.codes, pk.scales, c.meta.token_indices_sorted_by_lora_ids)
     for name, fn in fns.items():
         try:
             us = time_graph(fn)

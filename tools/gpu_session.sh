@@ -17,7 +17,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, decode, push-tests, push-bench, wide-tests, wide-bench or fh}
+mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, decode, push-tests, push-bench, wide-tests, wide-bench, fh or prefill-k2}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -149,6 +149,19 @@ case $mode in
     EPILORA_BENCH_K1SWEEP=1 EPILORA_BENCH_TOKENS=${K1_TOKENS:-64,256,2048} EPILORA_BENCH_ADAPTERS=${K1_ADAPTERS:-1,8,32} \
       timeout -s KILL 200 python3 tools/bench.py --quick --sections hybrid_stages --out "$OUT/hs" 2>&1 | tail -45
     (cd "$OUT" && [[ -d hs ]] && tar czf hs.tgz hs && rm -rf hs)
+    ;;
+  prefill-k2)
+    # perf.md v0.60 (carry the cache with the prefill K2's rank-64 / no-adapter builds, ~2-3 min;
+    # .devvllm/2 after call A adds vLLM's GEMM column): the accumulation modes' GPU tests (overlap
+    # bit for bit serial, fast within tolerance, the 16-byte stores bit for bit the scalar ones),
+    # then the prefill K2 alone against the vendor GEMM (PK2_TOKENS / PK2_ADAPTERS override).
+    unpack_vllm
+    timeout -s KILL 150 python3 -m pytest -q -m gpu tests/test_k2_prefill.py -k "accum_modes or bitwise or model_shapes" \
+      2>&1 | tail -6 | tee "$OUT/prefill_k2_tests.log"
+    timeout -s KILL 60 python3 -m pytest -q -m gpu tests/test_lora_linear_gpu.py -k prefill 2>&1 | tail -3 \
+      | tee -a "$OUT/prefill_k2_tests.log"
+    EPILORA_BENCH_TOKENS=${PK2_TOKENS:-64,256,2048,8192} EPILORA_BENCH_ADAPTERS=${PK2_ADAPTERS:-1,8} \
+      timeout -s KILL 240 python3 tools/bench.py --sections prefill_k2 --out "$OUT/pk2" 2>&1 | tee "$OUT/prefill_k2_bench.log" | tail -45
     ;;
   decode)
     # After decode-path kernel changes (perf.md v0.45-v0.47; carry the cache; no vLLM: the layer's
