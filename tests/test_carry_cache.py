@@ -1,0 +1,75 @@
+"""tools/carry_cache.py: what a slim carry cache holds, and the no-DSL lookup that checks it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tools import carry_cache as cc  # noqa: E402
+
+
+def test_slim_rules_on_the_prebuild_set():
+    from kernels_dsl import k2_prefill
+
+    every = cc.wanted(full=True)
+    slim = cc.wanted()
+    with_prefill = cc.wanted(with_prefill=True)
+    assert 0 < len(slim) < len(with_prefill) < len(every)
+    for mod, cfg in slim:
+        assert mod.FAMILY != cc.PREFILL_FAMILY and "trace" not in cfg.name()
+        if getattr(cfg, "lora", True):
+            assert getattr(cfg, "rank", cc.SLIM_RANK) == cc.SLIM_RANK, cfg.name()
+    pre = {cfg for mod, cfg in with_prefill if mod.FAMILY == cc.PREFILL_FAMILY}
+    # the prefill K2's bench builds: rank 64 in every accumulation mode, and the no-adapter ones
+    assert k2_prefill.Config(bn=128, lora=True, num_slices=3, rank=64, accum="fast", vstore=True) in pre
+    assert k2_prefill.Config(bn=64, lora=False) in pre
+    assert k2_prefill.Config(bn=128, lora=True, num_slices=3, rank=16) not in pre
+
+
+def _fake_entry(mod, cfg, root: Path) -> None:
+    """An entry as the compile cache writes it (meta.json + kernel.cubin), under some DSL version."""
+    from epilora_cute.compile_cache import entry_dir
+
+    d = entry_dir(mod, cfg, cc.ARCH, root) / "9.9.9"
+    d.mkdir(parents=True)
+    cubin = b"\x7fELF" + cfg.name().encode()
+    (d / "kernel.cubin").write_bytes(cubin)
+    (d / "meta.json").write_text(json.dumps({
+        "family": mod.FAMILY, "config": cfg.name(), "arch": cc.ARCH, "dsl_version": "9.9.9",
+        "kernel_name": "k", "param_sizes": [8], "cubin_sha256": hashlib.sha256(cubin).hexdigest()}))
+
+
+def test_missing_lists_what_a_machine_without_the_dsl_would_not_find(tmp_path):
+    from epilora_cute import compile_cache
+
+    real = compile_cache.dsl_version
+    builds = [b for b in cc.wanted() if b[0].FAMILY == "fp8_quant"][:3]
+    assert len(builds) == 3
+    names = [f"{m.FAMILY}/{c.name()}" for m, c in builds]
+    assert cc.missing(tmp_path, builds) == names  # an empty cache: everything missing
+    _fake_entry(*builds[1], tmp_path)
+    assert cc.missing(tmp_path, builds) == [names[0], names[2]]
+    assert compile_cache.dsl_version is real  # restored for the rest of the process
+
+
+def test_slim_copies_the_slim_set_only(tmp_path):
+    wanted = [b for b in cc.wanted(full=True) if b[0].FAMILY == "k1_quant_shrink"]
+    keep = [b for b in wanted if cc.in_slim(b[0].FAMILY, b[1], False)][:2]
+    drop = [b for b in wanted if not cc.in_slim(b[0].FAMILY, b[1], False)][:2]
+    assert keep and drop
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    for b in keep + drop:
+        _fake_entry(*b, src)
+    assert cc.slim(src, dest, with_prefill=False) == len(keep)
+    assert cc.missing(dest, keep) == []
+    assert len(cc.missing(dest, drop)) == len(drop)
+
+
+def test_check_command_fails_with_the_missing_names(tmp_path, capsys):
+    assert cc.main(["check", str(tmp_path)]) == 1
+    assert "missing from" in capsys.readouterr().err

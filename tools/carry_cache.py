@@ -1,0 +1,121 @@
+"""The kernel cache a device call carries: made slim, and checked the way the GPU machine reads it.
+
+    python tools/carry_cache.py slim [--with-prefill]      # .gpu_carry/.epilora_cache -> .gpu_carry/slim
+    python tools/carry_cache.py check DIR [--with-prefill | --full]
+
+Why the check exists: session 22 built part of the kernel set into the default cache
+(~/.cache/epilora_cute) instead of ./.epilora_cache, carried a cache without K1, and spent its
+GPU minutes on a call whose every test and benchmark stopped at `KernelUnavailable`. `check`
+looks up every configuration the carried cache is meant to hold exactly as the GPU machine does
+(no nvidia-cutlass-dsl there: any DSL version's build of this source and configuration, found by
+the same entry path) and fails, listing what is missing, before any device time is spent.
+
+What a slim cache holds (it must fit one call beside vLLM's `.devvllm/2`): every family's
+prebuilt configurations except the trace builds and the adapter builds of ranks other than 64
+(the benchmarks' and the e2e's rank), and without the prefill K2 unless `--with-prefill` (then its
+rank-64 and no-adapter builds). `--full` checks the whole prebuild set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+ARCH = "sm_90a"
+SLIM_RANK = 64
+PREFILL_FAMILY = "k2_fp8_prefill"
+
+
+def in_slim(family: str, config, with_prefill: bool) -> bool:
+    """Whether a slim cache carries this prebuilt configuration."""
+    if family == PREFILL_FAMILY and not with_prefill:
+        return False
+    if "trace" in config.name():
+        return False
+    adapter_build = getattr(config, "lora", True)
+    return not (adapter_build and getattr(config, "rank", SLIM_RANK) != SLIM_RANK)
+
+
+def wanted(with_prefill: bool = False, full: bool = False) -> list[tuple]:
+    """(family module, config) of every build the carried cache must hold."""
+    from epilora_cute.kernels import families
+
+    return [(mod, cfg) for mod in families() for cfg in mod.prebuild_configs()
+            if full or in_slim(mod.FAMILY, cfg, with_prefill)]
+
+
+def missing(cache_dir: Path, builds: list[tuple]) -> list[str]:
+    """The builds a machine without the DSL would not find in ``cache_dir``."""
+    from epilora_cute import compile_cache
+
+    real = compile_cache.dsl_version
+    compile_cache.dsl_version = lambda: None  # look up as the GPU machine does
+    try:
+        out = []
+        for mod, cfg in builds:
+            try:
+                compile_cache.get_artifact(mod, cfg, ARCH, root=cache_dir)
+            except compile_cache.KernelUnavailable:
+                out.append(f"{mod.FAMILY}/{cfg.name()}")
+        return out
+    finally:
+        compile_cache.dsl_version = real
+
+
+def slim(src: Path, dest: Path, with_prefill: bool) -> int:
+    """Copy the entries of the slim set from ``src`` (a carry cache) to ``dest``; the number copied."""
+    from epilora_cute.compile_cache import entry_dir
+
+    if dest.exists():
+        shutil.rmtree(dest)
+    n = 0
+    for mod, cfg in wanted(with_prefill):
+        entry = entry_dir(mod, cfg, ARCH, src)
+        if entry.is_dir():
+            shutil.copytree(entry, entry_dir(mod, cfg, ARCH, dest))
+            n += 1
+    return n
+
+
+def _size_mb(d: Path) -> float:
+    return sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) / 2 ** 20
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("slim", help="make .gpu_carry/slim/.epilora_cache from .gpu_carry/.epilora_cache, then check it")
+    s.add_argument("--with-prefill", action="store_true")
+    c = sub.add_parser("check", help="every build the cache should carry is there")
+    c.add_argument("cache_dir", type=Path)
+    c.add_argument("--with-prefill", action="store_true")
+    c.add_argument("--full", action="store_true")
+    args = ap.parse_args(argv)
+    if args.cmd == "slim":
+        src, dest = ROOT / ".gpu_carry" / ".epilora_cache", ROOT / ".gpu_carry" / "slim" / ".epilora_cache"
+        if not src.is_dir():
+            print(f"no {src}: run make carry-cache first", file=sys.stderr)
+            return 1
+        n = slim(src, dest, args.with_prefill)
+        print(f"{dest}: {n} builds, {_size_mb(dest):.1f} MiB")
+        cache, builds = dest, wanted(args.with_prefill)
+    else:
+        cache, builds = args.cache_dir, wanted(args.with_prefill, args.full)
+    gone = missing(cache, builds)
+    if gone:
+        print(f"{len(gone)} of {len(builds)} builds missing from {cache}:", file=sys.stderr)
+        for name in gone:
+            print(f"  {name}", file=sys.stderr)
+        return 1
+    print(f"all {len(builds)} builds found in {cache} (looked up as on a machine without the DSL)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
