@@ -63,6 +63,9 @@ MODES = ("graph", "eager")
 # hybrid_par_q (hybrid_par forked after the quantization, v0.58): run22
 # (docs/gpu_record/run22/hybrid_tests_441f4b6.log, where it was hybrid_par's order): bit-identical
 # to the hybrid path, eager and replayed from a CUDA graph with new inputs.
+# prefill (v0.60's builds): not yet GPU-verified through the op (its kernels' GPU tests passed in
+# run6/run7/run15 with the serial main loop); EPILORA_PREFILL_PATH=1 lets it in. It joins here when
+# tests/test_lora_linear_gpu.py -k prefill and tests/test_k2_prefill.py pass on the H200.
 VERIFIED_PATHS = frozenset({"triton", "decode", "decode_sq", "no_adapter", "hybrid", "hybrid_par", "hybrid_par_q",
                             "base"})
 # A path's variable overrides VERIFIED_PATHS when set: "1" lets an unverified path join the
@@ -70,11 +73,11 @@ VERIFIED_PATHS = frozenset({"triton", "decode", "decode_sq", "no_adapter", "hybr
 OPT_IN_ENV = {"decode": "EPILORA_DECODE_PATH", "decode_sq": "EPILORA_DECODE_PATH", "decode_fh": "EPILORA_DECODE_PATH",
               "no_adapter": "EPILORA_DECODE_PATH",
               "hybrid": "EPILORA_HYBRID_PATH", "hybrid_par": "EPILORA_HYBRID_PAR_PATH",
-              "hybrid_par_q": "EPILORA_HYBRID_PAR_PATH"}
+              "hybrid_par_q": "EPILORA_HYBRID_PAR_PATH", "prefill": "EPILORA_PREFILL_PATH"}
 # What a key gets when it cannot be timed (under capture, or every candidate failed): the first of
 # these among the candidates — what "auto" took before the timed dispatch existed.
 DEFAULT_ORDER = ("base", "decode", "decode_sq", "decode_fh", "triton", "hybrid", "hybrid_par", "hybrid_par_q",
-                 "no_adapter", "reference")
+                 "prefill", "no_adapter", "reference")
 # Batches the host knows to have no adapter (vLLM's no-LoRA flag): "base" (default) computes them
 # with vLLM's own FP8 linear path only (same codes, same CUTLASS GEMM), so a projection of
 # base-model traffic returns exactly what stock vLLM's returns; in the engine that was no slower than
@@ -232,6 +235,9 @@ class Call(NamedTuple):
     max_loras: int
     host_adapters: int | None  # distinct adapters in the batch when known on the host
     decode_reason: str | None  # why the decode kernels can't take the call (None: they can)
+    # why the prefill K2 can't take it (None: it can); the default keeps Calls built before it
+    # existed (tables, tests) meaning "not applicable"
+    prefill_reason: str | None = "not described"
 
 
 def applicable_paths(call: Call) -> tuple[str, ...]:
@@ -242,7 +248,9 @@ def applicable_paths(call: Call) -> tuple[str, ...]:
     tokens where the self-quantizing K2 takes K, and "decode_fh" (K2 computing h too) with it;
     "no_adapter": the same as "decode", and the
     host knows no token has an adapter; "hybrid", "hybrid_par" (its K1 on a second stream beside
-    the GEMM) and "hybrid_par_q" (that branch forked after the quantization): sm_90a; "triton": any CUDA GPU. "reference" is
+    the GEMM) and "hybrid_par_q" (that branch forked after the quantization): sm_90a; "prefill" (K1, the
+    gather, the prefill K2 with the adapter in its epilogue): sm_90a at 33..16384 tokens with shapes
+    its kernels take; "triton": any CUDA GPU. "reference" is
     never a candidate on a GPU. Whether a kernel can be loaded (cached or compiled here) shows when
     it is timed: a candidate that fails is dropped.
     """
@@ -260,6 +268,8 @@ def applicable_paths(call: Call) -> tuple[str, ...]:
         paths.append("hybrid")
         paths.append("hybrid_par")
         paths.append("hybrid_par_q")
+    if call.prefill_reason is None:
+        paths.append("prefill")
     paths.append("triton")
     return tuple(paths)
 
@@ -498,10 +508,14 @@ def describe(x, w_q, widths, rank, lora_a, lora_b, meta) -> Call | None:
     arch = arch_of(x)
     decode_reason = (ops._decode_reason(x, w_q, widths, rank, lora_a, lora_b) if arch == "sm_90a"
                      else "the decode path needs sm_90a")
+    # Asked only when the prefill path could join the candidates (its reason walks the buffers).
+    prefill_reason = (ops._prefill_reason(x, w_q, widths, rank, lora_a, lora_b) if path_allowed("prefill")
+                      else "not a candidate (EPILORA_PREFILL_PATH)")
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     return Call(device=_device_name(index), arch=arch, k=int(x.shape[1]), slices=tuple(widths), rank=int(rank),
                 tokens=int(x.shape[0]), max_loras=int(meta.max_loras),
-                host_adapters=getattr(meta, "host_num_adapters", None), decode_reason=decode_reason)
+                host_adapters=getattr(meta, "host_num_adapters", None), decode_reason=decode_reason,
+                prefill_reason=prefill_reason)
 
 
 def auto_path(x, w_q, w_scale, lora_a, lora_b, meta, *, widths, rank, out, slot_ranks=None, pdl=True,

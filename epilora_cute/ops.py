@@ -363,9 +363,9 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     FP8 path, so base-model traffic gets stock vLLM's results bit for bit; any CUDA GPU), "hybrid"
     (K1 + the vendor FP8 GEMM + our expand-add; any batch size on sm_90a), "hybrid_par" (the same
     y bit for bit, with K1 on a second stream beside the quantization kernel + the GEMM;
-    "hybrid_par_q": the same with the branch forked after the quantization), "prefill" (33..8192
-    tokens, sm_90a: K1, the activations gathered into adapter-sorted order, the prefill K2 with the grouped epilogue; compiled but not yet run on a
-    GPU: explicit only), "decode" (≤ 32 tokens, sm_90a: the shrink kernel, then K2
+    "hybrid_par_q": the same with the branch forked after the quantization), "prefill" (33..16384
+    tokens, sm_90a: K1, the activations gathered into adapter-sorted order, the prefill K2 with the
+    grouped epilogue; a dispatch candidate only with EPILORA_PREFILL_PATH=1 until GPU-verified), "decode" (≤ 32 tokens, sm_90a: the shrink kernel, then K2
     as its PDL dependent — two launches; ``pdl=False`` serializes them; the shrink's extra CTAs
     quantize x), "decode_sq" (the same at 1..8 tokens with K2 quantizing x itself and the shrink
     without quantization CTAs: docs/perf.md v0.29; the timed dispatch picks between the two per
@@ -592,10 +592,13 @@ def _prefill_reason(x, w_q, widths, rank, a, b) -> str | None:
 def _prefill_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks):
     """K1 (bit-exact quantization + split-K shrink), the activations gathered into adapter-sorted
     order, then the prefill K2 with the grouped epilogue, writing y once (rows scattered back).
-    Not yet run on a GPU: explicit `path="prefill"` only, not an "auto" candidate."""
+    An "auto" candidate with EPILORA_PREFILL_PATH=1 (dispatch.VERIFIED_PATHS once GPU-verified).
+    The K2 build is k2_prefill.OP_ACCUM / OP_VSTORE's."""
     from kernels_dsl import k2_prefill
     from kernels_dsl.k1_shrink import k1_quant_shrink
 
+    if getattr(meta, "host_num_adapters", None) == 0:  # as the hybrid: vLLM's own FP8 path
+        return _base_path(x, w_q, w_scale, out)
     m = x.shape[0]
     dev = x.device
     if slot_ranks is None:
@@ -603,7 +606,7 @@ def _prefill_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks):
     codes, scales, h = k1_quant_shrink(x, a, meta, slot_ranks=slot_ranks)
     tok = meta.token_indices_sorted_by_lora_ids
     xs, ss = k2_prefill.sort_activations(codes, scales, tok)
-    cfg, _ = k2_prefill.select(widths, m, rank)
+    cfg, _ = k2_prefill.select(widths, m, rank, k2_prefill.OP_ACCUM, k2_prefill.OP_VSTORE)
     spec = k2_prefill.launch(cfg, w_q=w_q, w_scale=w_scale, x_q_sorted=xs, x_scale_sorted=ss, y=out,
                              token_indices_sorted=tok, h=h, active_lora_ids=meta.active_lora_ids,
                              num_active=meta.num_active, lora_token_start_loc=meta.lora_token_start_loc,

@@ -1,4 +1,4 @@
-"""K2 for large batches (issue 4, 33..8192 tokens): y = x_q.s_x.(W_q.s_w)^T + sum_s h_s.B_s^T,
+"""K2 for large batches (issue 4, 33..16384 tokens): y = x_q.s_x.(W_q.s_w)^T + sum_s h_s.B_s^T,
 Hopper, CuTe-DSL. A generalization of the decode K2 (kernels_dsl/k2_gemm.py, GPU-verified) to many
 token tiles; its structure, helpers and verified fixes are kept.
 
@@ -87,8 +87,13 @@ PRODUCER_REGS = 40
 CONSUMER_REGS = 232  # 128 x (40 + 2 x 232) = 64512 <= 65536 (168 x 384 at launch)
 RED_PAD = 4  # fp32 words of padding per token column of the output tile (bank spread)
 SMEM_LIMIT = 227 * 1024  # the opt-in maximum dynamic smem of an H100/H200 CTA
-M_MIN, M_MAX = 33, 8192
+# 16384: vLLM's chunked prefill steps of the e2e setup (max_num_batched_tokens); y / x_q offsets
+# stay far below 2^31 (16384 x 24576).
+M_MIN, M_MAX = 33, 16384
 ACCUM_MODES = ("serial", "overlap", "fast")
+# The build the op's prefill path launches (ops._prefill_path): serial until bench_prefill_k2
+# (perf.md v0.60) has measured the others on the H200.
+OP_ACCUM, OP_VSTORE = "serial", False
 
 # Named barriers (id 0 is __syncthreads).
 _BAR_HMASK = 1
@@ -831,12 +836,13 @@ def token_tile(n_out: int, m: int, bm: int = 128, sms: int = SM_COUNT_H100) -> i
     return 128 if tiles * -(-m // 128) >= 2 * sms else 64
 
 
-def select(widths, m: int, rank: int | None = None):
+def select(widths, m: int, rank: int | None = None, accum: str = "serial", vstore: bool = False):
     """(adapter config or None, no-adapter config) for a projection with these slice widths."""
     bm = bm_for(widths)
     bn = token_tile(sum(widths), m, bm)
-    lora = Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=rank) if rank else None
-    return lora, Config(bn=bn, bm=bm, lora=False)
+    lora = (Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=rank, accum=accum, vstore=vstore)
+            if rank else None)
+    return lora, Config(bn=bn, bm=bm, lora=False, accum=accum, vstore=vstore)
 
 
 def prebuild_configs() -> list[Config]:

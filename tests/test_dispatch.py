@@ -75,7 +75,7 @@ def test_print_table(tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------
 # The dispatcher behind lora_linear_fp8(path="auto"), with fake paths and timers (no GPU).
 
-OPT_INS = ("EPILORA_DECODE_PATH", "EPILORA_HYBRID_PATH", d.FORCE_ENV, d.NO_LORA_ENV)
+OPT_INS = ("EPILORA_DECODE_PATH", "EPILORA_HYBRID_PATH", "EPILORA_PREFILL_PATH", d.FORCE_ENV, d.NO_LORA_ENV)
 SHIPPED_VERIFIED = d.VERIFIED_PATHS
 
 
@@ -171,6 +171,44 @@ def test_candidates_follow_applicability_and_opt_in(monkeypatch):
     assert allowed(call()) == ["decode", "hybrid", "hybrid_par", "hybrid_par_q", "triton"]
     monkeypatch.setenv("EPILORA_HYBRID_PAR_PATH", "0")
     assert allowed(call()) == ["decode", "hybrid", "triton"]
+
+
+def test_prefill_is_a_candidate_where_it_applies_and_only_opted_in(monkeypatch):
+    monkeypatch.delenv("EPILORA_HYBRID_PAR_PATH")
+    monkeypatch.delenv("EPILORA_PREFILL_PATH", raising=False)
+    monkeypatch.setattr(d, "VERIFIED_PATHS", SHIPPED_VERIFIED)
+    H = ("hybrid", "hybrid_par", "hybrid_par_q")
+    big = call(tokens=2048, decode_reason="2048 tokens", prefill_reason=None)
+    assert d.applicable_paths(big) == (*H, "prefill", "triton")
+    assert d.applicable_paths(call(tokens=2048, decode_reason="2048 tokens")) == (*H, "triton")  # not described
+    # Not GPU-verified through the op yet: out unless opted in, and "0" keeps it out again.
+    assert "prefill" not in d.VERIFIED_PATHS and d.OPT_IN_ENV["prefill"] == "EPILORA_PREFILL_PATH"
+    assert "prefill" not in d._allowed(d.applicable_paths(big))
+    monkeypatch.setenv("EPILORA_PREFILL_PATH", "1")
+    assert d._allowed(d.applicable_paths(big)) == (*H, "prefill", "triton")
+    assert d.DEFAULT_ORDER.index("prefill") > d.DEFAULT_ORDER.index("hybrid_par_q")
+
+
+def test_describe_asks_the_prefill_reason_only_when_it_could_be_a_candidate(monkeypatch):
+    import torch
+
+    from epilora_cute.metadata import build_meta
+
+    asked = []
+    monkeypatch.setattr(ops, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(ops, "_decode_reason", lambda *a: "64 tokens")
+    monkeypatch.setattr(ops, "_prefill_reason", lambda *a: asked.append(a) or None)
+    monkeypatch.setattr(d, "_device_name", lambda i: "H200")
+    monkeypatch.setattr("epilora_cute.arch.arch_of", lambda t: "sm_90a")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    x = torch.zeros(64, 128, dtype=torch.bfloat16)
+    meta = build_meta(torch.zeros(64, dtype=torch.int32), 4)
+    monkeypatch.delenv("EPILORA_PREFILL_PATH", raising=False)
+    c = d.describe(x, None, (128,), 16, [None], [None], meta)
+    assert not asked and c.prefill_reason.startswith("not a candidate")
+    monkeypatch.setenv("EPILORA_PREFILL_PATH", "1")
+    c = d.describe(x, None, (128,), 16, [None], [None], meta)
+    assert len(asked) == 1 and c.prefill_reason is None and c.tokens == 64
 
 
 def test_batches_without_adapters_take_vllms_path(tmp_path, monkeypatch, caplog):

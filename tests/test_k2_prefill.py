@@ -1,4 +1,4 @@
-"""The prefill K2 (kernels_dsl/k2_prefill.py, family k2_fp8_prefill, 33..8192 tokens).
+"""The prefill K2 (kernels_dsl/k2_prefill.py, family k2_fp8_prefill, 33..16384 tokens).
 
 * compile: a fast subset with the DSL of this interpreter (4.8.x) and, through tests/dsl46.py,
   with 4.6.0; the whole prebuild set @slow. Per configuration: PTX content (FP8 WGMMA with the
@@ -193,7 +193,7 @@ def test_prebuild_set_covers_model_shapes():
 
     cfgs = set(P.prebuild_configs())
     for model, tp, proj, widths, k in k2_gemm.projection_shapes():
-        for m in (33, 64, 100, 511, 2048, 8192):
+        for m in (33, 64, 100, 511, 2048, 8192, 16384):
             for r in P.RANKS:
                 c_l, c_n = P.select(widths, m, r)
                 assert c_l in cfgs and c_n in cfgs, (model, tp, proj, m, r)
@@ -619,6 +619,18 @@ def test_gpu_tokens_ranks_adapters(M, rank, adapters):
     widths, K = (4096, 1024, 1024), 4096  # Qwen3-8B qkv
     pp = PrefillPath(widths, K, rank, 32, M, seed=rank + M)
     x, tok = _x(M, K, rank * 100 + M), _tokens(M, adapters, rank + M)
+    pp.check(x, tok, pp.run(x, tok))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("proj", ["qkv", "down"])
+def test_gpu_16384_tokens(proj):
+    """vLLM's chunked-prefill step of the e2e setup (max_num_batched_tokens 16384)."""
+    _hopper()
+    widths, K = {"qkv": ((4096, 1024, 1024), 4096), "down": ((4096,), 12288)}[proj]
+    M = 16384
+    pp = PrefillPath(widths, K, 64, 8, M, seed=16)
+    x, tok = _x(M, K, 16), _tokens(M, 8, 16)
     pp.check(x, tok, pp.run(x, tok))
 
 

@@ -286,6 +286,18 @@ def test_prefill_path_matches_reference(proj, m):
     y = ops.lora_linear_fp8(x, wq, ws, a, b, build_meta(mapping, 4), out=out, path="prefill")
     assert not torch.isnan(y).any()
     assert _rel_err(y, _reference(x, wq, ws, a, b, mapping)) < 1e-2
+    # Deterministic, and what the dispatch would run when it takes the path (opted in).
+    assert torch.equal(ops.lora_linear_fp8(x, wq, ws, a, b, build_meta(mapping, 4), path="prefill"), y)
+
+
+def test_prefill_path_without_adapters_is_vllms_fp8_path():
+    widths, k = QWEN3_8B["qkv"]
+    x, wq, ws, a, b, _ = _case(widths, k, 300, seed=11)
+    meta = build_meta(torch.full((300,), -1, dtype=torch.int32, device="cuda"), 4)
+    meta.host_num_adapters = 0
+    codes, scales = ops.quantize_fp8_per_token(x)
+    y = ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="prefill")
+    assert torch.equal(y, ops.vendor_fp8_gemm(codes, scales, wq, ws))
 
 
 def test_vendor_gemm_is_the_base_gemm():

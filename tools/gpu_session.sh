@@ -156,7 +156,7 @@ case $mode in
     # bit for bit serial, fast within tolerance, the 16-byte stores bit for bit the scalar ones),
     # then the prefill K2 alone against the vendor GEMM (PK2_TOKENS / PK2_ADAPTERS override).
     unpack_vllm
-    timeout -s KILL 150 python3 -m pytest -q -m gpu tests/test_k2_prefill.py -k "accum_modes or bitwise or model_shapes" \
+    timeout -s KILL 150 python3 -m pytest -q -m gpu tests/test_k2_prefill.py -k "accum_modes or bitwise or model_shapes or 16384" \
       2>&1 | tail -6 | tee "$OUT/prefill_k2_tests.log"
     timeout -s KILL 60 python3 -m pytest -q -m gpu tests/test_lora_linear_gpu.py -k prefill 2>&1 | tail -3 \
       | tee -a "$OUT/prefill_k2_tests.log"
