@@ -198,10 +198,13 @@ def test_prebuild_set_covers_model_shapes():
                 c_l, c_n = P.select(widths, m, r)
                 assert c_l in cfgs and c_n in cfgs, (model, tp, proj, m, r)
                 assert all(wd % c_l.bm == 0 for wd in widths)
+                # the op's build too
+                c_l, c_n = P.select(widths, m, r, P.OP_ACCUM, P.OP_VSTORE)
+                assert c_l in cfgs and c_n in cfgs, (model, tp, proj, m, r)
     with pytest.raises(ValueError):
         P.select((4096,), 32, 64)
     with pytest.raises(ValueError):
-        P.select((4096,), 8193, 64)
+        P.select((4096,), P.M_MAX + 1, 64)
 
 
 def test_sort_activations_follows_meta():
