@@ -615,6 +615,37 @@ if cute is not None:
                         q = q + 1
 
         @cute.jit
+        def _stage_hmask(self, ctid, sH, mH, sTok, sl, c, jlo, jhi):
+            """sH[j, :] = bf16(h[sl, token(p0 + j), chunk c]) for the group's positions jlo <= j < jhi,
+            0 elsewhere. Every thread issues all its 16-byte h loads first (unconditional, at clamped
+            addresses), then selects and stores: a load inside the position test would make each
+            wait for the one before (h is an L2 round trip: ~8 per thread at 128 x 64 per item, the
+            decode K2's v0.45 lesson)."""
+            BN, RC, R = self.bn, self.rc, self.cfg.rank
+            vpr = RC // 4  # 16-byte vectors of h per token row of the chunk
+            n_it = BN * vpr // CONSUMER_THREADS  # exact: BN * RC / 4 is 256 .. 2048
+            loads = []
+            for it in cutlass.range_constexpr(n_it):
+                v = it * CONSUMER_THREADS + ctid
+                j = v // vpr
+                col = cutlass.min(c * RC + (v - j * vpr) * 4, R - 4)  # in bounds; masked below
+                r_h = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
+                cute.autovec_copy(cute.zipped_divide(mH[sl, sTok[j], None], (4,))[None, col // 4], r_h)
+                loads.append(r_h)
+            for it in cutlass.range_constexpr(n_it):
+                v = it * CONSUMER_THREADS + ctid
+                j = v // vpr
+                rr = (v - j * vpr) * 4
+                ok = j >= jlo and j < jhi and c * RC + rr < R
+                h4 = loads[it].load()
+                for e in cutlass.range_constexpr(4):
+                    he = h4[e]
+                    x = cutlass.Float32(0.0)
+                    if ok:
+                        x = he
+                    sH[j, rr + e, 0] = x.to(cutlass.BFloat16)
+
+        @cute.jit
         def _lora_epilogue(self, ctid, acc_l, tiled_mma_l, st, sB_layout, sH_layout, bfull, bempty, sTok,
                            mH, mActive, mNumActive, mStart, mSlotRanks, sl, p0):
             """Consumers: acc_l += B_chunk . hmask^T for this tile's items, in item order."""
@@ -642,13 +673,7 @@ if cute is not None:
                     for c in cutlass.range(nch, unroll=1):
                         b = q % NB
                         # hmask chunk: bf16(h) of this group's tokens, 0 elsewhere.
-                        for e in cutlass.range(ctid, BN * RC, CONSUMER_THREADS, unroll=1):
-                            j = e // RC
-                            rr = e - j * RC
-                            v = cutlass.Float32(0.0)
-                            if j >= jlo and j < jhi and c * RC + rr < R:
-                                v = mH[sl, sTok[j], c * RC + rr]
-                            sH[j, rr, 0] = v.to(cutlass.BFloat16)
+                        self._stage_hmask(ctid, sH, mH, sTok, sl, c, jlo, jhi)
                         cute.arch.fence_proxy("async.shared", space="cta")
                         cute.arch.barrier(barrier_id=_BAR_HMASK, number_of_threads=CONSUMER_THREADS)
                         cute.arch.mbarrier_wait(bfull + b, (q // NB) % 2)

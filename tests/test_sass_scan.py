@@ -124,3 +124,23 @@ def test_k2_push_builds_drop_membar_and_dsmem_loads(key):
     # the acquire wait - no DSMEM round trip)
     if (bn, lora, sq) in K2_WAIT_BOUNDS:
         assert len(loads_waited_in_branch(_k2_sass(cfg))) <= K2_WAIT_BOUNDS[(bn, lora, sq)] + (2 if pm else 0)
+
+
+@pytest.mark.parametrize("bn,rank", [(128, 64), (64, 8)])
+def test_prefill_k2_hmask_loads_are_not_waited_in_branch(bn, rank):
+    """The prefill K2's adapter epilogue stages h for each item: no global load waits inside its
+    position test (before v0.61, one LDG per element did: ~8 L2 round trips in a row per thread
+    and item); the one local smem read left is the output scatter's token index."""
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+    if nvdisasm_path() is None:
+        pytest.skip("no nvdisasm (Triton's wheel or the CUDA toolkit)")
+    from kernels_dsl import k2_prefill
+
+    cfg = k2_prefill.Config(bn=bn, lora=True, num_slices=3 if rank == 64 else 1, rank=rank)
+    with tempfile.TemporaryDirectory() as d:
+        k2_prefill.compile(cfg, f"--gpu-arch sm_90a --keep-cubin --dump-dir {d}")
+        sass = sass_of(next(Path(d).glob("*.cubin")).read_bytes())
+    found = loads_waited_in_branch(sass)
+    assert not [f for f in found if "LDG" in f[1]], found
+    assert len(found) <= 1, found
+    assert sum(1 for i in instructions(sass) if i.split()[0].startswith("LDG.E.128")) == bn * cfg.rank_chunk // 4 // 256
