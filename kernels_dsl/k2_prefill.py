@@ -409,15 +409,20 @@ if cute is not None:
                         with cute.arch.elect_one():
                             cute.arch.mbarrier_arrive_and_expect_tx(full + i, stage_bytes)
                         cute.copy(tma_w, tWg[(None, i)], tWs[(None, i)], tma_bar_ptr=full + i)
-                    # 2. the adapter B chunks that fit the ring.
-                    if cutlass.const_expr(cfg.lora):
+                    # 2. the adapter B chunks that fit the ring, 3. x_q of the first stages. The B
+                    # chunks' group scan is a chain of metadata loads: without PDL it goes after
+                    # the x_q requests (the main loop needs those first); with PDL before the
+                    # wait (x_q_sorted comes from the previous grid, B and the metadata do not).
+                    if cutlass.const_expr(cfg.lora and cfg.pdl):
                         self._issue_b(0, NB, tma_bs, mBs, st, sB_layout, bfull, bempty, mActive, mNumActive,
                                       mStart, mSlotRanks, sl, row_in_slice, n_s, p0)
-                    # 3. (PDL variant only) x_q_sorted comes from the previous grid.
                     if cutlass.const_expr(cfg.pdl):
                         cute.arch.griddepcontrol_wait()
                     for i in cutlass.range(npre, unroll=1):
                         cute.copy(tma_x, tXg[(None, i)], tXs[(None, i)], tma_bar_ptr=full + i)
+                    if cutlass.const_expr(cfg.lora and not cfg.pdl):
+                        self._issue_b(0, NB, tma_bs, mBs, st, sB_layout, bfull, bempty, mActive, mNumActive,
+                                      mStart, mSlotRanks, sl, row_in_slice, n_s, p0)
                     # 4. the steady state.
                     for i in cutlass.range(npre, nk, unroll=1):
                         s = i % STAGES
