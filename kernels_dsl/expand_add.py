@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import sys
 import functools
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,10 @@ class Config:
     num_slices: int = 1
     bm: int = 64
     bn: int = 128
+    # prefetch_y: the tile's y rows are requested (cp.async into shared memory) at the CTA's
+    # start, beside group 0's B and the h staging, instead of after the MMAs: the epilogue's
+    # index -> y round trips leave the CTA's critical path (v0.62; opt-in until measured).
+    prefetch_y: bool = False
 
     def __post_init__(self):
         if self.rank not in RANKS:
@@ -97,7 +102,7 @@ class Config:
         return self.bm // 16 * 32
 
     def name(self) -> str:
-        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}"
+        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}" + ("_py" if self.prefetch_y else "")
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -109,7 +114,10 @@ class Config:
         buffer, which the fp32 epilogue tile [bm, bn + C_PAD] reuses (the larger of the two)."""
         a = self.bm * self.rank_pad * 2
         b = max(2 * self.bn * self.rank_pad * 2, self.bm * (self.bn + C_PAD) * 4)
-        return _align(_align(a, 1024) + b, 1024)
+        total = _align(a, 1024) + b
+        if self.prefetch_y:  # sY: the tile's y rows, bf16 [bm, bn]
+            total = _align(total, 1024) + self.bm * self.bn * 2
+        return _align(total, 1024)
 
 
 def _align(x: int, a: int) -> int:
@@ -194,8 +202,15 @@ if cute is not None:
                 sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, max(cute.cosize(sB_layout), c_elems)],
                                       1024]
 
-            self.storage = Storage
-            self.smem_size = Storage.size_in_bytes()
+            @cute.struct
+            class StorageY:
+                sA: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sA_layout)], 1024]
+                sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, max(cute.cosize(sB_layout), c_elems)],
+                                      1024]
+                sY: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, self.BM * self.BN], 1024]
+
+            self.storage = StorageY if cfg.prefetch_y else Storage
+            self.smem_size = self.storage.size_in_bytes()
             self.kernel(y, h, tok, sorted_ids, row_group, active, start_loc, slot_ranks, b_bufs, n_widths,
                         has_ranks, sA_layout, sB_layout, sC_layout, tiled_mma, tiled_copy_b).launch(
                 grid=(1, 1, 1), block=(self.threads, 1, 1), smem=cfg.smem_bytes, stream=stream)
@@ -262,6 +277,26 @@ if cute is not None:
                 if n_groups > 0:
                     self._load_b(g_first, 0, mActive, mRanks, has_ranks, mBs, sl, n_s, c0, ncols, tiled_copy_b, tBsB,
                                  tBcB)
+                CPR = BN // 8  # 16-byte chunks per tile row
+                NIT = BM * CPR // NT  # chunks per thread
+                if cutlass.const_expr(cfg.prefetch_y):
+                    j0 = (col_base + c0) // 8
+                    # per chunk: the token whose y row this thread updates, or -1
+                    toks = self._chunk_tokens(mSorted, mTok, r0, row_lo, row_hi, ncols, tidx)
+                    # The tile's y chunks into sY, in the same cp.async group as B: nothing here
+                    # depends on this CTA's MMAs. Chunks it does not update are zero-filled from a
+                    # valid address (y's first chunk of the tile in row 0).
+                    y_base = st.sY.data_ptr().toint()
+                    for it in cutlass.range_constexpr(NIT):
+                        yv = it * NT + tidx
+                        yr = yv // CPR
+                        ycc = yv - yr * CPR
+                        y_ok = toks[it] >= 0
+                        y_tok = cutlass.Int32(cutlass.select_(y_ok, toks[it], 0))
+                        y_col = cutlass.Int32(cutlass.select_(y_ok, j0 + ycc, j0))
+                        y_src = cute.zipped_divide(mY[y_tok, None], (8,))[None, y_col]
+                        _dsl.cp_async_cg_16(y_base + (yr * BN + ycc * 8) * 2, y_src.iterator.toint(),
+                                            cutlass.Int32(cutlass.select_(y_ok, 16, 0)))
                 cute.arch.cp_async_commit_group()
 
                 if n_groups > 0:  # a z-CTA without groups only passes the barriers
@@ -330,28 +365,21 @@ if cute is not None:
                 # instead of queueing chunk after chunk: (1) every chunk's sorted slot and token
                 # index, (2) every chunk's 16-byte y load, (3) add, round once, store. Same
                 # arithmetic per element as one pass; rows of slot -1 neither read nor written.
-                CPR = BN // 8
-                NIT = BM * CPR // NT
-                j0 = (col_base + c0) // 8
-                toks = []
-                for it in cutlass.range_constexpr(NIT):
-                    v = it * NT + tidx
-                    r = v // CPR
-                    cc = v - r * CPR
-                    t = cutlass.Int32(-1)
-                    if r >= row_lo and r < row_hi and cc * 8 < ncols:
-                        srt = mSorted[r0 + r]
-                        tk = mTok[r0 + r]
-                        if srt >= 0:
-                            t = tk
-                    toks.append(t)
+                # With prefetch_y, (1) ran at the CTA's start and (2) reads sY.
+                if cutlass.const_expr(not cfg.prefetch_y):
+                    j0 = (col_base + c0) // 8
+                    toks = self._chunk_tokens(mSorted, mTok, r0, row_lo, row_hi, ncols, tidx)
                 ys = []
                 for it in cutlass.range_constexpr(NIT):
                     v = it * NT + tidx
                     cc = v - (v // CPR) * CPR
                     r_y = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
-                    if toks[it] >= 0:
-                        cute.autovec_copy(cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc], r_y)
+                    if cutlass.const_expr(cfg.prefetch_y):
+                        sY = cute.make_tensor(st.sY.data_ptr(), cute.make_layout((BM, BN), stride=(BN, 1)))
+                        cute.autovec_copy(cute.zipped_divide(sY[v // CPR, None], (8,))[None, cc], r_y)
+                    else:
+                        if toks[it] >= 0:
+                            cute.autovec_copy(cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc], r_y)
                     ys.append(r_y)
                 for it in cutlass.range_constexpr(NIT):
                     v = it * NT + tidx
@@ -363,6 +391,26 @@ if cute is not None:
                         r_o = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
                         r_o.store((ys[it].load().to(cutlass.Float32) + r_c.load()).to(cutlass.BFloat16))
                         cute.autovec_copy(r_o, cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc])
+
+        @cute.jit
+        def _chunk_tokens(self, mSorted, mTok, r0, row_lo, row_hi, ncols, tidx):
+            """Per chunk of this thread (NIT of them): the token whose y row it updates, or -1
+            (rows outside this CTA's groups, tokens without an adapter, columns past the slice)."""
+            BM, BN, NT = self.BM, self.BN, self.threads
+            CPR = BN // 8
+            toks = []
+            for it in cutlass.range_constexpr(BM * CPR // NT):
+                v = it * NT + tidx
+                r = v // CPR
+                cc = v - r * CPR
+                t = cutlass.Int32(-1)
+                if r >= row_lo and r < row_hi and cc * 8 < ncols:
+                    srt = mSorted[r0 + r]
+                    tk = mTok[r0 + r]
+                    if srt >= 0:
+                        t = tk
+                toks.append(t)
+            return toks
 
         @cute.jit
         def _k_eff(self, lid, mRanks, has_ranks):
@@ -486,9 +534,11 @@ def prebuild_configs() -> list[Config]:
     # since v0.13: tests/test_expand_add.py's GPU check compares against it, and the GPU machine
     # (no DSL) runs only prebuilt configurations.
     cfgs |= {Config(rank=64, num_slices=s, bm=128, bn=128) for s in SLICE_COUNTS}
+    # v0.62's y prefetch beside the selected tiles, rank 64 (bench hybrid_stages, GPU tests).
+    cfgs |= {dataclasses.replace(select(s, m, 64), prefetch_y=True) for s in SLICE_COUNTS for m in (64, WIDE_M)}
     for s in SWEEP_SLICES:
         cfgs.update(sweep_configs(s, 64).values())
-    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.bn))
+    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.bn, c.prefetch_y))
 
 
 # The bench's expand-add sweep (`hybrid_stages` with EPILORA_BENCH_K1SWEEP=1), rank 64, Qwen3-8B's

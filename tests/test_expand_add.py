@@ -34,7 +34,8 @@ from tests.dsl46 import run_dsl46  # noqa: E402
 
 needs_dsl = pytest.mark.skipif(dsl_version() is None, reason="nvidia-cutlass-dsl is not installed")
 
-FAST = [E.Config(rank=64, num_slices=3), E.Config(rank=8, num_slices=1, bm=128), E.Config(rank=256, num_slices=2, bn=64)]
+FAST = [E.Config(rank=64, num_slices=3), E.Config(rank=8, num_slices=1, bm=128), E.Config(rank=256, num_slices=2, bn=64),
+        E.Config(rank=64, num_slices=3, prefetch_y=True)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,6 +442,42 @@ def test_gpu_bn64_is_bitwise_bn128(M, L, widths):
     torch.cuda.synchronize()
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
     assert_close_bf16(outs[1], expected(dict(case, y=y0), bf16_h=True), True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,L,widths", [(33, 8, (2048, 512)), (64, 8, (4096, 1024, 1024)), (256, 32, (4096, 1024, 1024)),
+                                        (2500, 8, (12288, 12288)), (300, 3, (4096,))])
+def test_gpu_prefetch_y_is_bitwise_the_default(M, L, widths):
+    """v0.62: the y rows requested at the CTA's start (cp.async into shared memory) instead of
+    after the MMAs: the same y values meet the same sums, so y is bit-identical, rows without an
+    adapter untouched (the case's mapping has them), with the group split."""
+    _hopper()
+    import dataclasses
+
+    case = make_case(M, L, 64, widths, seed=M + 2 * L, device="cuda")
+    y0 = case["y"].clone()
+    outs = []
+    base = E.select(len(widths), M, 64)
+    for cfg in (base, dataclasses.replace(base, prefetch_y=True)):
+        y = y0.clone()
+        E.expand_add(y, case["h"], case["bs"], case["meta"], config=cfg)
+        outs.append(y)
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    assert_close_bf16(outs[1], expected(dict(case, y=y0), bf16_h=True), True)
+
+
+def test_prefetch_y_builds_are_prebuilt_beside_the_selected_tiles():
+    import dataclasses
+
+    pre = set(E.prebuild_configs())
+    for s in E.SLICE_COUNTS:
+        for m in (64, E.WIDE_M):
+            cfg = dataclasses.replace(E.select(s, m, 64), prefetch_y=True)
+            assert cfg in pre and cfg.name().endswith("_py")
+            # one bf16 [bm, bn] tile more, three CTAs per SM still fit the shared memory
+            assert cfg.smem_bytes - E.select(s, m, 64).smem_bytes >= cfg.bm * cfg.bn * 2
+            assert 3 * cfg.smem_bytes <= 227 * 1024
 
 
 def test_select_takes_the_narrow_tile_from_wide_m():
