@@ -91,6 +91,10 @@ SMEM_LIMIT = 227 * 1024  # the opt-in maximum dynamic smem of an H100/H200 CTA
 # stay far below 2^31 (16384 x 24576).
 M_MIN, M_MAX = 33, 16384
 ACCUM_MODES = ("serial", "overlap", "fast")
+# (accum, vstore) of the builds the bench and the GPU tests compare: serial with scalar stores
+# (the kernel before v0.60), then every other mode with either store; the latter are prebuilt at
+# rank 64 and without adapter.
+MAIN_LOOP_BUILDS = (("serial", False),) + tuple((a, vs) for a in ACCUM_MODES[1:] for vs in (False, True))
 # The build the op's prefill path launches (ops._prefill_path): serial until bench_prefill_k2
 # (perf.md v0.60) has measured the others on the H200.
 OP_ACCUM, OP_VSTORE = "serial", False
@@ -458,7 +462,8 @@ if cute is not None:
                 acc = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
                 acc.fill(0.0)
                 num_kk = cute.size(tCrW, mode=[2])
-                mma = (tiled_mma, tCrW, tCrX, full, empty, num_kk)
+                # What the main-loop helpers share (each block builds its own TiledMma).
+                mma = (tCrW, tCrX, full, empty, num_kk)
                 if cutlass.const_expr(cfg.accum == "serial"):
                     acc_blk = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
                     for i in cutlass.range(nk, unroll=1):
@@ -547,7 +552,7 @@ if cute is not None:
         def _issue_block(self, mma, acc_t, i, into_acc: cutlass.Constexpr):
             """Consumers: wait for k-block i's stage and issue its WGMMAs into acc_t (a fresh sum,
             or, into_acc, added to acc_t's running sum), committed as one group."""
-            _, tCrW, tCrX, full, empty, num_kk = mma
+            tCrW, tCrX, full, _, num_kk = mma
             # A fresh TiledMma per block: its ACCUMULATE field is state that a set() inside this
             # (staged) body must not leak out of it (the DSL cannot thread attribute rebinds).
             tiled_mma = self._fp8_mma()
@@ -565,7 +570,7 @@ if cute is not None:
         def _release_stage(self, mma, i, pending: cutlass.Constexpr):
             """Consumers: wait until at most `pending` WGMMA groups are in flight (k-block i's is
             then complete) and hand its stage back to the producer."""
-            _, _, _, _, empty, _ = mma
+            empty = mma[3]
             cute.nvgpu.warpgroup.wait_group(pending)
             cute.arch.mbarrier_arrive(empty + i % self.stages)
 
@@ -886,12 +891,10 @@ def prebuild_configs() -> list[Config]:
             cfgs.add(Config(bn=bn, bm=bm, lora=False))
             for r in RANKS:
                 cfgs.add(Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=r))
-            # The other main-loop accumulations (tools/bench_prefill_k2.py), at the bench's rank.
-            for accum in ACCUM_MODES[1:]:
-                for vs in (False, True):
-                    cfgs.add(Config(bn=bn, bm=bm, lora=False, accum=accum, vstore=vs))
-                    cfgs.add(Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=64, accum=accum,
-                                    vstore=vs))
+            # The other main-loop builds (tools/bench_prefill_k2.py), at the bench's rank.
+            for accum, vs in MAIN_LOOP_BUILDS[1:]:
+                cfgs.add(Config(bn=bn, bm=bm, lora=False, accum=accum, vstore=vs))
+                cfgs.add(Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=64, accum=accum, vstore=vs))
     return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank, c.accum, c.vstore))
 
 

@@ -404,6 +404,21 @@ def test_gpu_group_split_bitwise_invariant(M):
     assert_close_bf16(outs[None], expected(dict(case, y=y0), bf16_h=True), True)
 
 
+def _assert_configs_bitwise_equal(case, cfgs):
+    """Each configuration on its own copy of the case's y: the same bits from all of them (rows
+    without an adapter untouched), and that y within the reference's tolerance."""
+    y0 = case["y"].clone()
+    outs = []
+    for cfg in cfgs:
+        y = y0.clone()
+        E.expand_add(y, case["h"], case["bs"], case["meta"], config=cfg)
+        outs.append(y)
+    torch.cuda.synchronize()
+    for y in outs[1:]:
+        assert torch.equal(y.view(torch.int16), outs[0].view(torch.int16))
+    assert_close_bf16(outs[-1], expected(dict(case, y=y0), bf16_h=True), True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("L", (1, 32))
 def test_gpu_prefill_bm64_equals_bm128(L):
@@ -413,15 +428,7 @@ def test_gpu_prefill_bm64_equals_bm128(L):
     M, widths = 2048, (12288, 12288)
     case = make_case(M, L, 64, widths, seed=L + 40, device="cuda")
     assert E.select(2, M, 64).bm == 64
-    y0 = case["y"].clone()
-    outs = []
-    for cfg in (E.select(2, M, 64), E.Config(rank=64, num_slices=2, bm=128, bn=128)):
-        y = y0.clone()
-        E.expand_add(y, case["h"], case["bs"], case["meta"], config=cfg)
-        outs.append(y)
-    torch.cuda.synchronize()
-    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
-    assert_close_bf16(outs[0], expected(dict(case, y=y0), bf16_h=True), True)
+    _assert_configs_bitwise_equal(case, (E.select(2, M, 64), E.Config(rank=64, num_slices=2, bm=128, bn=128)))
 
 
 @pytest.mark.gpu
@@ -433,15 +440,7 @@ def test_gpu_bn64_is_bitwise_bn128(M, L, widths):
     so y is bit-identical, rows without an adapter untouched, with the group split."""
     _hopper()
     case = make_case(M, L, 64, widths, seed=M + L, device="cuda")
-    y0 = case["y"].clone()
-    outs = []
-    for bn in (128, 64):
-        y = y0.clone()
-        E.expand_add(y, case["h"], case["bs"], case["meta"], config=E.Config(rank=64, num_slices=len(widths), bn=bn))
-        outs.append(y)
-    torch.cuda.synchronize()
-    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
-    assert_close_bf16(outs[1], expected(dict(case, y=y0), bf16_h=True), True)
+    _assert_configs_bitwise_equal(case, [E.Config(rank=64, num_slices=len(widths), bn=bn) for bn in (128, 64)])
 
 
 @pytest.mark.gpu
@@ -455,16 +454,8 @@ def test_gpu_prefetch_y_is_bitwise_the_default(M, L, widths):
     import dataclasses
 
     case = make_case(M, L, 64, widths, seed=M + 2 * L, device="cuda")
-    y0 = case["y"].clone()
-    outs = []
     base = E.select(len(widths), M, 64)
-    for cfg in (base, dataclasses.replace(base, prefetch_y=True)):
-        y = y0.clone()
-        E.expand_add(y, case["h"], case["bs"], case["meta"], config=cfg)
-        outs.append(y)
-    torch.cuda.synchronize()
-    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
-    assert_close_bf16(outs[1], expected(dict(case, y=y0), bf16_h=True), True)
+    _assert_configs_bitwise_equal(case, (base, dataclasses.replace(base, prefetch_y=True)))
 
 
 def test_prefetch_y_builds_are_prebuilt_beside_the_selected_tiles():

@@ -17,8 +17,6 @@ that is how the 4.6.0 venv checks the same configurations in a subprocess.
 
 from __future__ import annotations
 
-import dataclasses
-
 import json
 import re
 import shutil
@@ -556,8 +554,8 @@ class PrefillPath:
         self.codes, self.scales = codes, scales
         if poison:
             self.y.fill_(float("nan"))
-        c_l, c_n = P.select(self.widths, M, self.rank)
-        cfg = dataclasses.replace(c_l if lora else c_n, accum=accum, vstore=vstore)
+        c_l, c_n = P.select(self.widths, M, self.rank, accum, vstore)
+        cfg = c_l if lora else c_n
         kw = {}
         if lora:
             kw = dict(h=h, active_lora_ids=meta.active_lora_ids, num_active=meta.num_active,
@@ -683,8 +681,7 @@ def test_gpu_accum_modes(proj, M, lora):
     widths, K = {"qkv": ((4096, 1024, 1024), 4096), "down": ((4096,), 12288)}[proj]
     pp = PrefillPath(widths, K, 64, 8, M, seed=M + 7)
     x, tok = _x(M, K, M + 7), _tokens(M, 8, M + 7)
-    builds = [("serial", False)] + [(a, vs) for a in P.ACCUM_MODES[1:] for vs in (False, True)]
-    ys = {b: pp.run(x, tok, lora=lora, accum=b[0], vstore=b[1]).clone() for b in builds}
+    ys = {b: pp.run(x, tok, lora=lora, accum=b[0], vstore=b[1]).clone() for b in P.MAIN_LOOP_BUILDS}
     for b, y in ys.items():
         pp.check(x, tok, y, lora=lora)
         assert torch.equal(pp.run(x, tok, lora=lora, accum=b[0], vstore=b[1]).view(torch.int16), y.view(torch.int16)), b

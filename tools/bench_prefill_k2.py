@@ -79,14 +79,12 @@ class PrefillK2Case:
 
     def k2(self, mode: str, lora: bool, vstore: bool = False):
         """A zero-argument launcher of the prefill K2 (select()'s tile, accum = mode)."""
-        import dataclasses
-
         from epilora_cute.kernels import get_kernel
         from kernels_dsl import k2_prefill as P
 
         c = self.c
-        c_l, c_n = P.select(tuple(c.proj.slices), c.m, c.rank)
-        cfg = dataclasses.replace(c_l if lora else c_n, accum=mode, vstore=vstore)
+        c_l, c_n = P.select(tuple(c.proj.slices), c.m, c.rank, mode, vstore)
+        cfg = c_l if lora else c_n
         kw = {}
         if lora:
             kw = dict(h=self.h, active_lora_ids=c.meta.active_lora_ids, num_active=c.meta.num_active,
@@ -131,8 +129,7 @@ def bench_projection(p: Projection, m: int, adapters: int) -> dict:
            "gflop": base_flops(p, m) / 1e9}
     fns = dict(_vendor(c, pk))
     launchers = {}
-    builds = [("serial", False)] + [(a, vs) for a in P.ACCUM_MODES[1:] for vs in (False, True)]
-    for mode, vs in builds:
+    for mode, vs in P.MAIN_LOOP_BUILDS:
         for lora in (False, True):
             name = f"k2_{'lora_' if lora else ''}{mode}{'_vs' if vs else ''}"
             try:
