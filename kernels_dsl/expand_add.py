@@ -63,6 +63,7 @@ FAMILY = "expand_add"
 RUNTIME_CONTRACT = True
 
 RANKS = (8, 16, 32, 64, 128, 256)
+SM_SMEM = 228 * 1024 - 8 * 1024  # an H100/H200 SM's shared memory less 1 KiB reserved per CTA (up to 8)
 C_PAD = 4  # fp32 words of padding per row of the epilogue staging tile (16-byte rows, fewer conflicts)
 
 
@@ -75,10 +76,12 @@ class Config:
     num_slices: int = 1
     bm: int = 64
     bn: int = 128
-    # prefetch_y: the tile's y rows are requested (cp.async into shared memory) at the CTA's
-    # start, beside group 0's B and the h staging, instead of after the MMAs: the epilogue's
-    # index -> y round trips leave the CTA's critical path (v0.62; opt-in until measured).
-    prefetch_y: bool = False
+    # min_ctas: built for that many resident CTAs per SM (.minnctapersm: ptxas caps the registers
+    # at 65536 / (min_ctas x threads)); 0 = ptxas's own count (~154 registers at bm 64 x bn 128:
+    # three CTAs of 4 warps per SM, bound by the y loads' latency, run13's profile). v0.63, opt-in
+    # until measured. (v0.62's y prefetch into shared memory was measured in run25 and removed:
+    # -0.6 % at 64 tokens, +14 % at 2048.)
+    min_ctas: int = 0
 
     def __post_init__(self):
         if self.rank not in RANKS:
@@ -91,6 +94,8 @@ class Config:
             raise ValueError("bn must be 64, 128 or 256")
         if self.threads // (self.rank_pad // 8) > self.bn:
             raise ValueError("the B tile copy needs threads / (rank_pad / 8) <= bn")
+        if self.min_ctas and not (2 <= self.min_ctas <= 8 and self.min_ctas * self.smem_bytes <= SM_SMEM):
+            raise ValueError(f"min_ctas must be 0, or 2..8 CTAs whose shared memory fits an SM ({SM_SMEM} B)")
 
     @property
     def rank_pad(self) -> int:
@@ -102,7 +107,7 @@ class Config:
         return self.bm // 16 * 32
 
     def name(self) -> str:
-        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}" + ("_py" if self.prefetch_y else "")
+        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}" + (f"_o{self.min_ctas}" if self.min_ctas else "")
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -114,10 +119,7 @@ class Config:
         buffer, which the fp32 epilogue tile [bm, bn + C_PAD] reuses (the larger of the two)."""
         a = self.bm * self.rank_pad * 2
         b = max(2 * self.bn * self.rank_pad * 2, self.bm * (self.bn + C_PAD) * 4)
-        total = _align(a, 1024) + b
-        if self.prefetch_y:  # sY: the tile's y rows, bf16 [bm, bn]
-            total = _align(total, 1024) + self.bm * self.bn * 2
-        return _align(total, 1024)
+        return _align(_align(a, 1024) + b, 1024)
 
 
 def _align(x: int, a: int) -> int:
@@ -202,18 +204,15 @@ if cute is not None:
                 sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, max(cute.cosize(sB_layout), c_elems)],
                                       1024]
 
-            @cute.struct
-            class StorageY:
-                sA: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sA_layout)], 1024]
-                sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, max(cute.cosize(sB_layout), c_elems)],
-                                      1024]
-                sY: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, self.BM * self.BN], 1024]
-
-            self.storage = StorageY if cfg.prefetch_y else Storage
+            self.storage = Storage
             self.smem_size = self.storage.size_in_bytes()
+            # .minnctapersm only when asked for: the default builds stay ptxas's own choice.
+            # The carveout (a launch-time attribute; epilora_cute's launcher sets it for these
+            # builds) given here spares the DSL a device query for it.
+            occupancy = {"min_blocks_per_mp": cfg.min_ctas, "preferred_smem_carveout": 100} if cfg.min_ctas else {}
             self.kernel(y, h, tok, sorted_ids, row_group, active, start_loc, slot_ranks, b_bufs, n_widths,
                         has_ranks, sA_layout, sB_layout, sC_layout, tiled_mma, tiled_copy_b).launch(
-                grid=(1, 1, 1), block=(self.threads, 1, 1), smem=cfg.smem_bytes, stream=stream)
+                grid=(1, 1, 1), block=(self.threads, 1, 1), smem=cfg.smem_bytes, stream=stream, **occupancy)
 
         @cute.kernel
         def kernel(self, mY: cute.Tensor, mH: cute.Tensor, mTok: cute.Tensor, mSorted: cute.Tensor,
@@ -279,24 +278,6 @@ if cute is not None:
                                  tBcB)
                 CPR = BN // 8  # 16-byte chunks per tile row
                 NIT = BM * CPR // NT  # chunks per thread
-                if cutlass.const_expr(cfg.prefetch_y):
-                    j0 = (col_base + c0) // 8
-                    # per chunk: the token whose y row this thread updates, or -1
-                    toks = self._chunk_tokens(mSorted, mTok, r0, row_lo, row_hi, ncols, tidx)
-                    # The tile's y chunks into sY, in the same cp.async group as B: nothing here
-                    # depends on this CTA's MMAs. Chunks it does not update are zero-filled from a
-                    # valid address (y's first chunk of the tile in row 0).
-                    y_base = st.sY.data_ptr().toint()
-                    for it in cutlass.range_constexpr(NIT):
-                        yv = it * NT + tidx
-                        yr = yv // CPR
-                        ycc = yv - yr * CPR
-                        y_ok = toks[it] >= 0
-                        y_tok = cutlass.Int32(cutlass.select_(y_ok, toks[it], 0))
-                        y_col = cutlass.Int32(cutlass.select_(y_ok, j0 + ycc, j0))
-                        y_src = cute.zipped_divide(mY[y_tok, None], (8,))[None, y_col]
-                        _dsl.cp_async_cg_16(y_base + (yr * BN + ycc * 8) * 2, y_src.iterator.toint(),
-                                            cutlass.Int32(cutlass.select_(y_ok, 16, 0)))
                 cute.arch.cp_async_commit_group()
 
                 if n_groups > 0:  # a z-CTA without groups only passes the barriers
@@ -365,21 +346,15 @@ if cute is not None:
                 # instead of queueing chunk after chunk: (1) every chunk's sorted slot and token
                 # index, (2) every chunk's 16-byte y load, (3) add, round once, store. Same
                 # arithmetic per element as one pass; rows of slot -1 neither read nor written.
-                # With prefetch_y, (1) ran at the CTA's start and (2) reads sY.
-                if cutlass.const_expr(not cfg.prefetch_y):
-                    j0 = (col_base + c0) // 8
-                    toks = self._chunk_tokens(mSorted, mTok, r0, row_lo, row_hi, ncols, tidx)
+                j0 = (col_base + c0) // 8
+                toks = self._chunk_tokens(mSorted, mTok, r0, row_lo, row_hi, ncols, tidx)
                 ys = []
                 for it in cutlass.range_constexpr(NIT):
                     v = it * NT + tidx
                     cc = v - (v // CPR) * CPR
                     r_y = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
-                    if cutlass.const_expr(cfg.prefetch_y):
-                        sY = cute.make_tensor(st.sY.data_ptr(), cute.make_layout((BM, BN), stride=(BN, 1)))
-                        cute.autovec_copy(cute.zipped_divide(sY[v // CPR, None], (8,))[None, cc], r_y)
-                    else:
-                        if toks[it] >= 0:
-                            cute.autovec_copy(cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc], r_y)
+                    if toks[it] >= 0:
+                        cute.autovec_copy(cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc], r_y)
                     ys.append(r_y)
                 for it in cutlass.range_constexpr(NIT):
                     v = it * NT + tidx
@@ -511,6 +486,10 @@ def compile(config: Config, options: str = "--gpu-arch sm_90a"):
 # ---------------------------------------------------------------------------------------------
 
 SLICE_COUNTS = (1, 2, 3, 4)
+# Config.min_ctas of the occupancy builds (v0.63), for select()'s bn 128 tile (below WIDE_M; the bn
+# 64 tile already compiles to ~80 registers): 4 caps it at 128 registers without spills, 5 (96)
+# spills.
+OCCUPANCY_BUILDS = (4,)
 WIDE_M = 2048  # token count from which select() takes the narrow (bn 64) tile
 
 
@@ -534,11 +513,11 @@ def prebuild_configs() -> list[Config]:
     # since v0.13: tests/test_expand_add.py's GPU check compares against it, and the GPU machine
     # (no DSL) runs only prebuilt configurations.
     cfgs |= {Config(rank=64, num_slices=s, bm=128, bn=128) for s in SLICE_COUNTS}
-    # v0.62's y prefetch beside the selected tiles, rank 64 (bench hybrid_stages, GPU tests).
-    cfgs |= {dataclasses.replace(select(s, m, 64), prefetch_y=True) for s in SLICE_COUNTS for m in (64, WIDE_M)}
+    # v0.63's occupancy builds of the selected tiles, rank 64 (bench hybrid_stages, GPU tests).
+    cfgs |= {dataclasses.replace(select(s, 64, 64), min_ctas=n) for s in SLICE_COUNTS for n in OCCUPANCY_BUILDS}
     for s in SWEEP_SLICES:
         cfgs.update(sweep_configs(s, 64).values())
-    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.bn, c.prefetch_y))
+    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.bn, c.min_ctas))
 
 
 # The bench's expand-add sweep (`hybrid_stages` with EPILORA_BENCH_K1SWEEP=1), rank 64, Qwen3-8B's

@@ -26,7 +26,7 @@ def test_slim_rules_on_the_prebuild_set():
             assert getattr(cfg, "rank", cc.SLIM_RANK) == cc.SLIM_RANK, cfg.name()
     pre = {cfg for mod, cfg in with_prefill if mod.FAMILY == cc.PREFILL_FAMILY}
     # the prefill K2's bench builds: rank 64 in every accumulation mode, and the no-adapter ones
-    assert k2_prefill.Config(bn=128, lora=True, num_slices=3, rank=64, accum="fast", vstore=True) in pre
+    assert k2_prefill.Config(bn=128, lora=True, num_slices=3, rank=64, accum="overlap", vstore=True) in pre
     assert k2_prefill.Config(bn=64, lora=False) in pre
     assert k2_prefill.Config(bn=128, lora=True, num_slices=3, rank=16) not in pre
 

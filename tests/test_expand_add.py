@@ -31,11 +31,12 @@ from epilora_cute.kernel_abi import check_params, ptx_entries  # noqa: E402
 from epilora_cute.metadata import build_meta  # noqa: E402
 from kernels_dsl import expand_add as E  # noqa: E402
 from tests.dsl46 import run_dsl46  # noqa: E402
+from tests.ptxas import spill_problems  # noqa: E402
 
 needs_dsl = pytest.mark.skipif(dsl_version() is None, reason="nvidia-cutlass-dsl is not installed")
 
 FAST = [E.Config(rank=64, num_slices=3), E.Config(rank=8, num_slices=1, bm=128), E.Config(rank=256, num_slices=2, bn=64),
-        E.Config(rank=64, num_slices=3, prefetch_y=True)]
+        E.Config(rank=64, num_slices=3, min_ctas=4)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,15 +234,17 @@ def ptx_problems(ptx: str) -> list[str]:
     return bad
 
 
-def check_config(mod, cfg, problems=ptx_problems) -> dict:
+def check_config(mod, cfg, problems=ptx_problems, spills=True) -> dict:
     """Compile one configuration; check PTX content, the declared parameters (sizes against the
-    PTX .entry), the DSL's smem struct against Config.smem_bytes, and the cubin."""
+    PTX .entry), the DSL's smem struct against Config.smem_bytes, the cubin and (spills) ptxas's
+    register spills."""
     with tempfile.TemporaryDirectory() as d:
         f = mod.compile(cfg, f"--gpu-arch sm_90a --keep-ptx --keep-cubin --dump-dir {d}")
         ptxs, cubins = sorted(Path(d).glob("*.ptx")), sorted(Path(d).glob("*.cubin"))
         ptx = ptxs[0].read_text() if ptxs else ""
         cubin_ok = bool(cubins) and cubins[0].read_bytes()[:4] == b"\x7fELF"
-    bad = problems(ptx)
+        spilled = spill_problems(ptxs[0]) if ptxs and spills else []
+    bad = problems(ptx) + spilled
     entries = ptx_entries(ptx)
     if len(entries) != 1:
         bad.append(f"{len(entries)} kernels in the module")
@@ -446,29 +449,34 @@ def test_gpu_bn64_is_bitwise_bn128(M, L, widths):
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,L,widths", [(33, 8, (2048, 512)), (64, 8, (4096, 1024, 1024)), (256, 32, (4096, 1024, 1024)),
                                         (2500, 8, (12288, 12288)), (300, 3, (4096,))])
-def test_gpu_prefetch_y_is_bitwise_the_default(M, L, widths):
-    """v0.62: the y rows requested at the CTA's start (cp.async into shared memory) instead of
-    after the MMAs: the same y values meet the same sums, so y is bit-identical, rows without an
-    adapter untouched (the case's mapping has them), with the group split."""
+def test_gpu_occupancy_builds_are_bitwise_the_default(M, L, widths):
+    """v0.63: the same kernel built for 4 / 5 resident CTAs per SM (fewer registers) computes the
+    same sums in the same order: y bit-identical, rows without an adapter untouched, with the
+    group split."""
     _hopper()
     import dataclasses
 
     case = make_case(M, L, 64, widths, seed=M + 2 * L, device="cuda")
-    base = E.select(len(widths), M, 64)
-    _assert_configs_bitwise_equal(case, (base, dataclasses.replace(base, prefetch_y=True)))
+    base = E.select(len(widths), 64, 64)  # the tile the occupancy builds are made of, at every M here
+    _assert_configs_bitwise_equal(case, (base, *(dataclasses.replace(base, min_ctas=n) for n in E.OCCUPANCY_BUILDS)))
 
 
-def test_prefetch_y_builds_are_prebuilt_beside_the_selected_tiles():
+def test_occupancy_builds_are_prebuilt_beside_the_selected_tiles():
     import dataclasses
 
     pre = set(E.prebuild_configs())
     for s in E.SLICE_COUNTS:
-        for m in (64, E.WIDE_M):
-            cfg = dataclasses.replace(E.select(s, m, 64), prefetch_y=True)
-            assert cfg in pre and cfg.name().endswith("_py")
-            # one bf16 [bm, bn] tile more, three CTAs per SM still fit the shared memory
-            assert cfg.smem_bytes - E.select(s, m, 64).smem_bytes >= cfg.bm * cfg.bn * 2
-            assert 3 * cfg.smem_bytes <= 227 * 1024
+        for n in E.OCCUPANCY_BUILDS:
+            cfg = dataclasses.replace(E.select(s, 64, 64), min_ctas=n)
+            assert cfg in pre and cfg.name().endswith(f"_o{n}")
+            assert n * cfg.smem_bytes <= E.SM_SMEM  # the shared memory lets n CTAs share an SM
+
+
+def test_occupancy_must_fit_an_sm():
+    with pytest.raises(ValueError):
+        E.Config(rank=256, num_slices=1, bm=128, bn=256, min_ctas=4)
+    with pytest.raises(ValueError):
+        E.Config(rank=64, num_slices=1, min_ctas=1)
 
 
 def test_select_takes_the_narrow_tile_from_wide_m():

@@ -484,12 +484,12 @@ def test_prefill_k2_settings_and_layer_row():
 
     assert bk.settings(True, {}) == ([2048], [1, 8])
     assert bk.settings(False, {"EPILORA_BENCH_TOKENS": "64,300", "EPILORA_BENCH_ADAPTERS": "32"}) == ([64, 300], [32])
-    rows = [{"M": 2048, "adapters": 1, "gflop": g, "scaled_mm_us": t, "k2_serial_us": 2 * t, "k2_fast_us": t}
+    rows = [{"M": 2048, "adapters": 1, "gflop": g, "scaled_mm_us": t, "k2_serial_us": 2 * t, "k2_overlap_us": t}
             for g, t in ((100.0, 100.0), (300.0, 200.0))]
-    rows[1].pop("k2_fast_us")  # a column missing from one projection is left out of the layer
+    rows[1].pop("k2_overlap_us")  # a column missing from one projection is left out of the layer
     lr = bk.layer_row(rows)
     assert lr["proj"] == "layer" and lr["gflop"] == 400.0
-    assert lr["scaled_mm_us"] == 300.0 and lr["k2_serial_us"] == 600.0 and "k2_fast_us" not in lr
+    assert lr["scaled_mm_us"] == 300.0 and lr["k2_serial_us"] == 600.0 and "k2_overlap_us" not in lr
     assert lr["k2_serial_over_vendor"] == 2.0
     assert abs(lr["scaled_mm_tflops"] - 400.0 / 300.0 * 1e3) < 1e-9  # GFLOP / µs = PFLOP/s
     assert "layer" in bk.format_row(lr)

@@ -161,9 +161,10 @@ class HybridStages:
         fns = {"k1": k1(),
                "gemm": lambda: ops.vendor_fp8_gemm(self.codes, self.scales, c.w_q, c.w_s, out=self.y),
                "expand_add": ex(),
-               # v0.62: the y rows requested at the CTA's start (prebuilt at rank 64)
-               "expand_add_py": ex(config=dataclasses.replace(
-                   eamod.select(len(c.proj.slices), c.m, c.rank), prefetch_y=True)),
+               # v0.63: the bn 128 tile built for 4 CTAs per SM (prebuilt at rank 64; below WIDE_M)
+               **({f"expand_add_o{n}": ex(config=dataclasses.replace(
+                   eamod.select(len(c.proj.slices), c.m, c.rank), min_ctas=n)) for n in eamod.OCCUPANCY_BUILDS}
+                  if c.m < eamod.WIDE_M else {}),
                # the whole op, per path (the default argument binds each lambda's own path)
                **{path: lambda path=path: ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta,
                                                               out=self.out, path=path)
