@@ -276,12 +276,13 @@ case $mode in
     # Nsight Compute on the large-batch kernels (K1, expand-add; tools/profile_kernels.py launches
     # them once per case): the details page of every launch (stall reasons, memory throughput,
     # occupancy) and each launch's SASS with its sampled stalls, as text. Carry the cache only.
-    # Cases and stages: PROFILE_CASES (default below), PROFILE_PATHS (default k1,expand_add).
+    # Cases and stages: PROFILE_CASES (default below), PROFILE_PATHS (default k1,expand_add);
+    # PROFILE_KERNELS: the kernel-name regex (add e.g. nvjet for cuBLASLt's GEMM of stage gemm).
     cases=${PROFILE_CASES:-"qkv:2048:1 down:2048:1 qkv:256:32 down:256:32 gate_up:64:8"}
     paths=${PROFILE_PATHS:-k1,expand_add}
     mkdir -p "$OUT/prof"
     timeout -s KILL 360 ncu --clock-control none --set full --import-source no \
-      --kernel-name regex:'K1Kernel|ExpandAdd|gemm_lora|quant_shrink' -f -o "$OUT/prof/prof" \
+      --kernel-name regex:"${PROFILE_KERNELS:-K1Kernel|ExpandAdd|K2Prefill|gemm_lora|quant_shrink}" -f -o "$OUT/prof/prof" \
       python3 tools/profile_kernels.py --launches 1 --paths "$paths" $cases 2>&1 | tail -25
     if [[ -f $OUT/prof/prof.ncu-rep ]]; then
       ncu_text_exports "$OUT/prof"

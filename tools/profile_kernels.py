@@ -12,7 +12,8 @@ each case. Timing is not this tool's job (tools/bench.py is); it gives a profile
         -o prof python3 tools/profile_kernels.py qkv:2048:1
 
 Stages: k1 (kernels_dsl/k1_shrink), gemm (the vendor FP8 GEMM on K1's codes), expand_add
-(kernels_dsl/expand_add on K1's h), triton (the whole Triton path: its quant+shrink and gemm_lora
+(kernels_dsl/expand_add on K1's h), prefill_k2 (kernels_dsl/k2_prefill, the op's build with the
+adapter epilogue, on K1's codes gathered into adapter order), triton (the whole Triton path: its quant+shrink and gemm_lora
 kernels); the decode paths (`gpu_session.sh profile-decode`): decode (the shrink + K2 on its x_q,
 1..32 tokens), at 1..8 tokens decode_sq / decode_fh (the shrink + the self-quantizing K2, or the
 K2 that computes h itself), and no_adapter (K2 without the adapter's epilogue).
@@ -34,7 +35,7 @@ from tools.bench_decode import QWEN3_8B, LayerCase  # noqa: E402
 from tools.bench_prefill import max_loras_for  # noqa: E402
 
 RANK = 64
-STAGES = ("k1", "gemm", "expand_add", "triton", "decode", "decode_sq", "decode_fh", "no_adapter")
+STAGES = ("k1", "gemm", "expand_add", "prefill_k2", "triton", "decode", "decode_sq", "decode_fh", "no_adapter")
 
 
 def parse_case(text: str) -> tuple[str, int, int]:
@@ -66,6 +67,11 @@ def launchers(case: LayerCase, stages) -> dict:
     if any(k in stages for k in ("k1", "gemm", "expand_add")):
         hs = HybridStages(case)
         fns |= {k: fn for k, fn in hs.launchers().items() if k in ("k1", "gemm", "expand_add")}
+    if "prefill_k2" in stages:  # the op's build, with the adapter epilogue, on K1's sorted codes and h
+        from kernels_dsl import k2_prefill
+        from tools.bench_prefill_k2 import PrefillK2Case
+
+        fns["prefill_k2"] = PrefillK2Case(case).k2(k2_prefill.OP_ACCUM, True, k2_prefill.OP_VSTORE)
     return {k: fns[k] for k in stages}
 
 
