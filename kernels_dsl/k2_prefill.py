@@ -152,6 +152,8 @@ class Config:
             raise ValueError("bk must be 128")
         if not 2 <= self.stages <= 8:
             raise ValueError("stages must be 2..8")
+        if self.accum == "overlap" and self.stages % 2:
+            raise ValueError("the overlap main loop alternates two accumulators per stage: stages must be even")
         if self.lora:
             if self.rank not in (8, 16, 32, 64, 128, 256):
                 raise ValueError("rank must be 8..256, a power of two")
@@ -454,8 +456,13 @@ if cute is not None:
                     self._load_sx(ctid, sSx, mSx, p0, valid)
 
                 thr_mma = tiled_mma.get_slice(ctid)
-                tCsW = thr_mma.partition_A(sW)
-                tCsX = thr_mma.partition_B(sX)
+                # The smem operands' partition depends only on the warpgroup: taken from a
+                # warp-uniform index, their WGMMA descriptors can live in uniform registers
+                # (from ctid, ptxas built them in vector registers and moved each one over with
+                # R2UR before every WGMMA: run25's profile).
+                thr_ab = tiled_mma.get_slice(cute.arch.make_warp_uniform((wg - 1) * 128))
+                tCsW = thr_ab.partition_A(sW)
+                tCsX = thr_ab.partition_B(sX)
                 tCrW = tiled_mma.make_fragment_A(tCsW)
                 tCrX = tiled_mma.make_fragment_B(tCsX)
                 cC = cute.make_identity_tensor((BM, BN))
@@ -473,22 +480,25 @@ if cute is not None:
                 elif cutlass.const_expr(cfg.accum == "overlap"):
                     # Blocks alternate between two promotion accumulators; block i is retired
                     # (waited for, its stage released, added) after block i+1 is issued. The adds
-                    # keep k-block order: the same fp32 sums as "serial".
-                    b0 = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
-                    b1 = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
-                    self._issue_block(mma, b0, 0, False)
-                    for ip in cutlass.range((nk - 1) // 2, unroll=1):
-                        i = 2 * ip + 1
-                        self._issue_block(mma, b1, i, False)
-                        self._retire_block(mma, acc, b0, i - 1, 1)
-                        self._issue_block(mma, b0, i + 1, False)
-                        self._retire_block(mma, acc, b1, i, 1)
-                    if (nk - 1) % 2 == 1:
-                        self._issue_block(mma, b1, nk - 1, False)
-                        self._retire_block(mma, acc, b0, nk - 2, 1)
-                        self._retire_block(mma, acc, b1, nk - 1, 0)
+                    # keep k-block order: the same fp32 sums as "serial". The loop is unrolled by
+                    # the stage count (even): block i0 + u reads stage u and accumulator u % 2,
+                    # both compile-time, so its WGMMA descriptors are constant offsets (with a
+                    # runtime stage index every block rebuilt eight descriptors in vector
+                    # registers and moved them to uniform ones: run25's profile, ~20 M extra
+                    # instructions at gate_up x 2048 tokens).
+                    bufs = (cute.make_rmem_tensor(tCcC.shape, cutlass.Float32),
+                            cute.make_rmem_tensor(tCcC.shape, cutlass.Float32))
+                    for i0 in cutlass.range(0, nk, STAGES, unroll=1):
+                        for u in cutlass.range_constexpr(STAGES):
+                            i = i0 + u
+                            if i < nk:
+                                self._issue_block(mma, bufs[u % 2], i, False, u)
+                                if i > 0:
+                                    self._retire_block(mma, acc, bufs[(u + 1) % 2], i - 1, 1)
+                    if (nk - 1) % 2 == 0:
+                        self._retire_block(mma, acc, bufs[0], nk - 1, 0)
                     else:
-                        self._retire_block(mma, acc, b0, nk - 1, 0)
+                        self._retire_block(mma, acc, bufs[1], nk - 1, 0)
 
                 if cutlass.const_expr(cfg.pdl):
                     # s_x and h come from the previous grid.
@@ -543,14 +553,17 @@ if cute is not None:
                 tiler_mn=(64, self.cfg.mma_n))
 
         @cute.jit
-        def _issue_block(self, mma, acc_t, i, into_acc: cutlass.Constexpr):
+        def _issue_block(self, mma, acc_t, i, into_acc: cutlass.Constexpr, stage: cutlass.Constexpr = -1):
             """Consumers: wait for k-block i's stage and issue its WGMMAs into acc_t (a fresh sum,
-            or, into_acc, added to acc_t's running sum), committed as one group."""
+            or, into_acc, added to acc_t's running sum), committed as one group. stage: i's stage
+            when the caller knows it at compile time (i % stages), else -1."""
             tCrW, tCrX, full, _, num_kk = mma
             # A fresh TiledMma per block: its ACCUMULATE field is state that a set() inside this
             # (staged) body must not leak out of it (the DSL cannot thread attribute rebinds).
             tiled_mma = self._fp8_mma()
             s = i % self.stages
+            if cutlass.const_expr(stage >= 0):
+                s = stage
             cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
             cute.nvgpu.warpgroup.fence()
             # acc starts zero-filled, so a running sum accumulates from its first block on.
@@ -657,7 +670,8 @@ if cute is not None:
             BN, RC, NB, R = self.bn, self.rc, self.nb, cfg.rank
             sB = st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
             sH = st.sH.get_tensor(sH_layout.outer, swizzle=sH_layout.inner)
-            thr = tiled_mma_l.get_slice(ctid)
+            # Warp-uniform slice index, as for the main loop's operands (uniform descriptors).
+            thr = tiled_mma_l.get_slice(cute.arch.make_warp_uniform(ctid // 128 * 128))
             tLrB = tiled_mma_l.make_fragment_A(thr.partition_A(sB))
             tLrH = tiled_mma_l.make_fragment_B(thr.partition_B(sH))
             tiled_mma_l.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
