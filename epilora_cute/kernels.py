@@ -44,7 +44,6 @@ def get_kernel(module: ModuleType, config, arch: str) -> Kernel:
             k = _loaded.get(key)
             if k is None:
                 params = module.params(config) if hasattr(module, "params") else module.PARAMS
-                k = Kernel(get_artifact(module, config, arch), params, config.block,
-                           max_carveout=bool(getattr(config, "min_ctas", 0)))
+                k = Kernel(get_artifact(module, config, arch), params, config.block)
                 _loaded[key] = k
     return k

@@ -120,13 +120,9 @@ class Kernel:
     cluster, stream).
     """
 
-    def __init__(self, artifact: KernelArtifact, params: Sequence[ParamSpec], block: tuple[int, int, int],
-                 max_carveout: bool = False):
+    def __init__(self, artifact: KernelArtifact, params: Sequence[ParamSpec], block: tuple[int, int, int]):
         check_params(params, artifact.param_sizes, artifact.kernel_name)
         self.artifact = artifact
-        # All of the SM's unified memory as shared memory, whatever the launch's size: builds made
-        # for several resident CTAs (expand_add.Config.min_ctas) need it to get them.
-        self.max_carveout = max_carveout
         self.params = tuple(params)
         self.block = tuple(block)
         self._loaded: dict[int, _Loaded] = {}
@@ -185,7 +181,6 @@ class Kernel:
         if smem > _MAX_STATIC_SMEM:
             _check(drv.cuFuncSetAttribute(
                 loaded.function, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem))
-        if smem > _MAX_STATIC_SMEM or self.max_carveout:
             # All shared memory, no L1 preference: our large-smem kernels stream through TMA /
             # cp.async (L1 bypassed), and two resident CTAs of ~110 KiB need the whole carveout.
             _check(drv.cuFuncSetAttribute(

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import sys
 import functools
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +62,6 @@ FAMILY = "expand_add"
 RUNTIME_CONTRACT = True
 
 RANKS = (8, 16, 32, 64, 128, 256)
-SM_SMEM = 228 * 1024 - 8 * 1024  # an H100/H200 SM's shared memory less 1 KiB reserved per CTA (up to 8)
 C_PAD = 4  # fp32 words of padding per row of the epilogue staging tile (16-byte rows, fewer conflicts)
 
 
@@ -76,12 +74,6 @@ class Config:
     num_slices: int = 1
     bm: int = 64
     bn: int = 128
-    # min_ctas: built for that many resident CTAs per SM (.minnctapersm: ptxas caps the registers
-    # at 65536 / (min_ctas x threads)); 0 = ptxas's own count (~154 registers at bm 64 x bn 128:
-    # three CTAs of 4 warps per SM, bound by the y loads' latency, run13's profile). v0.63, opt-in
-    # until measured. (v0.62's y prefetch into shared memory was measured in run25 and removed:
-    # -0.6 % at 64 tokens, +14 % at 2048.)
-    min_ctas: int = 0
 
     def __post_init__(self):
         if self.rank not in RANKS:
@@ -94,8 +86,6 @@ class Config:
             raise ValueError("bn must be 64, 128 or 256")
         if self.threads // (self.rank_pad // 8) > self.bn:
             raise ValueError("the B tile copy needs threads / (rank_pad / 8) <= bn")
-        if self.min_ctas and not (2 <= self.min_ctas <= 8 and self.min_ctas * self.smem_bytes <= SM_SMEM):
-            raise ValueError(f"min_ctas must be 0, or 2..8 CTAs whose shared memory fits an SM ({SM_SMEM} B)")
 
     @property
     def rank_pad(self) -> int:
@@ -107,7 +97,7 @@ class Config:
         return self.bm // 16 * 32
 
     def name(self) -> str:
-        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}" + (f"_o{self.min_ctas}" if self.min_ctas else "")
+        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}"
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -205,14 +195,10 @@ if cute is not None:
                                       1024]
 
             self.storage = Storage
-            self.smem_size = self.storage.size_in_bytes()
-            # .minnctapersm only when asked for: the default builds stay ptxas's own choice.
-            # The carveout (a launch-time attribute; epilora_cute's launcher sets it for these
-            # builds) given here spares the DSL a device query for it.
-            occupancy = {"min_blocks_per_mp": cfg.min_ctas, "preferred_smem_carveout": 100} if cfg.min_ctas else {}
+            self.smem_size = Storage.size_in_bytes()
             self.kernel(y, h, tok, sorted_ids, row_group, active, start_loc, slot_ranks, b_bufs, n_widths,
                         has_ranks, sA_layout, sB_layout, sC_layout, tiled_mma, tiled_copy_b).launch(
-                grid=(1, 1, 1), block=(self.threads, 1, 1), smem=cfg.smem_bytes, stream=stream, **occupancy)
+                grid=(1, 1, 1), block=(self.threads, 1, 1), smem=cfg.smem_bytes, stream=stream)
 
         @cute.kernel
         def kernel(self, mY: cute.Tensor, mH: cute.Tensor, mTok: cute.Tensor, mSorted: cute.Tensor,
@@ -276,8 +262,6 @@ if cute is not None:
                 if n_groups > 0:
                     self._load_b(g_first, 0, mActive, mRanks, has_ranks, mBs, sl, n_s, c0, ncols, tiled_copy_b, tBsB,
                                  tBcB)
-                CPR = BN // 8  # 16-byte chunks per tile row
-                NIT = BM * CPR // NT  # chunks per thread
                 cute.arch.cp_async_commit_group()
 
                 if n_groups > 0:  # a z-CTA without groups only passes the barriers
@@ -346,8 +330,21 @@ if cute is not None:
                 # instead of queueing chunk after chunk: (1) every chunk's sorted slot and token
                 # index, (2) every chunk's 16-byte y load, (3) add, round once, store. Same
                 # arithmetic per element as one pass; rows of slot -1 neither read nor written.
+                CPR = BN // 8
+                NIT = BM * CPR // NT
                 j0 = (col_base + c0) // 8
-                toks = self._chunk_tokens(mSorted, mTok, r0, row_lo, row_hi, ncols, tidx)
+                toks = []
+                for it in cutlass.range_constexpr(NIT):
+                    v = it * NT + tidx
+                    r = v // CPR
+                    cc = v - r * CPR
+                    t = cutlass.Int32(-1)
+                    if r >= row_lo and r < row_hi and cc * 8 < ncols:
+                        srt = mSorted[r0 + r]
+                        tk = mTok[r0 + r]
+                        if srt >= 0:
+                            t = tk
+                    toks.append(t)
                 ys = []
                 for it in cutlass.range_constexpr(NIT):
                     v = it * NT + tidx
@@ -366,26 +363,6 @@ if cute is not None:
                         r_o = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
                         r_o.store((ys[it].load().to(cutlass.Float32) + r_c.load()).to(cutlass.BFloat16))
                         cute.autovec_copy(r_o, cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc])
-
-        @cute.jit
-        def _chunk_tokens(self, mSorted, mTok, r0, row_lo, row_hi, ncols, tidx):
-            """Per chunk of this thread (NIT of them): the token whose y row it updates, or -1
-            (rows outside this CTA's groups, tokens without an adapter, columns past the slice)."""
-            BM, BN, NT = self.BM, self.BN, self.threads
-            CPR = BN // 8
-            toks = []
-            for it in cutlass.range_constexpr(BM * CPR // NT):
-                v = it * NT + tidx
-                r = v // CPR
-                cc = v - r * CPR
-                t = cutlass.Int32(-1)
-                if r >= row_lo and r < row_hi and cc * 8 < ncols:
-                    srt = mSorted[r0 + r]
-                    tk = mTok[r0 + r]
-                    if srt >= 0:
-                        t = tk
-                toks.append(t)
-            return toks
 
         @cute.jit
         def _k_eff(self, lid, mRanks, has_ranks):
@@ -486,10 +463,6 @@ def compile(config: Config, options: str = "--gpu-arch sm_90a"):
 # ---------------------------------------------------------------------------------------------
 
 SLICE_COUNTS = (1, 2, 3, 4)
-# Config.min_ctas of the occupancy builds (v0.63), for select()'s bn 128 tile (below WIDE_M; the bn
-# 64 tile already compiles to ~80 registers): 4 caps it at 128 registers without spills, 5 (96)
-# spills.
-OCCUPANCY_BUILDS = (4,)
 WIDE_M = 2048  # token count from which select() takes the narrow (bn 64) tile
 
 
@@ -513,11 +486,9 @@ def prebuild_configs() -> list[Config]:
     # since v0.13: tests/test_expand_add.py's GPU check compares against it, and the GPU machine
     # (no DSL) runs only prebuilt configurations.
     cfgs |= {Config(rank=64, num_slices=s, bm=128, bn=128) for s in SLICE_COUNTS}
-    # v0.63's occupancy builds of the selected tiles, rank 64 (bench hybrid_stages, GPU tests).
-    cfgs |= {dataclasses.replace(select(s, 64, 64), min_ctas=n) for s in SLICE_COUNTS for n in OCCUPANCY_BUILDS}
     for s in SWEEP_SLICES:
         cfgs.update(sweep_configs(s, 64).values())
-    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.bn, c.min_ctas))
+    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.bn))
 
 
 # The bench's expand-add sweep (`hybrid_stages` with EPILORA_BENCH_K1SWEEP=1), rank 64, Qwen3-8B's

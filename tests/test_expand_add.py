@@ -35,8 +35,7 @@ from tests.ptxas import spill_problems  # noqa: E402
 
 needs_dsl = pytest.mark.skipif(dsl_version() is None, reason="nvidia-cutlass-dsl is not installed")
 
-FAST = [E.Config(rank=64, num_slices=3), E.Config(rank=8, num_slices=1, bm=128), E.Config(rank=256, num_slices=2, bn=64),
-        E.Config(rank=64, num_slices=3, min_ctas=4)]
+FAST = [E.Config(rank=64, num_slices=3), E.Config(rank=8, num_slices=1, bm=128), E.Config(rank=256, num_slices=2, bn=64)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -444,39 +443,6 @@ def test_gpu_bn64_is_bitwise_bn128(M, L, widths):
     _hopper()
     case = make_case(M, L, 64, widths, seed=M + L, device="cuda")
     _assert_configs_bitwise_equal(case, [E.Config(rank=64, num_slices=len(widths), bn=bn) for bn in (128, 64)])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("M,L,widths", [(33, 8, (2048, 512)), (64, 8, (4096, 1024, 1024)), (256, 32, (4096, 1024, 1024)),
-                                        (2500, 8, (12288, 12288)), (300, 3, (4096,))])
-def test_gpu_occupancy_builds_are_bitwise_the_default(M, L, widths):
-    """v0.63: the same kernel built for 4 / 5 resident CTAs per SM (fewer registers) computes the
-    same sums in the same order: y bit-identical, rows without an adapter untouched, with the
-    group split."""
-    _hopper()
-    import dataclasses
-
-    case = make_case(M, L, 64, widths, seed=M + 2 * L, device="cuda")
-    base = E.select(len(widths), 64, 64)  # the tile the occupancy builds are made of, at every M here
-    _assert_configs_bitwise_equal(case, (base, *(dataclasses.replace(base, min_ctas=n) for n in E.OCCUPANCY_BUILDS)))
-
-
-def test_occupancy_builds_are_prebuilt_beside_the_selected_tiles():
-    import dataclasses
-
-    pre = set(E.prebuild_configs())
-    for s in E.SLICE_COUNTS:
-        for n in E.OCCUPANCY_BUILDS:
-            cfg = dataclasses.replace(E.select(s, 64, 64), min_ctas=n)
-            assert cfg in pre and cfg.name().endswith(f"_o{n}")
-            assert n * cfg.smem_bytes <= E.SM_SMEM  # the shared memory lets n CTAs share an SM
-
-
-def test_occupancy_must_fit_an_sm():
-    with pytest.raises(ValueError):
-        E.Config(rank=256, num_slices=1, bm=128, bn=256, min_ctas=4)
-    with pytest.raises(ValueError):
-        E.Config(rank=64, num_slices=1, min_ctas=1)
 
 
 def test_select_takes_the_narrow_tile_from_wide_m():

@@ -154,17 +154,9 @@ class HybridStages:
         def ex(**kw):
             return lambda: expand_add(self.y, self.h, c.lora_b, c.meta, **kw)
 
-        import dataclasses
-
-        from kernels_dsl import expand_add as eamod
-
         fns = {"k1": k1(),
                "gemm": lambda: ops.vendor_fp8_gemm(self.codes, self.scales, c.w_q, c.w_s, out=self.y),
                "expand_add": ex(),
-               # v0.63: the bn 128 tile built for 4 CTAs per SM (prebuilt at rank 64; below WIDE_M)
-               **({f"expand_add_o{n}": ex(config=dataclasses.replace(
-                   eamod.select(len(c.proj.slices), c.m, c.rank), min_ctas=n)) for n in eamod.OCCUPANCY_BUILDS}
-                  if c.m < eamod.WIDE_M else {}),
                # the whole op, per path (the default argument binds each lambda's own path)
                **{path: lambda path=path: ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta,
                                                               out=self.out, path=path)
@@ -173,6 +165,7 @@ class HybridStages:
             from kernels_dsl import k1_shrink as k1mod
             for name, cfg in k1mod.sweep_configs(len(c.proj.slices), c.proj.k, c.rank).items():
                 fns[f"k1_{name}"] = k1(config=cfg)
+            from kernels_dsl import expand_add as eamod
             for name, cfg in eamod.sweep_configs(len(c.proj.slices), c.rank).items():
                 fns[f"expand_add_{name}"] = ex(config=cfg)
         for name, (k1_kw, ex_kw) in launch_variants(c, zsweep=os.environ.get(ZSWEEP_ENV) == "1").items():

@@ -146,8 +146,6 @@ case $mode in
     unpack_vllm  # when .devvllm/2 was carried: vLLM's columns (vendor GEMM = vLLM's CUTLASS)
     timeout -s KILL 150 python3 -m pytest -q -m gpu tests/test_k1_shrink.py 2>&1 | tail -4 | tee "$OUT/k1_tests.log"
     timeout -s KILL 60 python3 -m pytest -q -m gpu tests/test_lora_linear_gpu.py -k hybrid 2>&1 | tail -3 | tee -a "$OUT/k1_tests.log"
-    # v0.63: expand-add's occupancy builds bit for bit the default (hybrid_stages: expand_add_o4)
-    timeout -s KILL 40 python3 -m pytest -q -m gpu tests/test_expand_add.py -k occupancy 2>&1 | tail -3 | tee -a "$OUT/k1_tests.log"
     EPILORA_BENCH_K1SWEEP=1 EPILORA_BENCH_TOKENS=${K1_TOKENS:-64,256,2048} EPILORA_BENCH_ADAPTERS=${K1_ADAPTERS:-1,8,32} \
       timeout -s KILL 200 python3 tools/bench.py --quick --sections hybrid_stages --out "$OUT/hs" 2>&1 | tail -45
     (cd "$OUT" && [[ -d hs ]] && tar czf hs.tgz hs && rm -rf hs)
