@@ -493,3 +493,17 @@ def test_prefill_k2_settings_and_layer_row():
     assert lr["k2_serial_over_vendor"] == 2.0
     assert abs(lr["scaled_mm_tflops"] - 400.0 / 300.0 * 1e3) < 1e-9  # GFLOP / µs = PFLOP/s
     assert "layer" in bk.format_row(lr)
+
+
+def test_k_sweep_fit_separates_fixed_and_per_k_cost():
+    from tools.bench_k_sweep import fit_line, summarize
+
+    assert fit_line([1, 2, 3], [12, 14, 16]) == (10.0, 2.0)
+    with pytest.raises(ValueError):
+        fit_line([4], [1])
+    with pytest.raises(ValueError):
+        fit_line([4, 4], [1, 2])
+    rows = [{"K": k, "k2_us": 100 + 0.05 * k, "scaled_mm_us": 20 + 0.04 * k} for k in (1024, 2048, 4096)]
+    fit = summarize(rows)
+    assert abs(fit["k2"]["fixed_us"] - 100) < 1e-9 and abs(fit["k2"]["us_per_1k_K"] - 51.2) < 1e-9
+    assert abs(fit["scaled_mm"]["fixed_us"] - 20) < 1e-9
