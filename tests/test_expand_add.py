@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -278,12 +279,24 @@ def test_compiles_with_required_instructions(cfg):
     assert not r["problems"], r
 
 
+# Prebuilt configurations that spill under ptxas -v, as found when the check was added (session
+# 23): GPU-verified and timed as they are. A new spill elsewhere fails the test below; so does an
+# entry here that no longer spills (the list stays true).
+KNOWN_SPILLS = {"r16_s2_bm64_bn128": "4 bytes"}
+
+
 @needs_dsl
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", E.prebuild_configs(), ids=lambda c: c.name())
 def test_prebuild_set_compiles(cfg):
-    r = check_config(E, cfg)
+    known = KNOWN_SPILLS.get(cfg.name())
+    r = check_config(E, cfg, spills=known is None)
     assert not r["problems"], r
+    if known is not None:
+        with tempfile.TemporaryDirectory() as d:
+            E.compile(cfg, f"--gpu-arch sm_90a --keep-ptx --dump-dir {d}")
+            spills = spill_problems(sorted(Path(d).glob("*.ptx"))[0])
+        assert spills or not shutil.which("ptxas"), f"{cfg.name()} no longer spills: drop it from KNOWN_SPILLS"
 
 
 def test_dsl46_fast_subset():
@@ -477,7 +490,7 @@ if __name__ == "__main__":
     results = []
     for cfg in (FAST if which == "fast" else E.prebuild_configs()):
         try:
-            results.append(check_config(E, cfg))
+            results.append(check_config(E, cfg, spills=cfg.name() not in KNOWN_SPILLS))
         except Exception as e:  # report, don't stop: one JSON line with everything
             results.append({"family": E.FAMILY, "config": cfg.name(), "problems": [f"{type(e).__name__}: {e}"[:2000]]})
     print("RESULTS " + json.dumps({"dsl_version": importlib.metadata.version("nvidia-cutlass-dsl"),
