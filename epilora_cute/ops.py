@@ -607,7 +607,7 @@ def _prefill_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks):
     codes, scales, h = k1_quant_shrink(x, a, meta, slot_ranks=slot_ranks)
     tok = meta.token_indices_sorted_by_lora_ids
     xs, ss = k2_prefill.sort_activations(codes, scales, tok)
-    vstore = k2_prefill.OP_VSTORE and out.stride(0) % 8 == 0 and out.data_ptr() % 16 == 0
+    vstore = k2_prefill.OP_VSTORE and k2_prefill.vstore_fits(out)
     cfg, _ = k2_prefill.select(widths, m, rank, k2_prefill.OP_ACCUM, vstore)
     spec = k2_prefill.launch(cfg, w_q=w_q, w_scale=w_scale, x_q_sorted=xs, x_scale_sorted=ss, y=out,
                              token_indices_sorted=tok, h=h, active_lora_ids=meta.active_lora_ids,

@@ -788,6 +788,12 @@ def sort_activations(x_q: torch.Tensor, x_scale: torch.Tensor, token_indices_sor
     return xs, ss
 
 
+def vstore_fits(y: torch.Tensor) -> bool:
+    """Whether y's rows take the vstore builds' 16-byte stores (row stride a multiple of 8 bf16,
+    16-byte aligned base)."""
+    return y.stride(0) % 8 == 0 and y.data_ptr() % 16 == 0
+
+
 def launch(config: Config, *, w_q, w_scale, x_q_sorted, x_scale_sorted, y, token_indices_sorted,
            group: int | None = None, h=None, active_lora_ids=None, num_active=None, lora_token_start_loc=None, slot_ranks=None,
            slice_start=None, lora_b=None) -> dict:
@@ -809,7 +815,7 @@ def launch(config: Config, *, w_q, w_scale, x_q_sorted, x_scale_sorted, y, token
         raise ValueError(f"K={K} must be a multiple of 16")
     if y.shape[0] < M or y.shape[1] != N or y.stride(1) != 1:
         raise ValueError(f"y must be [>= {M}, {N}] with unit column stride")
-    if config.vstore and (y.stride(0) % 8 or y.data_ptr() % 16):
+    if config.vstore and not vstore_fits(y):
         raise ValueError("a vstore build needs y's rows 16-byte aligned (row stride a multiple of 8)")
     tok = token_indices_sorted[:M]
     T = -(-M // config.bn)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -233,6 +232,21 @@ def test_launch_geometry_and_args():
             assert len(p.pack(a)) == p.size, p.name
     assert spec["args"][7].shape == (M,)  # token_indices_sorted[:M]
     assert spec["args"][8] == P.l2_group(M, K, 128) == 3
+
+
+def test_vstore_needs_aligned_rows():
+    """The 16-byte stores take y only where every row starts 16-byte aligned; launch() refuses a
+    vstore build otherwise, and the op (ops._prefill_path) takes the scalar twin by the same rule."""
+    y = torch.zeros(40, 264, dtype=torch.bfloat16)
+    assert P.vstore_fits(y)
+    assert not P.vstore_fits(y[:, 4:])  # base 8 bytes past a 16-byte boundary
+    assert not P.vstore_fits(torch.zeros(40, 268, dtype=torch.bfloat16)[:, :264])  # row stride 268
+    cfg = P.Config(bn=64, lora=False, accum="overlap", vstore=True)
+    with pytest.raises(ValueError, match="16-byte"):
+        P.launch(cfg, w_q=torch.zeros(128, 256, dtype=torch.float8_e4m3fn), w_scale=torch.ones(1),
+                 x_q_sorted=torch.zeros(40, 256, dtype=torch.float8_e4m3fn), x_scale_sorted=torch.ones(40),
+                 y=torch.zeros(40, 132, dtype=torch.bfloat16)[:, :128],
+                 token_indices_sorted=torch.arange(40, dtype=torch.int32))
 
 
 def test_rasterization_is_a_bijection():

@@ -43,6 +43,7 @@ def measure(m: int, n: int, k: int) -> dict:
     from epilora_cute.kernels import get_kernel
     from epilora_cute.reference import quantize_fp8_per_tensor, quantize_fp8_per_token
     from kernels_dsl import k2_prefill as P
+    from tools.bench_prefill_k2 import scaled_mm_launcher
     from tools.gpu_timing import time_graph
 
     g = torch.Generator(device="cpu").manual_seed(k)
@@ -56,11 +57,9 @@ def measure(m: int, n: int, k: int) -> dict:
     spec = P.launch(cfg, w_q=w_q, w_scale=w_s, x_q_sorted=x_q, x_scale_sorted=s_x.reshape(-1), y=y,
                     token_indices_sorted=tok)
     kern = get_kernel(P, cfg, "sm_90a")
-    sw = w_s.reshape(1, 1).float().expand(1, n).contiguous()
-    sx = s_x.reshape(-1, 1).float()
     fns = {"k2": lambda: kern(*spec["args"], grid=spec["grid"], smem=spec["smem"], pdl=False,
                               cluster=spec["cluster"]),
-           "scaled_mm": lambda: torch._scaled_mm(x_q, w_q.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16)}
+           "scaled_mm": scaled_mm_launcher(x_q, s_x, w_q, w_s)}
     row = {"M": m, "N": n, "K": k, "config": cfg.name(), "tiles": spec["grid"][0] * spec["grid"][1]}
     for name, fn in fns.items():
         row[f"{name}_us"] = time_graph(fn)

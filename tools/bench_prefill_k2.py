@@ -102,12 +102,16 @@ class PrefillK2Case:
         return self.y.clone()
 
 
+def scaled_mm_launcher(x_q, s_x, w_q, w_s):
+    """A zero-argument cuBLASLt FP8 GEMM (`torch._scaled_mm`) on per-token activation scales and a
+    per-tensor weight scale: its row-wise scaling takes both scale vectors (w_s broadcast)."""
+    sw = w_s.reshape(1, 1).float().expand(1, w_q.shape[0]).contiguous()
+    sx = s_x.reshape(-1, 1).float()
+    return lambda: torch._scaled_mm(x_q, w_q.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16)
+
+
 def _vendor(c: LayerCase, pk: PrefillK2Case) -> dict:
-    # cuBLASLt's row-wise scaling takes both scale vectors (the per-tensor W scale broadcast).
-    sw = c.w_s.reshape(1, 1).float().expand(1, c.w_q.shape[0]).contiguous()
-    sx = pk.scales.reshape(-1, 1)
-    fns = {"scaled_mm": lambda: torch._scaled_mm(pk.codes, c.w_q.t(), scale_a=sx, scale_b=sw,
-                                                   out_dtype=torch.bfloat16)}
+    fns = {"scaled_mm": scaled_mm_launcher(pk.codes, pk.scales, c.w_q, c.w_s)}
     try:
         from vllm import _custom_ops as vops
         w_t = c.w_q.t()
