@@ -593,8 +593,8 @@ def _prefill_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks):
     """K1 (bit-exact quantization + split-K shrink), the activations gathered into adapter-sorted
     order, then the prefill K2 with the grouped epilogue, writing y once (rows scattered back).
     An "auto" candidate with EPILORA_PREFILL_PATH=1 (dispatch.VERIFIED_PATHS once GPU-verified).
-    The K2 build is k2_prefill.OP_ACCUM / OP_VSTORE's (its scalar-store twin where out's rows are
-    not 16-byte aligned)."""
+    The K2 build is k2_prefill.OP_BUILD (its scalar-store twin where out's rows are not 16-byte
+    aligned)."""
     from kernels_dsl import k2_prefill
     from kernels_dsl.k1_shrink import k1_quant_shrink
 
@@ -607,8 +607,10 @@ def _prefill_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks):
     codes, scales, h = k1_quant_shrink(x, a, meta, slot_ranks=slot_ranks)
     tok = meta.token_indices_sorted_by_lora_ids
     xs, ss = k2_prefill.sort_activations(codes, scales, tok)
-    vstore = k2_prefill.OP_VSTORE and k2_prefill.vstore_fits(out)
-    cfg, _ = k2_prefill.select(widths, m, rank, k2_prefill.OP_ACCUM, vstore)
+    build = k2_prefill.OP_BUILD
+    if build.vstore and not k2_prefill.vstore_fits(out):
+        build = k2_prefill.unaligned_twin(build)
+    cfg, _ = k2_prefill.select(widths, m, rank, build)
     spec = k2_prefill.launch(cfg, w_q=w_q, w_scale=w_scale, x_q_sorted=xs, x_scale_sorted=ss, y=out,
                              token_indices_sorted=tok, h=h, active_lora_ids=meta.active_lora_ids,
                              num_active=meta.num_active, lora_token_start_loc=meta.lora_token_start_loc,

@@ -61,7 +61,9 @@ written exactly once, by one CTA, in a fixed summation order: bitwise reproducib
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -86,6 +88,7 @@ CONSUMER_THREADS = 256
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232  # 128 x (40 + 2 x 232) = 64512 <= 65536 (168 x 384 at launch)
 RED_PAD = 4  # fp32 words of padding per token column of the output tile (bank spread)
+OUT_PAD = 8  # bf16 of padding per token row of the persistent builds' output tile (bank spread)
 SMEM_LIMIT = 227 * 1024  # the opt-in maximum dynamic smem of an H100/H200 CTA
 # 16384: vLLM's chunked prefill steps of the e2e setup (max_num_batched_tokens); y / x_q offsets
 # stay far below 2^31 (16384 x 24576).
@@ -94,13 +97,28 @@ M_MIN, M_MAX = 33, 16384
 # in run25 and removed: within 1.5 % of "overlap" and up to 18 % off on rows whose products add
 # up (K = 12288), where the promotion stays within the reference's tolerance (perf.md v0.60).
 ACCUM_MODES = ("serial", "overlap")
-# (accum, vstore) of the builds the bench and the GPU tests compare: serial with scalar stores
-# (the kernel before v0.60), then "overlap" with either store.
-MAIN_LOOP_BUILDS = (("serial", False), ("overlap", False), ("overlap", True))
+
+
+class Build(NamedTuple):
+    """The main-loop and output choices of a build (Config's accum / vstore / persistent)."""
+
+    accum: str = "overlap"
+    vstore: bool = True
+    persistent: bool = False
+
+    def tag(self) -> str:
+        return f"{self.accum}{'_vs' if self.vstore else ''}{'_pers' if self.persistent else ''}"
+
+
+# The builds the bench and the GPU tests compare (bit for bit): serial with scalar stores (the
+# kernel before v0.60), "overlap" with either store, and the persistent "overlap" build (v0.65).
+MAIN_LOOP_BUILDS = (Build("serial", False), Build("overlap", False), Build("overlap", True),
+                    Build("overlap", True, True))
 # The build the op's prefill path launches (ops._prefill_path), prebuilt for every rank: run25's
-# fastest (2048 tokens: 683 µs per layer against serial's 804); the scalar-store twin serves an
-# output whose rows are not 16-byte aligned.
-OP_ACCUM, OP_VSTORE = "overlap", True
+# fastest (2048 tokens: 683 µs per layer against serial's 804); its scalar-store twin
+# (vstore=False) serves an output whose rows are not 16-byte aligned.
+OP_BUILD = Build("overlap", True)
+OP_ACCUM, OP_VSTORE = OP_BUILD.accum, OP_BUILD.vstore
 
 # Named barriers (id 0 is __syncthreads).
 _BAR_HMASK = 1
@@ -127,6 +145,10 @@ class Config:
                 flight: block i+1's WGMMAs run while block i is added (one more accumulator).
     vstore: the output tile leaves as 16-byte stores (8 features of one token per thread and
       instruction) instead of one bf16 per thread and instruction; needs y's rows 16-byte aligned.
+    persistent: one CTA per SM walks the tile list (launch(): grid = min(tiles, SMs)); the
+      producer's stage ring and B ring run on across tiles, the output tile has its own bf16
+      buffer, so the next tile's stages stream in during this tile's epilogue (v0.65). Needs
+      vstore (an unaligned output takes the one-tile scalar-store build) and no PDL.
     """
 
     bn: int = 128
@@ -140,6 +162,7 @@ class Config:
     pdl: bool = False
     accum: str = "serial"
     vstore: bool = False
+    persistent: bool = False
 
     def __post_init__(self):
         if self.accum not in ACCUM_MODES:
@@ -154,6 +177,9 @@ class Config:
             raise ValueError("stages must be 2..8")
         if self.accum == "overlap" and self.stages % 2:
             raise ValueError("the overlap main loop alternates two accumulators per stage: stages must be even")
+        if self.persistent and (self.pdl or not self.vstore):
+            # (an output whose rows are not 16-byte aligned takes the one-tile scalar-store build)
+            raise ValueError("the persistent builds store 16-byte vectors and are launched without PDL")
         if self.lora:
             if self.rank not in (8, 16, 32, 64, 128, 256):
                 raise ValueError("rank must be 8..256, a power of two")
@@ -185,6 +211,7 @@ class Config:
             s += "_nolora"
         s += "" if self.accum == "serial" else f"_{self.accum}"
         s += "_vs" if self.vstore else ""
+        s += "_pers" if self.persistent else ""
         return s + ("_pdl" if self.pdl else "")
 
     @property
@@ -202,17 +229,36 @@ class Config:
         return dict(acc=per, acc_blk=blk, acc_lora=per if self.lora else 0,
                     peak=per + blk)  # acc_blk dies with the main loop, acc_lora is born after it
 
+    @property
+    def build(self) -> Build:
+        return Build(self.accum, self.vstore, self.persistent)
+
+    @property
+    def tile_bufs(self) -> int:
+        """Copies of the per-tile token indices / scales in smem: the persistent builds write the
+        next tile's while the last tile's stores still read theirs."""
+        return 2 if self.persistent else 1
+
     def stage_union_bytes(self) -> int:
-        """The first smem buffer: weight stages, reused for the fp32 output tile afterwards."""
+        """The first smem buffer: weight stages, reused for the fp32 output tile afterwards (not
+        in the persistent builds: the next tile's stages load during the epilogue)."""
+        if self.persistent:
+            return self.bm * self.bk * self.stages
         return max(self.bm * self.bk * self.stages, (self.bm + RED_PAD) * self.bn * 4)
+
+    def out_tile_elems(self) -> int:
+        """bf16 elements of the persistent builds' output tile: bn token rows of bm + OUT_PAD."""
+        return self.bn * (self.bm + OUT_PAD)
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of a launch: the kernel's smem struct, field by field."""
-        st, nb, bn = self.stages, self.b_bufs, self.bn
-        f = [(8 * st, 8), (8 * st, 8), (4 * bn, 4), (4 * bn, 4), (8 * nb, 8), (8 * nb, 8),
+        st, nb, bn, tb = self.stages, self.b_bufs, self.bn, self.tile_bufs
+        f = [(8 * st, 8), (8 * st, 8), (4 * bn * tb, 4), (4 * bn * tb, 4), (8 * nb, 8), (8 * nb, 8),
              (self.stage_union_bytes(), 1024), (bn * self.bk * st, 1024)]
         if self.lora:
             f += [(nb * self.bm * self.rank_chunk * 2, 1024), (bn * self.rank_chunk * 2, 1024)]
+        if self.persistent:
+            f += [(self.out_tile_elems() * 2, 1024)]
         return struct_size(f)
 
 
@@ -275,19 +321,21 @@ if cute is not None:
                 sH_layout = sX_layout
 
             union_elems = cfg.stage_union_bytes()
+            out_elems = cfg.out_tile_elems()
             bn = self.bn
             nb = self.nb
             stages = self.stages
+            tb_bn = bn * cfg.tile_bufs
 
             @cute.struct
             class Storage:
                 full: cute.struct.MemRange[cutlass.Int64, stages]
                 empty: cute.struct.MemRange[cutlass.Int64, stages]
-                sSx: cute.struct.MemRange[cutlass.Float32, bn]
-                sTok: cute.struct.MemRange[cutlass.Int32, bn]
+                sSx: cute.struct.MemRange[cutlass.Float32, tb_bn]
+                sTok: cute.struct.MemRange[cutlass.Int32, tb_bn]
                 bfull: cute.struct.MemRange[cutlass.Int64, nb]
                 bempty: cute.struct.MemRange[cutlass.Int64, nb]
-                # Weight stages; after the main loop, the fp32 output tile.
+                # Weight stages; after the main loop, the fp32 output tile (not persistent).
                 sW: cute.struct.Align[cute.struct.MemRange[fp8, union_elems], 1024]
                 sX: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sX_layout)], 1024]
 
@@ -295,8 +343,8 @@ if cute is not None:
             class StorageLora:
                 full: cute.struct.MemRange[cutlass.Int64, stages]
                 empty: cute.struct.MemRange[cutlass.Int64, stages]
-                sSx: cute.struct.MemRange[cutlass.Float32, bn]
-                sTok: cute.struct.MemRange[cutlass.Int32, bn]
+                sSx: cute.struct.MemRange[cutlass.Float32, tb_bn]
+                sTok: cute.struct.MemRange[cutlass.Int32, tb_bn]
                 bfull: cute.struct.MemRange[cutlass.Int64, nb]
                 bempty: cute.struct.MemRange[cutlass.Int64, nb]
                 sW: cute.struct.Align[cute.struct.MemRange[fp8, union_elems], 1024]
@@ -304,14 +352,47 @@ if cute is not None:
                 sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sB_layout)], 1024]
                 sH: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sH_layout)], 1024]
 
-            if cutlass.const_expr(cfg.lora):
+            # The persistent builds: the same fields, then their own bf16 output tile.
+            @cute.struct
+            class StoragePers:
+                full: cute.struct.MemRange[cutlass.Int64, stages]
+                empty: cute.struct.MemRange[cutlass.Int64, stages]
+                sSx: cute.struct.MemRange[cutlass.Float32, tb_bn]
+                sTok: cute.struct.MemRange[cutlass.Int32, tb_bn]
+                bfull: cute.struct.MemRange[cutlass.Int64, nb]
+                bempty: cute.struct.MemRange[cutlass.Int64, nb]
+                sW: cute.struct.Align[cute.struct.MemRange[fp8, union_elems], 1024]
+                sX: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sX_layout)], 1024]
+                sOut: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, out_elems], 1024]
+
+            @cute.struct
+            class StorageLoraPers:
+                full: cute.struct.MemRange[cutlass.Int64, stages]
+                empty: cute.struct.MemRange[cutlass.Int64, stages]
+                sSx: cute.struct.MemRange[cutlass.Float32, tb_bn]
+                sTok: cute.struct.MemRange[cutlass.Int32, tb_bn]
+                bfull: cute.struct.MemRange[cutlass.Int64, nb]
+                bempty: cute.struct.MemRange[cutlass.Int64, nb]
+                sW: cute.struct.Align[cute.struct.MemRange[fp8, union_elems], 1024]
+                sX: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sX_layout)], 1024]
+                sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sB_layout)], 1024]
+                sH: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sH_layout)], 1024]
+                sOut: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, out_elems], 1024]
+
+            if cutlass.const_expr(cfg.lora and cfg.persistent):
+                self.storage = StorageLoraPers
+            elif cutlass.const_expr(cfg.lora):
                 self.storage = StorageLora
+            elif cutlass.const_expr(cfg.persistent):
+                self.storage = StoragePers
             else:
                 self.storage = Storage
             self.smem_size = self.storage.size_in_bytes()
 
             n_tiles = cute.size(w, mode=[0]) // self.bm
             t_tiles = (cute.size(xq, mode=[0]) + self.bn - 1) // self.bn
+            # (The launcher takes the grid from launch(): persistent builds run min(tiles, SMs)
+            # CTAs along x and read their tile stride from gridDim.)
             self.kernel(
                 tma_w, mW, tma_x, mX, sx, sw, y, tok_sorted, group, lora_pack, sW_layout, sX_layout, sB_layout, sH_layout,
             ).launch(grid=(t_tiles, n_tiles, 1), block=(THREADS, 1, 1), cluster=(1, 1, 1), stream=stream,
@@ -326,6 +407,19 @@ if cute is not None:
                    mSx: cute.Tensor, mSw: cute.Tensor, mY: cute.Tensor, mTokS: cute.Tensor, group: cutlass.Int32, lora_pack,
                    sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout,
                    sB_layout: cute.ComposedLayout, sH_layout: cute.ComposedLayout):
+            if cutlass.const_expr(self.cfg.persistent):
+                self._persistent_kernel(tma_w, mW, tma_x, mX, mSx, mSw, mY, mTokS, group, lora_pack,
+                                        sW_layout, sX_layout, sB_layout, sH_layout)
+            else:
+                self._tile_kernel(tma_w, mW, tma_x, mX, mSx, mSw, mY, mTokS, group, lora_pack,
+                                  sW_layout, sX_layout, sB_layout, sH_layout)
+
+        @cute.jit
+        def _tile_kernel(self, tma_w: cute.CopyAtom, mW: cute.Tensor, tma_x: cute.CopyAtom, mX: cute.Tensor,
+                         mSx: cute.Tensor, mSw: cute.Tensor, mY: cute.Tensor, mTokS: cute.Tensor, group: cutlass.Int32,
+                         lora_pack, sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout,
+                         sB_layout: cute.ComposedLayout, sH_layout: cute.ComposedLayout):
+            """One CTA per (token tile, weight tile), the grid in the hardware's dispatch order."""
             cfg = self.cfg
             BM, BN, BK, NB, STAGES = self.bm, self.bn, self.bk, self.nb, self.stages
             if cutlass.const_expr(cfg.lora):
@@ -546,6 +640,216 @@ if cute is not None:
                         mY[sTok[j], n0 + r] = sRed[r, j].to(cutlass.BFloat16)
 
         # -----------------------------------------------------------------------------------------
+        @cute.jit
+        def _tile_of(self, lin, n_ttiles, n_wtiles, group):
+            """(token tile, weight tile) of linear tile id lin: cta_tile()'s grouped rasterization."""
+            per_group = group * n_wtiles
+            grp = lin // per_group
+            first = grp * group
+            gsize = cutlass.min(n_ttiles - first, group)
+            rem = lin - grp * per_group
+            return first + rem % gsize, rem // gsize
+
+        @cute.jit
+        def _slice_of(self, n0, mSliceStart):
+            """(slice, first row inside it, its width) of the weight rows at n0 (tiles never straddle
+            slices)."""
+            sl = cutlass.Int32(0)
+            for i in cutlass.range_constexpr(1, self.cfg.num_slices):
+                if n0 >= mSliceStart[i]:
+                    sl = cutlass.Int32(i)
+            return sl, n0 - mSliceStart[sl], mSliceStart[sl + 1] - mSliceStart[sl]
+
+        @cute.jit
+        def _persistent_kernel(self, tma_w: cute.CopyAtom, mW: cute.Tensor, tma_x: cute.CopyAtom, mX: cute.Tensor,
+                               mSx: cute.Tensor, mSw: cute.Tensor, mY: cute.Tensor, mTokS: cute.Tensor,
+                               group: cutlass.Int32, lora_pack, sW_layout: cute.ComposedLayout,
+                               sX_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
+                               sH_layout: cute.ComposedLayout):
+            """Persistent: CTA b takes the linear tiles b, b + gridDim.x, ... (cta_tile()'s order, so
+            the CTAs in flight at any time share weight tiles as the one-tile grid's waves do).
+            Producer and consumers walk the same tile list; the stage ring and the B ring count
+            globally (slot = count % depth, phase = count / depth % 2), so the producer streams the
+            next tile's stages while the consumers run this tile's epilogue. The output tile has
+            its own bf16 buffer; the tile's token indices and scales are double-buffered (the next
+            tile's are written while the last tile's stores may still read theirs)."""
+            cfg = self.cfg
+            BM, BN, BK, NB, STAGES = self.bm, self.bn, self.bk, self.nb, self.stages
+            if cutlass.const_expr(cfg.lora):
+                tma_bs, mBs, mH, mActive, mNumActive, mStart, mSlotRanks, mSliceStart = lora_pack
+            kmaj = cute.nvgpu.warpgroup.OperandMajorMode.K
+            tiled_mma = self._fp8_mma()
+            tiled_mma_l = sm90_utils.make_trivial_tiled_mma(
+                cutlass.BFloat16, cutlass.BFloat16, kmaj, kmaj, cutlass.Float32, cfg.atom_layout,
+                tiler_mn=(64, cfg.mma_n))
+
+            tidx, _, _ = cute.arch.thread_idx()
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            wg = warp_idx // 4
+            bx, _, _ = cute.arch.block_idx()
+            gdim = cute.arch.grid_dim()
+            K = cute.size(mW, mode=[1])
+            M = cute.size(mX, mode=[0])
+            nk = (K + BK - 1) // BK
+            n_ttiles = (M + BN - 1) // BN
+            n_wtiles = cute.size(mW, mode=[0]) // BM
+            n_tiles = n_ttiles * n_wtiles
+
+            smem = cutlass.utils.SmemAllocator()
+            st = smem.allocate(self.storage)
+            full = st.full.data_ptr()
+            empty = st.empty.data_ptr()
+            sSx = st.sSx.get_tensor(cute.make_layout((BN, 2)))  # [position, tile parity]
+            sTok = st.sTok.get_tensor(cute.make_layout((BN, 2)))
+            bfull = st.bfull.data_ptr()
+            bempty = st.bempty.data_ptr()
+            sW = st.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)
+            sX = st.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
+
+            if tidx == 0:
+                for i in cutlass.range_constexpr(STAGES):
+                    cute.arch.mbarrier_init(full + i, 1)
+                    cute.arch.mbarrier_init(empty + i, CONSUMER_THREADS)
+                for i in cutlass.range_constexpr(NB):
+                    cute.arch.mbarrier_init(bfull + i, 1)
+                    cute.arch.mbarrier_init(bempty + i, CONSUMER_THREADS)
+                cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+            stage_bytes = BM * BK + BN * BK
+
+            if wg == 0:
+                # ===================================== producer ====================================
+                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+                if warp_idx == 0:
+                    cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
+                    cute.nvgpu.cpasync.prefetch_descriptor(tma_x)
+                    it = cutlass.Int32(0)  # k-blocks issued so far (all tiles)
+                    qb = cutlass.Int32(0)  # B chunks issued so far
+                    for lin in cutlass.range(bx, n_tiles, gdim[0], unroll=1):
+                        ttile, tile = self._tile_of(lin, n_ttiles, n_wtiles, group)
+                        gW = cute.local_tile(mW, (BM, BK), (tile, None))
+                        gX = cute.local_tile(mX, (BN, BK), (ttile, None))
+                        tWs, tWg = cute.nvgpu.cpasync.tma_partition(
+                            tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
+                        tXs, tXg = cute.nvgpu.cpasync.tma_partition(
+                            tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+                        for i in cutlass.range(nk, unroll=1):
+                            g = it + i
+                            s = g % STAGES
+                            # (a fresh barrier's phase "before 0" counts as complete: round 0 passes)
+                            cute.arch.mbarrier_wait(empty + s, ((g // STAGES) + 1) % 2)
+                            with cute.arch.elect_one():
+                                cute.arch.mbarrier_arrive_and_expect_tx(full + s, stage_bytes)
+                            cute.copy(tma_w, tWg[(None, i)], tWs[(None, s)], tma_bar_ptr=full + s)
+                            cute.copy(tma_x, tXg[(None, i)], tXs[(None, s)], tma_bar_ptr=full + s)
+                        it = it + nk
+                        if cutlass.const_expr(cfg.lora):
+                            n0 = tile * BM
+                            sl, row_in_slice, n_s = self._slice_of(n0, mSliceStart)
+                            qb = self._issue_b(0, 1 << 30, tma_bs, mBs, st, sB_layout, bfull, bempty, mActive,
+                                               mNumActive, mStart, mSlotRanks, sl, row_in_slice, n_s, ttile * BN, qb)
+            else:
+                # ==================================== consumers ====================================
+                cute.arch.setmaxregister_increase(CONSUMER_REGS)
+                ctid = tidx - 128
+                thr_mma = tiled_mma.get_slice(ctid)
+                thr_ab = tiled_mma.get_slice(cute.arch.make_warp_uniform((wg - 1) * 128))
+                tCrW = tiled_mma.make_fragment_A(thr_ab.partition_A(sW))
+                tCrX = tiled_mma.make_fragment_B(thr_ab.partition_B(sX))
+                cC = cute.make_identity_tensor((BM, BN))
+                tCcC = thr_mma.partition_C(cC)
+                acc = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
+                acc_l = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
+                bufs = (cute.make_rmem_tensor(tCcC.shape, cutlass.Float32),
+                        cute.make_rmem_tensor(tCcC.shape, cutlass.Float32))
+                num_kk = cute.size(tCrW, mode=[2])
+                mma = (tCrW, tCrX, full, empty, num_kk)
+                sOut = st.sOut.get_tensor(cute.make_layout((BN, BM + OUT_PAD), stride=(BM + OUT_PAD, 1)))
+                s_w = mSw[0]
+                # Every tile has nk k-blocks: with nk a multiple of the stage count each tile starts
+                # at stage 0 and the overlap loop can use compile-time stages (uniform descriptors).
+                aligned = nk % STAGES == 0
+                it = cutlass.Int32(0)
+                qc = cutlass.Int32(0)
+                tcount = cutlass.Int32(0)
+                for lin in cutlass.range(bx, n_tiles, gdim[0], unroll=1):
+                    ttile, tile = self._tile_of(lin, n_ttiles, n_wtiles, group)
+                    n0 = tile * BM
+                    p0 = ttile * BN
+                    valid = cutlass.min(M - p0, BN)
+                    par = tcount % 2
+                    sTok_t = sTok[None, par]
+                    sSx_t = sSx[None, par]
+                    if ctid < BN:
+                        tk = cutlass.Int32(0)
+                        if ctid < valid:
+                            tk = mTokS[p0 + ctid]
+                        sTok_t[ctid] = tk
+                    self._load_sx(ctid, sSx_t, mSx, p0, valid)
+
+                    acc.fill(0.0)
+                    # The WGMMAs name their accumulator registers as inputs even when they do not
+                    # accumulate: without a fresh definition here the promotion blocks would stay
+                    # live from the last tile's main loop through its epilogue (acc + acc_l + both
+                    # blocks = 256 registers: spills).
+                    bufs[0].fill(0.0)
+                    bufs[1].fill(0.0)
+                    if cutlass.const_expr(cfg.accum == "serial"):
+                        for i in cutlass.range(nk, unroll=1):
+                            self._issue_block(mma, bufs[0], it + i, False)
+                            self._retire_block(mma, acc, bufs[0], it + i, 0)
+                    else:
+                        if aligned:
+                            for i0 in cutlass.range(0, nk, STAGES, unroll=1):
+                                for u in cutlass.range_constexpr(STAGES):
+                                    i = it + i0 + u
+                                    self._issue_block(mma, bufs[u % 2], i, False, u)
+                                    if cutlass.const_expr(u > 0):
+                                        self._retire_block(mma, acc, bufs[(u + 1) % 2], i - 1, 1)
+                                    else:
+                                        if i0 > 0:
+                                            self._retire_block(mma, acc, bufs[(u + 1) % 2], i - 1, 1)
+                            # nk is a multiple of the (even) stage count: the last block used bufs[1].
+                            self._retire_block(mma, acc, bufs[1], it + nk - 1, 0)
+                        else:
+                            for i0 in cutlass.range(0, nk, 2, unroll=1):
+                                for u in cutlass.range_constexpr(2):
+                                    i = i0 + u
+                                    if i < nk:
+                                        self._issue_block(mma, bufs[u], it + i, False)
+                                        if i > 0:
+                                            self._retire_block(mma, acc, bufs[(u + 1) % 2], it + i - 1, 1)
+                            if (nk - 1) % 2 == 0:
+                                self._retire_block(mma, acc, bufs[0], it + nk - 1, 0)
+                            else:
+                                self._retire_block(mma, acc, bufs[1], it + nk - 1, 0)
+                    it = it + nk
+                    # sTok / sSx of this tile visible; every consumer is past the last tile's reads of
+                    # sOut.
+                    cute.arch.barrier(barrier_id=_BAR_EPI, number_of_threads=CONSUMER_THREADS)
+                    if cutlass.const_expr(cfg.lora):
+                        acc_l.fill(0.0)
+                        sl, _, _ = self._slice_of(n0, mSliceStart)
+                        qc = self._lora_epilogue(ctid, acc_l, tiled_mma_l, st, sB_layout, sH_layout, bfull, bempty,
+                                                 sTok_t, mH, mActive, mNumActive, mStart, mSlotRanks, sl, p0, qc)
+                    # partial = acc * s_x[p] * s_w (+ adapter), rounded to bf16 once, token-major.
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        r, j = tCcC[i]
+                        v = acc[i] * (sSx_t[j] * s_w)
+                        if cutlass.const_expr(cfg.lora):
+                            v = v + acc_l[i]
+                        sOut[j, r] = v.to(cutlass.BFloat16)
+                    cute.arch.barrier(barrier_id=_BAR_EPI, number_of_threads=CONSUMER_THREADS)
+                    # Row scatter to the original token order: 8 features of one token per thread.
+                    vpr = BM // 8
+                    for e in cutlass.range(ctid, vpr * valid, CONSUMER_THREADS, unroll=1):
+                        j = e // vpr
+                        vec = e - j * vpr
+                        r_o = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
+                        cute.autovec_copy(cute.zipped_divide(sOut[j, None], (8,))[None, vec], r_o)
+                        cute.autovec_copy(r_o, cute.zipped_divide(mY[sTok_t[j], None], (8,))[None, n0 // 8 + vec])
+                    tcount = tcount + 1
+
         def _fp8_mma(self):
             kmaj = cute.nvgpu.warpgroup.OperandMajorMode.K
             return sm90_utils.make_trivial_tiled_mma(
@@ -598,13 +902,14 @@ if cute is not None:
 
         @cute.jit
         def _issue_b(self, q_lo, q_hi, tma_bs: tuple, mBs: tuple, st, sB_layout, bfull, bempty,
-                     mActive, mNumActive, mStart, mSlotRanks, sl, row_in_slice, n_s, p0):
+                     mActive, mNumActive, mStart, mSlotRanks, sl, row_in_slice, n_s, p0, q0=0):
             """Producer warp (all 32 lanes): TMA the B chunks of this tile's items with ordinals in
-            [q_lo, q_hi)."""
+            [q_lo, q_hi). Ordinals count on from q0 (the persistent builds' ring runs across tiles);
+            returns the ordinal after the tile's last item."""
             cfg = self.cfg
             BM, BN, RC, NB, R = self.bm, self.bn, self.rc, self.nb, cfg.rank
             sB = st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
-            q = cutlass.Int32(0)  # item ordinal
+            q = cutlass.Int32(q0)  # item ordinal
             num_active = mNumActive[0]
             for g in cutlass.range(num_active, unroll=1):
                 lid = mActive[g]
@@ -630,6 +935,7 @@ if cute is not None:
                                     cute.copy(tma_bs[i], tBg[(None, row_blk, c)], tBs[(None, b)],
                                               tma_bar_ptr=bfull + b)
                         q = q + 1
+            return q
 
         @cute.jit
         def _stage_hmask(self, ctid, sH, mH, sTok, sl, c, jlo, jhi):
@@ -664,8 +970,9 @@ if cute is not None:
 
         @cute.jit
         def _lora_epilogue(self, ctid, acc_l, tiled_mma_l, st, sB_layout, sH_layout, bfull, bempty, sTok,
-                           mH, mActive, mNumActive, mStart, mSlotRanks, sl, p0):
-            """Consumers: acc_l += B_chunk . hmask^T for this tile's items, in item order."""
+                           mH, mActive, mNumActive, mStart, mSlotRanks, sl, p0, q0=0):
+            """Consumers: acc_l += B_chunk . hmask^T for this tile's items, in item order. Item
+            ordinals (the B ring's slots and phases) count on from q0; returns the next one."""
             cfg = self.cfg
             BN, RC, NB, R = self.bn, self.rc, self.nb, cfg.rank
             sB = st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
@@ -676,7 +983,7 @@ if cute is not None:
             tLrH = tiled_mma_l.make_fragment_B(thr.partition_B(sH))
             tiled_mma_l.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             n_kk = cute.size(tLrB, mode=[2])
-            q = cutlass.Int32(0)
+            q = cutlass.Int32(q0)
             num_active = mNumActive[0]
             for g in cutlass.range(num_active, unroll=1):
                 lid = mActive[g]
@@ -708,6 +1015,7 @@ if cute is not None:
                         # sH is rewritten by the next item: everyone must be past this WGMMA.
                         cute.arch.barrier(barrier_id=_BAR_HMASK, number_of_threads=CONSUMER_THREADS)
                         q = q + 1
+            return q
 
 
 # ---------------------------------------------------------------------------------------------
@@ -794,16 +1102,30 @@ def vstore_fits(y: torch.Tensor) -> bool:
     return y.stride(0) % 8 == 0 and y.data_ptr() % 16 == 0
 
 
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device (the persistent builds' grid); H100/H200's 132
+    where there is none (CPU tests)."""
+    if getattr(device, "type", None) != "cuda":
+        return SM_COUNT_H100
+    return _sm_count_cuda(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_cuda(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def launch(config: Config, *, w_q, w_scale, x_q_sorted, x_scale_sorted, y, token_indices_sorted,
            group: int | None = None, h=None, active_lora_ids=None, num_active=None, lora_token_start_loc=None, slot_ranks=None,
-           slice_start=None, lora_b=None) -> dict:
+           slice_start=None, lora_b=None, ctas: int | None = None) -> dict:
     """Arguments (in params() order) and launch geometry for one prefill K2 call.
 
     x_q_sorted / x_scale_sorted: activations in adapter-sorted order (sort_activations());
     token_indices_sorted: meta.token_indices_sorted_by_lora_ids (the first M entries are used);
     h: K1's [S, >= M, R] fp32 in original token order. group: rasterization (cta_tile()); None
-    = l2_group(M, K, bn). Returns dict(args, grid, block, cluster,
-    smem, pdl); launch without PDL (K1 must have finished) unless config.pdl.
+    = l2_group(M, K, bn). ctas (persistent builds): CTAs in the grid, None = min(tiles, SMs).
+    Returns dict(args, grid, block, cluster, smem, pdl); launch without PDL (K1 must have
+    finished) unless config.pdl.
     """
     M, K = x_q_sorted.shape
     N = w_q.shape[0]
@@ -837,7 +1159,16 @@ def launch(config: Config, *, w_q, w_scale, x_q_sorted, x_scale_sorted, y, token
             views.append(b3.reshape(-1, config.rank))
         args += views + [(v.shape[0],) for v in views]
         args += [h, active_lora_ids, num_active, lora_token_start_loc, slot_ranks, slice_start]
-    return dict(args=tuple(args), grid=(T, N // config.bm, 1), block=config.block,
+    grid = (T, N // config.bm, 1)
+    if config.persistent:
+        tiles = T * (N // config.bm)
+        ctas = min(tiles, sm_count(y.device)) if ctas is None else int(ctas)
+        if not 1 <= ctas <= tiles:
+            raise ValueError(f"ctas must be 1..{tiles} (the tiles), got {ctas}")
+        grid = (ctas, 1, 1)
+    elif ctas is not None:
+        raise ValueError("ctas applies to the persistent builds only")
+    return dict(args=tuple(args), grid=grid, block=config.block,
                 cluster=(1, 1, 1), smem=config.smem_bytes(), pdl=config.pdl)
 
 
@@ -885,14 +1216,20 @@ def token_tile(n_out: int, m: int, bm: int = 128, sms: int = SM_COUNT_H100) -> i
     return 128 if tiles * -(-m // 128) >= 2 * sms else 64
 
 
-def select(widths, m: int, rank: int | None = None, accum: str = OP_ACCUM, vstore: bool = OP_VSTORE):
+def unaligned_twin(build: Build) -> Build:
+    """The build that serves an output whose rows are not 16-byte aligned (vstore_fits() false):
+    scalar stores, one tile per CTA."""
+    return build._replace(vstore=False, persistent=False)
+
+
+def select(widths, m: int, rank: int | None = None, build: Build = OP_BUILD):
     """(adapter config or None, no-adapter config) for a projection with these slice widths; the
-    op's main-loop build unless told otherwise."""
+    op's build unless told otherwise."""
     bm = bm_for(widths)
     bn = token_tile(sum(widths), m, bm)
-    lora = (Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=rank, accum=accum, vstore=vstore)
-            if rank else None)
-    return lora, Config(bn=bn, bm=bm, lora=False, accum=accum, vstore=vstore)
+    b = dict(accum=build.accum, vstore=build.vstore, persistent=build.persistent)
+    lora = Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=rank, **b) if rank else None
+    return lora, Config(bn=bn, bm=bm, lora=False, **b)
 
 
 def prebuild_configs() -> list[Config]:
@@ -905,15 +1242,17 @@ def prebuild_configs() -> list[Config]:
         for bn in TOKEN_TILES:
             # The op's build and its scalar-store twin at every rank; the bench's and the GPU tests'
             # main-loop builds (tools/bench_prefill_k2.py) at rank 64.
-            for vs in (OP_VSTORE, False):
-                cfgs.add(Config(bn=bn, bm=bm, lora=False, accum=OP_ACCUM, vstore=vs))
+            for b in (OP_BUILD, unaligned_twin(OP_BUILD)):
+                kw = dict(accum=b.accum, vstore=b.vstore, persistent=b.persistent)
+                cfgs.add(Config(bn=bn, bm=bm, lora=False, **kw))
                 for r in RANKS:
-                    cfgs.add(Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=r, accum=OP_ACCUM,
-                                    vstore=vs))
-            for accum, vs in MAIN_LOOP_BUILDS:
-                cfgs.add(Config(bn=bn, bm=bm, lora=False, accum=accum, vstore=vs))
-                cfgs.add(Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=64, accum=accum, vstore=vs))
-    return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank, c.accum, c.vstore))
+                    cfgs.add(Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=r, **kw))
+            for b in MAIN_LOOP_BUILDS:
+                kw = dict(accum=b.accum, vstore=b.vstore, persistent=b.persistent)
+                cfgs.add(Config(bn=bn, bm=bm, lora=False, **kw))
+                cfgs.add(Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=64, **kw))
+    return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank, c.accum, c.vstore,
+                                       c.persistent))
 
 
 # ---------------------------------------------------------------------------------------------

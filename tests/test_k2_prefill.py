@@ -42,6 +42,8 @@ FAST = [
     P.Config(bn=128, lora=True, num_slices=1, rank=256, pdl=True),
     P.Config(bn=128, lora=True, num_slices=3, rank=64, accum="overlap"),
     P.Config(bn=128, lora=False, accum="overlap", vstore=True),
+    P.Config(bn=128, lora=True, num_slices=3, rank=64, accum="overlap", vstore=True, persistent=True),
+    P.Config(bm=64, bn=64, lora=True, num_slices=2, rank=128, accum="serial", vstore=True, persistent=True),
 ]
 
 
@@ -164,8 +166,9 @@ def _configs(which: str):
 def test_smem_and_register_budget():
     for cfg in P.prebuild_configs() + FAST:
         assert cfg.smem_bytes() <= P.SMEM_LIMIT, cfg.name()
-        # the output tile fits the reused stage buffer
-        assert (cfg.bm + P.RED_PAD) * cfg.bn * 4 <= cfg.stage_union_bytes()
+        # the fp32 output tile fits the reused stage buffer (the persistent builds have their own)
+        if not cfg.persistent:
+            assert (cfg.bm + P.RED_PAD) * cfg.bn * 4 <= cfg.stage_union_bytes()
         r = cfg.acc_regs()
         # "overlap" holds two promotion blocks beside acc: 192 of the consumers' 232 registers.
         assert r["peak"] <= (192 if cfg.accum == "overlap" else 128), (cfg.name(), r)
@@ -185,7 +188,7 @@ def test_prebuild_set_covers_model_shapes():
                 assert c_l in cfgs and c_n in cfgs, (model, tp, proj, m, r)
                 assert all(wd % c_l.bm == 0 for wd in widths)
                 # the op's build too
-                c_l, c_n = P.select(widths, m, r, P.OP_ACCUM, P.OP_VSTORE)
+                c_l, c_n = P.select(widths, m, r, P.OP_BUILD)
                 assert c_l in cfgs and c_n in cfgs, (model, tp, proj, m, r)
     with pytest.raises(ValueError):
         P.select((4096,), 32, 64)
@@ -232,6 +235,46 @@ def test_launch_geometry_and_args():
             assert len(p.pack(a)) == p.size, p.name
     assert spec["args"][7].shape == (M,)  # token_indices_sorted[:M]
     assert spec["args"][8] == P.l2_group(M, K, 128) == 3
+
+
+def _persistent_spec(cfg, M, N, K, **kw):
+    return P.launch(cfg, w_q=torch.zeros(N, K, dtype=torch.float8_e4m3fn), w_scale=torch.ones(1),
+                    x_q_sorted=torch.zeros(M, K, dtype=torch.float8_e4m3fn), x_scale_sorted=torch.ones(M),
+                    y=torch.zeros(M, N, dtype=torch.bfloat16), token_indices_sorted=torch.arange(M, dtype=torch.int32),
+                    **kw)
+
+
+def test_persistent_launch_geometry():
+    """min(tiles, SMs) CTAs along x (the kernel strides over the tile list by gridDim.x); a
+    chosen count within 1..tiles; the one-tile builds refuse the argument."""
+    cfg = P.Config(bn=128, lora=False, accum="overlap", vstore=True, persistent=True)
+    assert _persistent_spec(cfg, 2048, 4096, 256)["grid"] == (P.SM_COUNT_H100, 1, 1)  # 16 x 32 tiles
+    assert _persistent_spec(cfg, 200, 512, 256)["grid"] == (8, 1, 1)  # 2 x 4 tiles
+    assert _persistent_spec(cfg, 200, 512, 256, ctas=3)["grid"] == (3, 1, 1)
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match="ctas"):
+            _persistent_spec(cfg, 200, 512, 256, ctas=bad)
+    with pytest.raises(ValueError, match="persistent"):
+        _persistent_spec(P.Config(bn=128, lora=False), 200, 512, 256, ctas=3)
+    with pytest.raises(ValueError, match="PDL"):
+        P.Config(persistent=True, vstore=True, pdl=True)
+    with pytest.raises(ValueError, match="16-byte"):
+        P.Config(persistent=True, vstore=False)
+    assert P.unaligned_twin(P.Build("overlap", True, True)) == P.Build("overlap", False, False)
+    assert cfg.smem_bytes() == P.Config(bn=128, lora=False, accum="overlap", vstore=True).smem_bytes() \
+        - (128 + P.RED_PAD) * 128 * 4 + 128 * 128 * 4 + cfg.out_tile_elems() * 2 + 1024  # own output tile, 2 x sTok/sSx
+
+
+def test_persistent_walk_covers_every_tile_once():
+    """CTA b takes the linear tiles b, b + G, ... through cta_tile(): every tile once for any grid
+    size, and at any moment the CTAs in flight hold consecutive linear ids (the one-tile grid's
+    wave order, which the rasterization groups are made for)."""
+    for T, NT, group in ((1, 1, 1), (3, 5, 3), (16, 48, 16), (64, 96, 20)):
+        for G in sorted({1, 7, min(132, T * NT), T * NT}):
+            seen = []
+            for b in range(G):
+                seen += [P.cta_tile(lin, T, NT, group) for lin in range(b, T * NT, G)]
+            assert sorted(seen) == [(t, n) for t in range(T) for n in range(NT)], (T, NT, group, G)
 
 
 def test_vstore_needs_aligned_rows():
@@ -545,7 +588,7 @@ class PrefillPath:
         self.y = torch.empty(M, sum(widths), dtype=torch.bfloat16, device=dev)
         self.dev = dev
 
-    def run(self, x, tok, lora=True, poison=True, group=None, accum=P.OP_ACCUM, vstore=P.OP_VSTORE):
+    def run(self, x, tok, lora=True, poison=True, group=None, build=P.OP_BUILD, ctas=None):
         from epilora_cute.kernels import get_kernel
         from epilora_cute.metadata import build_meta
         from kernels_dsl.k1_shrink import k1_quant_shrink
@@ -557,7 +600,7 @@ class PrefillPath:
         self.codes, self.scales = codes, scales
         if poison:
             self.y.fill_(float("nan"))
-        c_l, c_n = P.select(self.widths, M, self.rank, accum, vstore)
+        c_l, c_n = P.select(self.widths, M, self.rank, build)
         cfg = c_l if lora else c_n
         kw = {}
         if lora:
@@ -565,7 +608,7 @@ class PrefillPath:
                       lora_token_start_loc=meta.lora_token_start_loc, slot_ranks=self.slot_ranks,
                       slice_start=self.slice_start, lora_b=self.lora_b)
         spec = P.launch(cfg, w_q=self.w_codes, w_scale=self.w_scale, x_q_sorted=xs, x_scale_sorted=ss, y=self.y,
-                        token_indices_sorted=meta.token_indices_sorted_by_lora_ids, group=group, **kw)
+                        token_indices_sorted=meta.token_indices_sorted_by_lora_ids, group=group, ctas=ctas, **kw)
         k = get_kernel(P, cfg, "sm_90a")
         k(*spec["args"], grid=spec["grid"], smem=spec["smem"], pdl=spec["pdl"], cluster=spec["cluster"])
         return self.y
@@ -688,12 +731,33 @@ def test_gpu_accum_modes(proj, M, lora):
     widths, K = {"qkv": ((4096, 1024, 1024), 4096), "down": ((4096,), 12288)}[proj]
     pp = PrefillPath(widths, K, 64, 8, M, seed=M + 7)
     x, tok = _x(M, K, M + 7), _tokens(M, 8, M + 7)
-    ys = {b: pp.run(x, tok, lora=lora, accum=b[0], vstore=b[1]).clone() for b in P.MAIN_LOOP_BUILDS}
+    ys = {b: pp.run(x, tok, lora=lora, build=b).clone() for b in P.MAIN_LOOP_BUILDS}
     for b, y in ys.items():
         pp.check(x, tok, y, lora=lora)
-        assert torch.equal(pp.run(x, tok, lora=lora, accum=b[0], vstore=b[1]).view(torch.int16), y.view(torch.int16)), b
+        assert torch.equal(pp.run(x, tok, lora=lora, build=b).view(torch.int16), y.view(torch.int16)), b
     for b in P.MAIN_LOOP_BUILDS[1:]:
         assert torch.equal(ys[b].view(torch.int16), ys[P.MAIN_LOOP_BUILDS[0]].view(torch.int16)), b
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctas", [1, 5, None], ids=lambda c: f"ctas{c}")
+@pytest.mark.parametrize("case", ["qkv", "odd_k"])
+def test_gpu_persistent_walk(case, ctas):
+    """The persistent build with few CTAs (each walks many tiles: the stage ring and the B ring
+    wrap across tiles; "odd_k" has 9 k-blocks, not a multiple of the stages, so the consumers take
+    the runtime-stage loop) writes exactly the one-tile build's bits, with and without adapter,
+    mixed effective ranks and up to 8 adapter groups per tile (more items than B buffers)."""
+    _hopper()
+    widths, K, M = {"qkv": ((4096, 1024, 1024), 4096, 700), "odd_k": ((256, 128, 128), 1152, 300)}[case]
+    pp = PrefillPath(widths, K, 64, 8, M, seed=11, slot_ranks=[64, 16, 64, 8, 64, 32, 64, 0])
+    x, tok = _x(M, K, 11), _tokens(M, 8, 11, none_frac=0.1)
+    pers = P.Build("overlap", True, True)
+    assert pers in P.MAIN_LOOP_BUILDS
+    for lora in (True, False):
+        one_tile = pp.run(x, tok, lora=lora, build=P.Build("overlap", True)).clone()
+        y = pp.run(x, tok, lora=lora, build=pers, ctas=ctas).clone()
+        pp.check(x, tok, y, lora=lora)
+        assert torch.equal(y.view(torch.int16), one_tile.view(torch.int16)), lora
 
 
 @pytest.mark.gpu
@@ -711,7 +775,7 @@ def test_gpu_promotion_keeps_large_sums(proj):
     x = (pp.w_codes[:M].float() / 30.0).to(torch.bfloat16)
     tok = torch.full((M,), -1, dtype=torch.int32)
     for b in P.MAIN_LOOP_BUILDS:
-        y = pp.run(x, tok, lora=False, accum=b[0], vstore=b[1]).clone()
+        y = pp.run(x, tok, lora=False, build=b).clone()
         pp.check(x, tok, y, lora=False)
         assert float(torch.diagonal(y[:, :M].float()).min()) > 20 * float(y[:, M:].float().std()), b
 

@@ -503,7 +503,9 @@ def test_k_sweep_fit_separates_fixed_and_per_k_cost():
         fit_line([4], [1])
     with pytest.raises(ValueError):
         fit_line([4, 4], [1, 2])
-    rows = [{"K": k, "k2_us": 100 + 0.05 * k, "scaled_mm_us": 20 + 0.04 * k} for k in (1024, 2048, 4096)]
+    rows = [{"K": k, "k2_us": 100 + 0.05 * k, "k2_pers_us": 60 + 0.05 * k, "scaled_mm_us": 20 + 0.04 * k}
+            for k in (1024, 2048, 4096)]
     fit = summarize(rows)
     assert abs(fit["k2"]["fixed_us"] - 100) < 1e-9 and abs(fit["k2"]["us_per_1k_K"] - 51.2) < 1e-9
+    assert abs(fit["k2_pers"]["fixed_us"] - 60) < 1e-9
     assert abs(fit["scaled_mm"]["fixed_us"] - 20) < 1e-9

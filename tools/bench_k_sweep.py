@@ -1,6 +1,7 @@
 """How much of the prefill K2's time is per tile and how much per k-block: the same output (M
 tokens × N features, so the same tiles and waves) at several K, for our K2 (no adapter, the op's
-main-loop build) and cuBLASLt (`torch._scaled_mm`) side by side.
+main-loop build, `k2`, and its persistent twin, `k2_pers`, v0.65) and cuBLASLt (`torch._scaled_mm`)
+side by side.
 
     python tools/bench_k_sweep.py [--m 2048] [--n 24576] [--ks 512,1024,2048,4096,8192] [--out DIR]
 
@@ -53,14 +54,18 @@ def measure(m: int, n: int, k: int) -> dict:
     x_q, s_x = quantize_fp8_per_token(x)
     tok = torch.arange(m, dtype=torch.int32, device="cuda")
     y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    _, cfg = P.select((n,), m)
-    spec = P.launch(cfg, w_q=w_q, w_scale=w_s, x_q_sorted=x_q, x_scale_sorted=s_x.reshape(-1), y=y,
-                    token_indices_sorted=tok)
-    kern = get_kernel(P, cfg, "sm_90a")
-    fns = {"k2": lambda: kern(*spec["args"], grid=spec["grid"], smem=spec["smem"], pdl=False,
-                              cluster=spec["cluster"]),
-           "scaled_mm": scaled_mm_launcher(x_q, s_x, w_q, w_s)}
-    row = {"M": m, "N": n, "K": k, "config": cfg.name(), "tiles": spec["grid"][0] * spec["grid"][1]}
+    def k2(build):
+        _, cfg = P.select((n,), m, build=build)
+        spec = P.launch(cfg, w_q=w_q, w_scale=w_s, x_q_sorted=x_q, x_scale_sorted=s_x.reshape(-1), y=y,
+                        token_indices_sorted=tok)
+        kern = get_kernel(P, cfg, "sm_90a")
+        return cfg, lambda: kern(*spec["args"], grid=spec["grid"], smem=spec["smem"], pdl=False,
+                                 cluster=spec["cluster"])
+
+    cfg, fn = k2(P.OP_BUILD)
+    fns = {"k2": fn, "k2_pers": k2(P.OP_BUILD._replace(persistent=True))[1], "scaled_mm": scaled_mm_launcher(x_q, s_x, w_q, w_s)}
+    T, NT = -(-m // cfg.bn), n // cfg.bm
+    row = {"M": m, "N": n, "K": k, "config": cfg.name(), "tiles": T * NT}
     for name, fn in fns.items():
         row[f"{name}_us"] = time_graph(fn)
     return row
@@ -69,7 +74,7 @@ def measure(m: int, n: int, k: int) -> dict:
 def summarize(rows: list[dict]) -> dict:
     out = {}
     ks = [r["K"] for r in rows]
-    for name in ("k2", "scaled_mm"):
+    for name in ("k2", "k2_pers", "scaled_mm"):
         fixed, slope = fit_line(ks, [r[f"{name}_us"] for r in rows])
         out[name] = {"fixed_us": fixed, "us_per_1k_K": slope * 1024}
     return out
@@ -88,7 +93,7 @@ def main(argv=None) -> int:
     rows = [measure(args.m, args.n, int(k)) for k in args.ks.split(",")]
     for r in rows:
         print(f"M={r['M']} N={r['N']} K={r['K']:6d} tiles={r['tiles']}  k2 {r['k2_us']:8.1f}  "
-              f"scaled_mm {r['scaled_mm_us']:8.1f} us", flush=True)
+              f"k2_pers {r['k2_pers_us']:8.1f}  scaled_mm {r['scaled_mm_us']:8.1f} us", flush=True)
     fit = summarize(rows)
     for name, f in fit.items():
         print(f"{name:10s} fixed {f['fixed_us']:7.1f} us  + {f['us_per_1k_K']:6.1f} us per 1024 of K")

@@ -76,13 +76,13 @@ class PrefillK2Case:
         self.y = torch.empty(c.m, c.proj.n, dtype=torch.bfloat16, device=c.x.device)
         torch.cuda.synchronize()
 
-    def k2(self, mode: str, lora: bool, vstore: bool = False):
-        """A zero-argument launcher of the prefill K2 (select()'s tile, accum = mode)."""
+    def k2(self, build, lora: bool):
+        """A zero-argument launcher of the prefill K2 (select()'s tile; build: k2_prefill.Build)."""
         from epilora_cute.kernels import get_kernel
         from kernels_dsl import k2_prefill as P
 
         c = self.c
-        c_l, c_n = P.select(tuple(c.proj.slices), c.m, c.rank, mode, vstore)
+        c_l, c_n = P.select(tuple(c.proj.slices), c.m, c.rank, build)
         cfg = c_l if lora else c_n
         kw = {}
         if lora:
@@ -132,11 +132,11 @@ def bench_projection(p: Projection, m: int, adapters: int) -> dict:
            "gflop": base_flops(p, m) / 1e9}
     fns = dict(_vendor(c, pk))
     launchers = {}
-    for mode, vs in P.MAIN_LOOP_BUILDS:
+    for b in P.MAIN_LOOP_BUILDS:
         for lora in (False, True):
-            name = f"k2_{'lora_' if lora else ''}{mode}{'_vs' if vs else ''}"
+            name = f"k2_{'lora_' if lora else ''}{b.tag()}"
             try:
-                launchers[name] = pk.k2(mode, lora, vs)
+                launchers[name] = pk.k2(b, lora)
             except Exception as e:  # noqa: BLE001 - a build missing from the cache is reported
                 row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
     fns.update(launchers)
@@ -151,11 +151,15 @@ def bench_projection(p: Projection, m: int, adapters: int) -> dict:
             continue
         row[f"{name}_us"] = us
         row[f"{name}_tflops"] = base_flops(p, m) / (us * 1e-6) / 1e12
-    for pre in ("k2_", "k2_lora_"):
-        ser, ovl = (launchers.get(f"{pre}{m_}") for m_ in ("serial", "overlap"))
-        if ser is not None and ovl is not None:
-            ys = pk.result(ser)
-            row[f"{pre}overlap_bitwise"] = bool(torch.equal(pk.result(ovl).view(torch.int16), ys.view(torch.int16)))
+    for pre in ("k2_", "k2_lora_"):  # every build writes serial's bits
+        ser = launchers.get(f"{pre}serial")
+        if ser is None:
+            continue
+        ys = pk.result(ser).view(torch.int16)
+        for b in P.MAIN_LOOP_BUILDS[1:]:
+            other = launchers.get(f"{pre}{b.tag()}")
+            if other is not None:
+                row[f"{pre}{b.tag()}_bitwise"] = bool(torch.equal(pk.result(other).view(torch.int16), ys))
     return row
 
 

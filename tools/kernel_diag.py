@@ -5,7 +5,8 @@ or cuda-gdb (a hang or a fault then costs one small process, not a test file).
 
 CASE: k2_nolora (K2 alone, x_q given, no adapter, n_quant 0), shrink (the shrink+quant kernel
 alone), decode (shrink then the self-quantizing K2 with PDL, 3 tokens), decode_xq (shrink+quant
-then the x_q K2), decode_split2 (decode with the shrink split as K2), decode_wide (decode with the wide self-quantizing K2, K = 2176), expand (expand_add), k1 (K1 quant+shrink).
+then the x_q K2), decode_split2 (decode with the shrink split as K2), decode_wide (decode with the wide self-quantizing K2, K = 2176), expand (expand_add), k1 (K1 quant+shrink),
+prefill_pers (K1 then the persistent prefill K2; SPLIT = its CTA count).
 Prints "CASE ok" with the maximum error against the reference, after a device synchronize.
 The K2 builds follow EPILORA_K2_PUSH (k2_gemm.push_variant: `maxima`, `partials`, both by default, `none`) like
 the ops do; the K2 build launched is printed.
@@ -122,7 +123,24 @@ def k1(_split: int) -> float:
     return 0.0
 
 
-CASES = {f.__name__: f for f in (k2_nolora, shrink, decode, decode_xq, decode_split2, decode_wide, expand, k1)}
+def prefill_pers(ctas: int) -> float:
+    """K1, then the persistent prefill K2 (adapter build) with `ctas` CTAs walking 20 tiles of 64
+    tokens x 128 features, up to 8 adapter groups per tile: the stage and B rings wrap across
+    tiles, the per-tile smem (token indices, scales, output tile) is reused (racecheck's case)."""
+    from kernels_dsl import k2_prefill as P
+    from tests.test_k2_prefill import PrefillPath, _tokens, _x
+
+    widths, K, M = (256, 128, 128), 512, 300
+    pp = PrefillPath(widths, K, 64, 8, M, seed=2)
+    x, tok = _x(M, K, 2), _tokens(M, 8, 2)
+    y = pp.run(x, tok, build=P.Build("overlap", True, True), ctas=ctas)
+    torch.cuda.synchronize()
+    pp.check(x, tok, y)
+    return 0.0
+
+
+CASES = {f.__name__: f for f in (k2_nolora, shrink, decode, decode_xq, decode_split2, decode_wide, expand, k1,
+                                 prefill_pers)}
 
 if __name__ == "__main__":
     case = sys.argv[1]

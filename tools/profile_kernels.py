@@ -71,7 +71,7 @@ def launchers(case: LayerCase, stages) -> dict:
         from kernels_dsl import k2_prefill
         from tools.bench_prefill_k2 import PrefillK2Case
 
-        fns["prefill_k2"] = PrefillK2Case(case).k2(k2_prefill.OP_ACCUM, True, k2_prefill.OP_VSTORE)
+        fns["prefill_k2"] = PrefillK2Case(case).k2(k2_prefill.OP_BUILD, True)
     return {k: fns[k] for k in stages}
 
 
