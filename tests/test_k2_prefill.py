@@ -42,7 +42,7 @@ FAST = [
     P.Config(bn=128, lora=True, num_slices=1, rank=256, pdl=True),
     P.Config(bn=128, lora=True, num_slices=3, rank=64, accum="overlap"),
     P.Config(bn=128, lora=False, accum="overlap", vstore=True),
-    P.Config(bn=128, lora=True, num_slices=3, rank=64, accum="overlap", vstore=True, persistent=True),
+    P.Config(bn=128, lora=True, num_slices=3, rank=64, accum="serial", vstore=True, persistent=True),
     P.Config(bm=64, bn=64, lora=True, num_slices=2, rank=128, accum="serial", vstore=True, persistent=True),
 ]
 
@@ -247,7 +247,7 @@ def _persistent_spec(cfg, M, N, K, **kw):
 def test_persistent_launch_geometry():
     """min(tiles, SMs) CTAs along x (the kernel strides over the tile list by gridDim.x); a
     chosen count within 1..tiles; the one-tile builds refuse the argument."""
-    cfg = P.Config(bn=128, lora=False, accum="overlap", vstore=True, persistent=True)
+    cfg = P.Config(bn=128, lora=False, accum="serial", vstore=True, persistent=True)
     assert _persistent_spec(cfg, 2048, 4096, 256)["grid"] == (P.SM_COUNT_H100, 1, 1)  # 16 x 32 tiles
     assert _persistent_spec(cfg, 200, 512, 256)["grid"] == (8, 1, 1)  # 2 x 4 tiles
     assert _persistent_spec(cfg, 200, 512, 256, ctas=3)["grid"] == (3, 1, 1)
@@ -256,12 +256,11 @@ def test_persistent_launch_geometry():
             _persistent_spec(cfg, 200, 512, 256, ctas=bad)
     with pytest.raises(ValueError, match="persistent"):
         _persistent_spec(P.Config(bn=128, lora=False), 200, 512, 256, ctas=3)
-    with pytest.raises(ValueError, match="PDL"):
-        P.Config(persistent=True, vstore=True, pdl=True)
-    with pytest.raises(ValueError, match="16-byte"):
-        P.Config(persistent=True, vstore=False)
+    for bad in (dict(pdl=True), dict(vstore=False), dict(accum="overlap")):
+        with pytest.raises(ValueError, match="persistent"):
+            P.Config(**{**dict(persistent=True, vstore=True, accum="serial"), **bad})
     assert P.unaligned_twin(P.Build("overlap", True, True)) == P.Build("overlap", False, False)
-    assert cfg.smem_bytes() == P.Config(bn=128, lora=False, accum="overlap", vstore=True).smem_bytes() \
+    assert cfg.smem_bytes() == P.Config(bn=128, lora=False, accum="serial", vstore=True).smem_bytes() \
         - (128 + P.RED_PAD) * 128 * 4 + 128 * 128 * 4 + cfg.out_tile_elems() * 2 + 1024  # own output tile, 2 x sTok/sSx
 
 
@@ -751,7 +750,7 @@ def test_gpu_persistent_walk(case, ctas):
     widths, K, M = {"qkv": ((4096, 1024, 1024), 4096, 700), "odd_k": ((256, 128, 128), 1152, 300)}[case]
     pp = PrefillPath(widths, K, 64, 8, M, seed=11, slot_ranks=[64, 16, 64, 8, 64, 32, 64, 0])
     x, tok = _x(M, K, 11), _tokens(M, 8, 11, none_frac=0.1)
-    pers = P.Build("overlap", True, True)
+    pers = P.PERSISTENT_BUILD
     assert pers in P.MAIN_LOOP_BUILDS
     for lora in (True, False):
         one_tile = pp.run(x, tok, lora=lora, build=P.Build("overlap", True)).clone()

@@ -63,7 +63,7 @@ def measure(m: int, n: int, k: int) -> dict:
                                  cluster=spec["cluster"])
 
     cfg, fn = k2(P.OP_BUILD)
-    fns = {"k2": fn, "k2_pers": k2(P.OP_BUILD._replace(persistent=True))[1], "scaled_mm": scaled_mm_launcher(x_q, s_x, w_q, w_s)}
+    fns = {"k2": fn, "k2_pers": k2(P.PERSISTENT_BUILD)[1], "scaled_mm": scaled_mm_launcher(x_q, s_x, w_q, w_s)}
     T, NT = -(-m // cfg.bn), n // cfg.bm
     row = {"M": m, "N": n, "K": k, "config": cfg.name(), "tiles": T * NT}
     for name, fn in fns.items():

@@ -133,7 +133,7 @@ def prefill_pers(ctas: int) -> float:
     widths, K, M = (256, 128, 128), 512, 300
     pp = PrefillPath(widths, K, 64, 8, M, seed=2)
     x, tok = _x(M, K, 2), _tokens(M, 8, 2)
-    y = pp.run(x, tok, build=P.Build("overlap", True, True), ctas=ctas)
+    y = pp.run(x, tok, build=P.PERSISTENT_BUILD, ctas=ctas)
     torch.cuda.synchronize()
     pp.check(x, tok, y)
     return 0.0
