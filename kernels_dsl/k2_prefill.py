@@ -113,10 +113,10 @@ class Build(NamedTuple):
 # The builds the bench and the GPU tests compare (bit for bit): serial with scalar stores (the
 # kernel before v0.60), "overlap" with either store, and the persistent "overlap" build (v0.65).
 MAIN_LOOP_BUILDS = (Build("serial", False), Build("overlap", False), Build("overlap", True),
-                    Build("serial", True), Build("serial", True, True))
-# The persistent build (v0.65): serial sums (ptxas serialized the overlap loop's WGMMAs inside the
-# tile loop, C7514), 16-byte stores.
-PERSISTENT_BUILD = Build("serial", True, True)
+                    Build("overlap", True, True))
+# The persistent build (v0.65): two k-blocks in flight with the stage taken at run time, 16-byte
+# stores.
+PERSISTENT_BUILD = Build("overlap", True, True)
 # The build the op's prefill path launches (ops._prefill_path), prebuilt for every rank: run25's
 # fastest (2048 tokens: 683 µs per layer against serial's 804); its scalar-store twin
 # (vstore=False) serves an output whose rows are not 16-byte aligned.
@@ -151,8 +151,7 @@ class Config:
     persistent: one CTA per SM walks the tile list (launch(): grid = min(tiles, SMs)); the
       producer's stage ring and B ring run on across tiles, the output tile has its own bf16
       buffer, so the next tile's stages stream in during this tile's epilogue (v0.65). Needs
-      accum "serial" (ptxas serialized the overlap loop's WGMMAs inside the tile loop), vstore
-      (an unaligned output takes the one-tile scalar-store build) and no PDL.
+      vstore (an unaligned output takes the one-tile scalar-store build) and no PDL.
     """
 
     bn: int = 128
@@ -181,10 +180,9 @@ class Config:
             raise ValueError("stages must be 2..8")
         if self.accum == "overlap" and self.stages % 2:
             raise ValueError("the overlap main loop alternates two accumulators per stage: stages must be even")
-        if self.persistent and (self.pdl or not self.vstore or self.accum != "serial"):
-            # (an output whose rows are not 16-byte aligned takes the one-tile scalar-store build;
-            # the overlap loop inside the tile loop made ptxas serialize every WGMMA, C7514: v0.65)
-            raise ValueError("the persistent builds sum serially, store 16-byte vectors and are launched without PDL")
+        if self.persistent and (self.pdl or not self.vstore):
+            # (an output whose rows are not 16-byte aligned takes the one-tile scalar-store build)
+            raise ValueError("the persistent builds store 16-byte vectors and are launched without PDL")
         if self.lora:
             if self.rank not in (8, 16, 32, 64, 128, 256):
                 raise ValueError("rank must be 8..256, a power of two")
@@ -765,7 +763,8 @@ if cute is not None:
                 tCcC = thr_mma.partition_C(cC)
                 acc = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
                 acc_l = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
-                acc_blk = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
+                bufs = (cute.make_rmem_tensor(tCcC.shape, cutlass.Float32),
+                        cute.make_rmem_tensor(tCcC.shape, cutlass.Float32))
                 num_kk = cute.size(tCrW, mode=[2])
                 mma = (tCrW, tCrX, full, empty, num_kk)
                 sOut = st.sOut.get_tensor(cute.make_layout((BN, BM + OUT_PAD), stride=(BM + OUT_PAD, 1)))
@@ -790,12 +789,31 @@ if cute is not None:
 
                     acc.fill(0.0)
                     # The WGMMAs name their accumulator registers as inputs even when they do not
-                    # accumulate: without a fresh definition here the promotion block would stay
-                    # live from the last tile's main loop through its epilogue.
-                    acc_blk.fill(0.0)
-                    for i in cutlass.range(nk, unroll=1):
-                        self._issue_block(mma, acc_blk, it + i, False)
-                        self._retire_block(mma, acc, acc_blk, it + i, 0)
+                    # accumulate: without a fresh definition here the promotion blocks would stay
+                    # live from the last tile's main loop through its epilogue (acc + acc_l + two
+                    # blocks = 256 registers: 740 bytes of spills).
+                    bufs[0].fill(0.0)
+                    bufs[1].fill(0.0)
+                    if cutlass.const_expr(cfg.accum == "serial"):
+                        for i in cutlass.range(nk, unroll=1):
+                            self._issue_block(mma, bufs[0], it + i, False)
+                            self._retire_block(mma, acc, bufs[0], it + i, 0)
+                    else:
+                        # Two blocks in flight, as the one-tile build, but with the stage taken at
+                        # run time (a tile starts wherever the ring stands): ptxas serialized every
+                        # WGMMA (C7514) when this loop sat beside the one-tile build's compile-time
+                        # stage loop (or replaced it) inside the tile loop (run26, perf.md v0.65).
+                        for i0 in cutlass.range(0, nk, 2, unroll=1):
+                            for u in cutlass.range_constexpr(2):
+                                i = i0 + u
+                                if i < nk:
+                                    self._issue_block(mma, bufs[u], it + i, False)
+                                    if i > 0:
+                                        self._retire_block(mma, acc, bufs[(u + 1) % 2], it + i - 1, 1)
+                        if (nk - 1) % 2 == 0:
+                            self._retire_block(mma, acc, bufs[0], it + nk - 1, 0)
+                        else:
+                            self._retire_block(mma, acc, bufs[1], it + nk - 1, 0)
                     it = it + nk
                     # sTok / sSx of this tile visible; every consumer is past the last tile's reads of
                     # sOut.

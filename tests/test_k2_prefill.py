@@ -42,7 +42,7 @@ FAST = [
     P.Config(bn=128, lora=True, num_slices=1, rank=256, pdl=True),
     P.Config(bn=128, lora=True, num_slices=3, rank=64, accum="overlap"),
     P.Config(bn=128, lora=False, accum="overlap", vstore=True),
-    P.Config(bn=128, lora=True, num_slices=3, rank=64, accum="serial", vstore=True, persistent=True),
+    P.Config(bn=128, lora=True, num_slices=3, rank=64, accum="overlap", vstore=True, persistent=True),
     P.Config(bm=64, bn=64, lora=True, num_slices=2, rank=128, accum="serial", vstore=True, persistent=True),
 ]
 
@@ -256,7 +256,7 @@ def test_persistent_launch_geometry():
             _persistent_spec(cfg, 200, 512, 256, ctas=bad)
     with pytest.raises(ValueError, match="persistent"):
         _persistent_spec(P.Config(bn=128, lora=False), 200, 512, 256, ctas=3)
-    for bad in (dict(pdl=True), dict(vstore=False), dict(accum="overlap")):
+    for bad in (dict(pdl=True), dict(vstore=False)):
         with pytest.raises(ValueError, match="persistent"):
             P.Config(**{**dict(persistent=True, vstore=True, accum="serial"), **bad})
     assert P.unaligned_twin(P.Build("overlap", True, True)) == P.Build("overlap", False, False)
