@@ -256,8 +256,10 @@ class Config:
     def smem_bytes(self) -> int:
         """Dynamic shared memory of a launch: the kernel's smem struct, field by field."""
         st, nb, bn, tb = self.stages, self.b_bufs, self.bn, self.tile_bufs
-        f = [(8 * st, 8), (8 * st, 8), (4 * bn * tb, 4), (4 * bn * tb, 4), (8 * nb, 8), (8 * nb, 8),
-             (self.stage_union_bytes(), 1024), (bn * self.bk * st, 1024)]
+        f = [(8 * st, 8), (8 * st, 8), (4 * bn * tb, 4), (4 * bn * tb, 4), (8 * nb, 8), (8 * nb, 8)]
+        if self.persistent:
+            f += [(4 * st, 4)]  # the tile id posted with each tile's first stage
+        f += [(self.stage_union_bytes(), 1024), (bn * self.bk * st, 1024)]
         if self.lora:
             f += [(nb * self.bm * self.rank_chunk * 2, 1024), (bn * self.rank_chunk * 2, 1024)]
         if self.persistent:
@@ -285,7 +287,7 @@ if cute is not None:
                      h: cute.Tensor = None, active_ids: cute.Tensor = None, num_active: cute.Tensor = None,
                      start_loc: cute.Tensor = None, slot_ranks: cute.Tensor = None,
                      slice_start: cute.Tensor = None, b0: cute.Tensor = None, b1: cute.Tensor = None,
-                     b2: cute.Tensor = None, b3: cute.Tensor = None):
+                     b2: cute.Tensor = None, b3: cute.Tensor = None, tile_counter: cute.Tensor = None):
             # Flat arguments (no tuples): export_to_c, used by tools/capture, only takes flat ones.
             cfg = self.cfg
             fp8 = w.element_type
@@ -364,6 +366,7 @@ if cute is not None:
                 sTok: cute.struct.MemRange[cutlass.Int32, tb_bn]
                 bfull: cute.struct.MemRange[cutlass.Int64, nb]
                 bempty: cute.struct.MemRange[cutlass.Int64, nb]
+                sLin: cute.struct.MemRange[cutlass.Int32, stages]  # tile ids (_persistent_kernel)
                 sW: cute.struct.Align[cute.struct.MemRange[fp8, union_elems], 1024]
                 sX: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sX_layout)], 1024]
                 sOut: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, out_elems], 1024]
@@ -376,6 +379,7 @@ if cute is not None:
                 sTok: cute.struct.MemRange[cutlass.Int32, tb_bn]
                 bfull: cute.struct.MemRange[cutlass.Int64, nb]
                 bempty: cute.struct.MemRange[cutlass.Int64, nb]
+                sLin: cute.struct.MemRange[cutlass.Int32, stages]  # tile ids (_persistent_kernel)
                 sW: cute.struct.Align[cute.struct.MemRange[fp8, union_elems], 1024]
                 sX: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sX_layout)], 1024]
                 sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sB_layout)], 1024]
@@ -397,7 +401,7 @@ if cute is not None:
             # (The launcher takes the grid from launch(): persistent builds run min(tiles, SMs)
             # CTAs along x and read their tile stride from gridDim.)
             self.kernel(
-                tma_w, mW, tma_x, mX, sx, sw, y, tok_sorted, group, lora_pack, sW_layout, sX_layout, sB_layout, sH_layout,
+                tma_w, mW, tma_x, mX, sx, sw, y, tok_sorted, group, tile_counter, lora_pack, sW_layout, sX_layout, sB_layout, sH_layout,
             ).launch(grid=(t_tiles, n_tiles, 1), block=(THREADS, 1, 1), cluster=(1, 1, 1), stream=stream,
                      # .minnctapersm 1: ptxas gives the launch 168 registers per thread, a pool of
                      # 384 x 168 = 128 x (40 + 2 x 232); at ptxas's own count setmaxnreg.inc would
@@ -407,11 +411,11 @@ if cute is not None:
         # -----------------------------------------------------------------------------------------
         @cute.kernel
         def kernel(self, tma_w: cute.CopyAtom, mW: cute.Tensor, tma_x: cute.CopyAtom, mX: cute.Tensor,
-                   mSx: cute.Tensor, mSw: cute.Tensor, mY: cute.Tensor, mTokS: cute.Tensor, group: cutlass.Int32, lora_pack,
-                   sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout,
+                   mSx: cute.Tensor, mSw: cute.Tensor, mY: cute.Tensor, mTokS: cute.Tensor, group: cutlass.Int32,
+                   mCounter, lora_pack, sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout,
                    sB_layout: cute.ComposedLayout, sH_layout: cute.ComposedLayout):
             if cutlass.const_expr(self.cfg.persistent):
-                self._persistent_kernel(tma_w, mW, tma_x, mX, mSx, mSw, mY, mTokS, group, lora_pack,
+                self._persistent_kernel(tma_w, mW, tma_x, mX, mSx, mSw, mY, mTokS, group, mCounter, lora_pack,
                                         sW_layout, sX_layout, sB_layout, sH_layout)
             else:
                 self._tile_kernel(tma_w, mW, tma_x, mX, mSx, mSw, mY, mTokS, group, lora_pack,
@@ -666,16 +670,23 @@ if cute is not None:
         @cute.jit
         def _persistent_kernel(self, tma_w: cute.CopyAtom, mW: cute.Tensor, tma_x: cute.CopyAtom, mX: cute.Tensor,
                                mSx: cute.Tensor, mSw: cute.Tensor, mY: cute.Tensor, mTokS: cute.Tensor,
-                               group: cutlass.Int32, lora_pack, sW_layout: cute.ComposedLayout,
+                               group: cutlass.Int32, mCounter: cute.Tensor, lora_pack, sW_layout: cute.ComposedLayout,
                                sX_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
                                sH_layout: cute.ComposedLayout):
-            """Persistent: CTA b takes the linear tiles b, b + gridDim.x, ... (cta_tile()'s order, so
-            the CTAs in flight at any time share weight tiles as the one-tile grid's waves do).
-            Producer and consumers walk the same tile list; the stage ring and the B ring count
-            globally (slot = count % depth, phase = count / depth % 2), so the producer streams the
-            next tile's stages while the consumers run this tile's epilogue. The output tile has
-            its own bf16 buffer; the tile's token indices and scales are double-buffered (the next
-            tile's are written while the last tile's stores may still read theirs)."""
+            """Persistent: CTA b starts on linear tile b (cta_tile()'s order); each later tile is
+            claimed from the launch's tile counter (linear id gridDim.x + the counter's old value),
+            so the tiles in flight stay a window of consecutive ids, as the one-tile grid's waves
+            are (a static walk b, b + gridDim.x, ... drifted apart: +12 % per k-block at shapes
+            that stream from DRAM, run26 call 5). The producer claims and posts each k-block's
+            tile id in sLin beside the stage's full barrier; the consumers read it there, and an
+            id past the last tile (posted with a barrier arrival and no bytes) ends their loop.
+            The claim that gets the counter's last value (n_tiles - 1: every CTA's claims end
+            with one that fails) re-arms the counter to 0 for the next launch. The stage ring and
+            the B ring count globally (slot = count % depth, phase = count / depth % 2), so the
+            producer streams the next tile's stages while the consumers run this tile's epilogue.
+            The output tile has its own bf16 buffer; the tile's token indices and scales are
+            double-buffered (the next tile's are written while the last tile's stores may still
+            read theirs)."""
             cfg = self.cfg
             BM, BN, BK, NB, STAGES = self.bm, self.bn, self.bk, self.nb, self.stages
             if cutlass.const_expr(cfg.lora):
@@ -708,6 +719,8 @@ if cute is not None:
             bempty = st.bempty.data_ptr()
             sW = st.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)
             sX = st.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
+            sLin = st.sLin.get_tensor(cute.make_layout(STAGES))
+            counter = mCounter.iterator.toint()
 
             if tidx == 0:
                 for i in cutlass.range_constexpr(STAGES):
@@ -726,9 +739,15 @@ if cute is not None:
                 if warp_idx == 0:
                     cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
                     cute.nvgpu.cpasync.prefetch_descriptor(tma_x)
+                    lane = cute.arch.lane_idx()
                     it = cutlass.Int32(0)  # k-blocks issued so far (all tiles)
                     qb = cutlass.Int32(0)  # B chunks issued so far
-                    for lin in cutlass.range(bx, n_tiles, gdim[0], unroll=1):
+                    lin = bx
+                    while lin < n_tiles:
+                        # Claim the next tile now; its id is needed only after this tile's stages.
+                        claim = cutlass.Int32(0)
+                        if lane == 0:
+                            claim = D.atom_add_relaxed_gpu_s32(counter, 1)
                         ttile, tile = self._tile_of(lin, n_ttiles, n_wtiles, group)
                         gW = cute.local_tile(mW, (BM, BK), (tile, None))
                         gX = cute.local_tile(mX, (BN, BK), (ttile, None))
@@ -742,6 +761,7 @@ if cute is not None:
                             # (a fresh barrier's phase "before 0" counts as complete: round 0 passes)
                             cute.arch.mbarrier_wait(empty + s, ((g // STAGES) + 1) % 2)
                             with cute.arch.elect_one():
+                                sLin[s] = lin  # published by the arrival's release
                                 cute.arch.mbarrier_arrive_and_expect_tx(full + s, stage_bytes)
                             cute.copy(tma_w, tWg[(None, i)], tWs[(None, s)], tma_bar_ptr=full + s)
                             cute.copy(tma_x, tXg[(None, i)], tXs[(None, s)], tma_bar_ptr=full + s)
@@ -751,6 +771,19 @@ if cute is not None:
                             sl, row_in_slice, n_s = self._slice_of(n0, mSliceStart)
                             qb = self._issue_b(0, 1 << 30, tma_bs, mBs, st, sB_layout, bfull, bempty, mActive,
                                                mNumActive, mStart, mSlotRanks, sl, row_in_slice, n_s, ttile * BN, qb)
+                        if lane == 0:
+                            if claim == n_tiles - 1:
+                                # The launch's last claim (coherence order): no CTA reads the
+                                # counter again in this launch.
+                                D.st_relaxed_gpu_s32(counter, 0)
+                        lin = gdim[0] + cute.arch.shuffle_sync(claim, 0)
+                    # No tile left: post an id past the end with a bytes-less arrival on the next
+                    # stage (once the consumers have released that stage's last round).
+                    s = it % STAGES
+                    cute.arch.mbarrier_wait(empty + s, ((it // STAGES) + 1) % 2)
+                    with cute.arch.elect_one():
+                        sLin[s] = n_tiles
+                        cute.arch.mbarrier_arrive(full + s)
             else:
                 # ==================================== consumers ====================================
                 cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -772,7 +805,8 @@ if cute is not None:
                 it = cutlass.Int32(0)
                 qc = cutlass.Int32(0)
                 tcount = cutlass.Int32(0)
-                for lin in cutlass.range(bx, n_tiles, gdim[0], unroll=1):
+                lin = self._posted_tile(full, sLin, it)
+                while lin < n_tiles:
                     ttile, tile = self._tile_of(lin, n_ttiles, n_wtiles, group)
                     n0 = tile * BM
                     p0 = ttile * BN
@@ -840,6 +874,15 @@ if cute is not None:
                         cute.autovec_copy(cute.zipped_divide(sOut[j, None], (8,))[None, vec], r_o)
                         cute.autovec_copy(r_o, cute.zipped_divide(mY[sTok_t[j], None], (8,))[None, n0 // 8 + vec])
                     tcount = tcount + 1
+                    lin = self._posted_tile(full, sLin, it)
+
+        @cute.jit
+        def _posted_tile(self, full, sLin, i):
+            """Persistent consumers: the tile id the producer posted with k-block i (its stage's
+            full barrier: the stage's bytes, or the end marker's bytes-less arrival)."""
+            s = i % self.stages
+            cute.arch.mbarrier_wait(full + s, (i // self.stages) % 2)
+            return sLin[s]
 
         def _fp8_mma(self):
             kmaj = cute.nvgpu.warpgroup.OperandMajorMode.K
@@ -1024,6 +1067,8 @@ def _fake_args(cfg: Config):
     sw = D.fake_rowmajor(f32, (1,), align=4)
     y = D.fake_rowmajor(bf16, (D.sym(1), D.sym(8)))
     tok = D.fake_rowmajor(i32, (D.sym(1),), align=4)
+    # The persistent builds' tile counter comes last in __call__ (after the lora arguments).
+    tail = (D.fake_rowmajor(i32, (1,), align=4),) if cfg.persistent else ()
     if cfg.lora:
         bufs = tuple(D.fake_rowmajor(bf16, (D.sym(cfg.bm), cfg.rank)) for _ in range(cfg.num_slices))
         h = D.fake_rowmajor(f32, (cfg.num_slices, D.sym(1), cfg.rank))
@@ -1032,9 +1077,11 @@ def _fake_args(cfg: Config):
         start_loc = D.fake_rowmajor(i32, (D.sym(1),), align=4)
         slot_ranks = D.fake_rowmajor(i32, (D.sym(1),), align=4)
         slice_start = D.fake_rowmajor(i32, (cfg.num_slices + 1,), align=4)
+        pad = (None,) * (4 - cfg.num_slices) if tail else ()
         return (w, xq, sx, sw, y, tok, cutlass.Int32(1), D.fake_stream(), h, active, num_active, start_loc, slot_ranks, slice_start,
-                *bufs)
-    return (w, xq, sx, sw, y, tok, cutlass.Int32(1), D.fake_stream())
+                *bufs, *pad, *tail)
+    pad = (None,) * 10 if tail else ()
+    return (w, xq, sx, sw, y, tok, cutlass.Int32(1), D.fake_stream(), *pad, *tail)
 
 
 def compile(config: Config, options: str = "--gpu-arch sm_90a"):
@@ -1058,6 +1105,9 @@ def params(config: Config) -> list:
         TensorParam("token_indices_sorted", i32, 1, dynamic_shape=(0,), align=4),  # [M]
         ScalarParam("group", "i"),  # token tiles per rasterization group, 1..T (l2_group())
     ]
+    if config.persistent:
+        # [1]: 0 before a launch; the launch claims tiles from it and leaves it 0 again
+        p.append(TensorParam("tile_counter", i32, 1, align=4))
     if config.lora:
         sw = {16: "32B", 32: "64B", 64: "128B"}[rc]
         for s in range(config.num_slices):
@@ -1108,13 +1158,16 @@ def _sm_count_cuda(index: int) -> int:
 
 def launch(config: Config, *, w_q, w_scale, x_q_sorted, x_scale_sorted, y, token_indices_sorted,
            group: int | None = None, h=None, active_lora_ids=None, num_active=None, lora_token_start_loc=None, slot_ranks=None,
-           slice_start=None, lora_b=None, ctas: int | None = None) -> dict:
+           slice_start=None, lora_b=None, ctas: int | None = None, tile_counter=None) -> dict:
     """Arguments (in params() order) and launch geometry for one prefill K2 call.
 
     x_q_sorted / x_scale_sorted: activations in adapter-sorted order (sort_activations());
     token_indices_sorted: meta.token_indices_sorted_by_lora_ids (the first M entries are used);
     h: K1's [S, >= M, R] fp32 in original token order. group: rasterization (cta_tile()); None
     = l2_group(M, K, bn). ctas (persistent builds): CTAs in the grid, None = min(tiles, SMs).
+    tile_counter (persistent builds): an int32 [>= 1] on y's device holding 0, which the launch
+    claims its tiles from and leaves 0 again; launches that share one must not overlap (one
+    per stream: epilora_cute.ops keeps them).
     Returns dict(args, grid, block, cluster, smem, pdl); launch without PDL (K1 must have
     finished) unless config.pdl.
     """
@@ -1136,6 +1189,13 @@ def launch(config: Config, *, w_q, w_scale, x_q_sorted, x_scale_sorted, y, token
     if not 1 <= group <= T:
         raise ValueError(f"group must be 1..{T} token tiles, got {group}")
     args = [w_q, (N, K), x_q_sorted, (M, K), x_scale_sorted.reshape(-1), w_scale.reshape(-1), y, tok, group]
+    if config.persistent:
+        if tile_counter is None or tile_counter.dtype != torch.int32 or tile_counter.numel() < 1 \
+                or tile_counter.device != y.device:
+            raise ValueError("a persistent build needs tile_counter: an int32 [>= 1] on y's device holding 0")
+        args.append(tile_counter.reshape(-1)[:1])
+    elif tile_counter is not None:
+        raise ValueError("tile_counter applies to the persistent builds only")
     if config.lora:
         bufs = list(lora_b)
         if len(bufs) != config.num_slices:

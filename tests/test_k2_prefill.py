@@ -238,6 +238,8 @@ def test_launch_geometry_and_args():
 
 
 def _persistent_spec(cfg, M, N, K, **kw):
+    if cfg.persistent:
+        kw.setdefault("tile_counter", torch.zeros(1, dtype=torch.int32))
     return P.launch(cfg, w_q=torch.zeros(N, K, dtype=torch.float8_e4m3fn), w_scale=torch.ones(1),
                     x_q_sorted=torch.zeros(M, K, dtype=torch.float8_e4m3fn), x_scale_sorted=torch.ones(M),
                     y=torch.zeros(M, N, dtype=torch.bfloat16), token_indices_sorted=torch.arange(M, dtype=torch.int32),
@@ -256,6 +258,15 @@ def test_persistent_launch_geometry():
             _persistent_spec(cfg, 200, 512, 256, ctas=bad)
     with pytest.raises(ValueError, match="persistent"):
         _persistent_spec(P.Config(bn=128, lora=False), 200, 512, 256, ctas=3)
+    # the tile counter: required by the persistent builds (int32 on y's device), refused by the others
+    spec = _persistent_spec(cfg, 200, 512, 256, tile_counter=torch.zeros(4, dtype=torch.int32))
+    assert spec["args"][9].shape == (1,) and spec["args"][9].dtype == torch.int32  # right after group
+    for bad in (None, torch.zeros(1, dtype=torch.int64), torch.zeros(0, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="tile_counter"):
+            _persistent_spec(cfg, 200, 512, 256, tile_counter=bad)
+    with pytest.raises(ValueError, match="tile_counter"):
+        _persistent_spec(P.Config(bn=128, lora=False), 200, 512, 256, tile_counter=torch.zeros(1, dtype=torch.int32))
+    assert [p.name for p in P.params(cfg)][8:10] == ["group", "tile_counter"]
     for bad in (dict(pdl=True), dict(vstore=False)):
         with pytest.raises(ValueError, match="persistent"):
             P.Config(**{**dict(persistent=True, vstore=True, accum="serial"), **bad})
@@ -264,16 +275,56 @@ def test_persistent_launch_geometry():
         - (128 + P.RED_PAD) * 128 * 4 + 128 * 128 * 4 + cfg.out_tile_elems() * 2 + 1024  # own output tile, 2 x sTok/sSx
 
 
+def _claim_walk(n_tiles: int, G: int, seed: int):
+    """The persistent kernel's tile claims, event by event: CTA b starts on tile b; when a CTA
+    starts a tile it claims the counter's old value (atomic add), and after the tile it moves to
+    tile G + that value, stopping past the end; the claim that got n_tiles - 1 stores 0. Tiles
+    take random times (1 to 1.5 units). Returns (tiles in the order started, the counter at the
+    end, the widest span of linear ids running at once, claims made after the re-arm)."""
+    import heapq
+    import random
+
+    rnd = random.Random(seed)
+    counter, started, span, late, rearmed = 0, [], 0, 0, False
+    running = {}
+    heap = []
+
+    def start(t, b, lin):
+        nonlocal counter, late
+        late += rearmed
+        claim, counter = counter, counter + 1
+        running[b] = lin
+        started.append(lin)
+        heapq.heappush(heap, (t + rnd.uniform(1.0, 1.5), b, claim))
+
+    for b in range(G):
+        start(0.0, b, b)
+    while heap:
+        t, b, claim = heapq.heappop(heap)
+        span = max(span, max(running.values()) - min(running.values()))
+        del running[b]
+        if claim == n_tiles - 1:
+            counter, rearmed = 0, True
+        if G + claim < n_tiles:
+            start(t, b, G + claim)
+    return started, counter, span, late
+
+
 def test_persistent_walk_covers_every_tile_once():
-    """CTA b takes the linear tiles b, b + G, ... through cta_tile(): every tile once for any grid
-    size, and at any moment the CTAs in flight hold consecutive linear ids (the one-tile grid's
-    wave order, which the rasterization groups are made for)."""
+    """The claim protocol (_claim_walk, as _persistent_kernel runs it): every tile exactly once for
+    any grid size, the counter back at 0 with no claim after the re-arm (the next launch starts
+    clean), and the tiles running at once stay a window of about 2G consecutive linear ids (the
+    one-tile grid's wave order, which the rasterization groups are made for) where a static walk
+    b, b + G, ... drifts apart (run26: +12 % per k-block at DRAM-bound shapes)."""
     for T, NT, group in ((1, 1, 1), (3, 5, 3), (16, 48, 16), (64, 96, 20)):
-        for G in sorted({1, 7, min(132, T * NT), T * NT}):
-            seen = []
-            for b in range(G):
-                seen += [P.cta_tile(lin, T, NT, group) for lin in range(b, T * NT, G)]
-            assert sorted(seen) == [(t, n) for t in range(T) for n in range(NT)], (T, NT, group, G)
+        n = T * NT
+        for G in sorted(g for g in {1, 7, min(132, n), n} if g <= n):  # launch(): ctas <= tiles
+            started, counter, span, late = _claim_walk(n, G, seed=n + G)
+            assert sorted(started) == list(range(n)), (T, NT, G)
+            assert counter == 0 and late == 0, (T, NT, G)
+            assert span < 3 * G, (T, NT, G, span)
+            tiles = sorted(P.cta_tile(lin, T, NT, group) for lin in started)
+            assert tiles == [(t, n_) for t in range(T) for n_ in range(NT)], (T, NT, group, G)
 
 
 def test_vstore_needs_aligned_rows():
@@ -586,6 +637,8 @@ class PrefillPath:
         init_projection(self, widths, K, rank, max_loras, M, seed, slot_ranks, dev)
         self.y = torch.empty(M, sum(widths), dtype=torch.bfloat16, device=dev)
         self.dev = dev
+        # The persistent builds' tile counter (0 between launches: each launch re-arms it).
+        self.tile_counter = torch.zeros(1, dtype=torch.int32, device=dev)
 
     def run(self, x, tok, lora=True, poison=True, group=None, build=P.OP_BUILD, ctas=None):
         from epilora_cute.kernels import get_kernel
@@ -607,7 +660,8 @@ class PrefillPath:
                       lora_token_start_loc=meta.lora_token_start_loc, slot_ranks=self.slot_ranks,
                       slice_start=self.slice_start, lora_b=self.lora_b)
         spec = P.launch(cfg, w_q=self.w_codes, w_scale=self.w_scale, x_q_sorted=xs, x_scale_sorted=ss, y=self.y,
-                        token_indices_sorted=meta.token_indices_sorted_by_lora_ids, group=group, ctas=ctas, **kw)
+                        token_indices_sorted=meta.token_indices_sorted_by_lora_ids, group=group, ctas=ctas,
+                        tile_counter=self.tile_counter if cfg.persistent else None, **kw)
         k = get_kernel(P, cfg, "sm_90a")
         k(*spec["args"], grid=spec["grid"], smem=spec["smem"], pdl=spec["pdl"], cluster=spec["cluster"])
         return self.y
@@ -757,6 +811,12 @@ def test_gpu_persistent_walk(case, ctas):
         y = pp.run(x, tok, lora=lora, build=pers, ctas=ctas).clone()
         pp.check(x, tok, y, lora=lora)
         assert torch.equal(y.view(torch.int16), one_tile.view(torch.int16)), lora
+        # The launch re-armed its tile counter: a second launch (claiming from it again) writes
+        # the same bits.
+        assert int(pp.tile_counter.item()) == 0
+        y2 = pp.run(x, tok, lora=lora, build=pers, ctas=ctas)
+        assert torch.equal(y2.view(torch.int16), one_tile.view(torch.int16)), lora
+        assert int(pp.tile_counter.item()) == 0
 
 
 @pytest.mark.gpu

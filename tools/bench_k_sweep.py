@@ -54,10 +54,12 @@ def measure(m: int, n: int, k: int) -> dict:
     x_q, s_x = quantize_fp8_per_token(x)
     tok = torch.arange(m, dtype=torch.int32, device="cuda")
     y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")  # the persistent build's (re-armed per launch)
+
     def k2(build):
         _, cfg = P.select((n,), m, build=build)
         spec = P.launch(cfg, w_q=w_q, w_scale=w_s, x_q_sorted=x_q, x_scale_sorted=s_x.reshape(-1), y=y,
-                        token_indices_sorted=tok)
+                        token_indices_sorted=tok, tile_counter=counter if cfg.persistent else None)
         kern = get_kernel(P, cfg, "sm_90a")
         return cfg, lambda: kern(*spec["args"], grid=spec["grid"], smem=spec["smem"], pdl=False,
                                  cluster=spec["cluster"])

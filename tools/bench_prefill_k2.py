@@ -74,6 +74,7 @@ class PrefillK2Case:
         self.slot_ranks = _full_ranks(c.max_loras, c.rank, c.x.device)
         self.slice_start = _slice_start(tuple(c.proj.slices), c.x.device)
         self.y = torch.empty(c.m, c.proj.n, dtype=torch.bfloat16, device=c.x.device)
+        self.tile_counter = torch.zeros(1, dtype=torch.int32, device=c.x.device)  # persistent builds
         torch.cuda.synchronize()
 
     def k2(self, build, lora: bool):
@@ -89,6 +90,8 @@ class PrefillK2Case:
             kw = dict(h=self.h, active_lora_ids=c.meta.active_lora_ids, num_active=c.meta.num_active,
                       lora_token_start_loc=c.meta.lora_token_start_loc, slot_ranks=self.slot_ranks,
                       slice_start=self.slice_start, lora_b=c.lora_b)
+        if cfg.persistent:
+            kw["tile_counter"] = self.tile_counter
         spec = P.launch(cfg, w_q=c.w_q, w_scale=c.w_s, x_q_sorted=self.xs, x_scale_sorted=self.ss, y=self.y,
                         token_indices_sorted=c.meta.token_indices_sorted_by_lora_ids, **kw)
         kern = get_kernel(P, cfg, "sm_90a")
