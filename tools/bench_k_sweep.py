@@ -1,6 +1,7 @@
 """How much of the prefill K2's time is per tile and how much per k-block: the same output (M
 tokens × N features, so the same tiles and waves) at several K, for our K2 (no adapter, the op's
-main-loop build, `k2`, and its persistent twin, `k2_pers`, v0.65) and cuBLASLt (`torch._scaled_mm`)
+main-loop build, `k2`, its persistent twin, `k2_pers`, v0.65, and its W-multicast twin, `k2_mc`,
+v0.67) and cuBLASLt (`torch._scaled_mm`)
 side by side.
 
     python tools/bench_k_sweep.py [--m 2048] [--n 24576] [--ks 512,1024,2048,4096,8192] [--out DIR]
@@ -65,7 +66,8 @@ def measure(m: int, n: int, k: int) -> dict:
                                  cluster=spec["cluster"])
 
     cfg, fn = k2(P.OP_BUILD)
-    fns = {"k2": fn, "k2_pers": k2(P.PERSISTENT_BUILD)[1], "scaled_mm": scaled_mm_launcher(x_q, s_x, w_q, w_s)}
+    fns = {"k2": fn, "k2_pers": k2(P.PERSISTENT_BUILD)[1], "k2_mc": k2(P.MCAST_BUILD)[1],
+           "scaled_mm": scaled_mm_launcher(x_q, s_x, w_q, w_s)}
     T, NT = -(-m // cfg.bn), n // cfg.bm
     row = {"M": m, "N": n, "K": k, "config": cfg.name(), "tiles": T * NT}
     for name, fn in fns.items():
@@ -76,7 +78,7 @@ def measure(m: int, n: int, k: int) -> dict:
 def summarize(rows: list[dict]) -> dict:
     out = {}
     ks = [r["K"] for r in rows]
-    for name in ("k2", "k2_pers", "scaled_mm"):
+    for name in [k[:-3] for k in rows[0] if k.endswith("_us")]:
         fixed, slope = fit_line(ks, [r[f"{name}_us"] for r in rows])
         out[name] = {"fixed_us": fixed, "us_per_1k_K": slope * 1024}
     return out
@@ -94,8 +96,8 @@ def main(argv=None) -> int:
         return 1
     rows = [measure(args.m, args.n, int(k)) for k in args.ks.split(",")]
     for r in rows:
-        print(f"M={r['M']} N={r['N']} K={r['K']:6d} tiles={r['tiles']}  k2 {r['k2_us']:8.1f}  "
-              f"k2_pers {r['k2_pers_us']:8.1f}  scaled_mm {r['scaled_mm_us']:8.1f} us", flush=True)
+        cols = "  ".join(f"{k[:-3]} {v:8.1f}" for k, v in r.items() if k.endswith("_us"))
+        print(f"M={r['M']} N={r['N']} K={r['K']:6d} tiles={r['tiles']}  {cols} us", flush=True)
     fit = summarize(rows)
     for name, f in fit.items():
         print(f"{name:10s} fixed {f['fixed_us']:7.1f} us  + {f['us_per_1k_K']:6.1f} us per 1024 of K")
