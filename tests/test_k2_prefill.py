@@ -889,8 +889,8 @@ def test_gpu_mcast_matches_one_cta(case):
     _hopper()
     widths, K, M, group = {"qkv_odd_pairs": ((4096, 1024, 1024), 4096, 300, None),
                            "qkv_grouped": ((4096, 1024, 1024), 2048, 1000, 3),
-                           "bm64": ((192, 64, 64), 1152, 700, None),
-                           "one_tile": ((256, 128, 128), 512, 20, None)}[case]
+                           "bm64": ((192, 192), 1152, 700, None),  # 64-row tiles (prebuilt: 2 slices)
+                           "one_tile": ((256, 128, 128), 512, 40, None)}[case]  # bn 64: T = 1
     pp = PrefillPath(widths, K, 64, 8, M, seed=21, slot_ranks=[64, 16, 64, 8, 64, 32, 64, 0])
     x, tok = _x(M, K, 21), _tokens(M, 8, 21, none_frac=0.1)
     for lora in (True, False):
