@@ -217,6 +217,17 @@ def test_sort_activations_follows_meta():
     assert torch.equal(ss, sx.reshape(-1)[idx])
     # sorted order: slots non-decreasing
     assert (tok[idx][1:] >= tok[idx][:-1]).all()
+    # rows moved as 8-byte words (K a multiple of 16), an int64 index, an odd M, a strided view
+    # (byte path): the same rows
+    for M2, K2 in ((1, 16), (37, 1152)):
+        x2 = (torch.randn(M2, K2, generator=g) * 50).to(torch.float8_e4m3fn)
+        perm = torch.randperm(M2, generator=g)
+        for ix in (perm.to(torch.int32), perm):
+            xs2, _ = P.sort_activations(x2, torch.rand(M2), ix)
+            assert xs2.dtype == x2.dtype and torch.equal(xs2.view(torch.uint8), x2.view(torch.uint8)[perm])
+    wide = (torch.randn(37, 2 * 1152, generator=g) * 50).to(torch.float8_e4m3fn)
+    xs3, _ = P.sort_activations(wide[:, :1152], torch.rand(37), perm.to(torch.int32))
+    assert torch.equal(xs3.view(torch.uint8), wide[:, :1152].contiguous().view(torch.uint8)[perm])
 
 
 def test_launch_geometry_and_args():
