@@ -157,17 +157,17 @@ case $mode in
     # then the prefill K2 alone against the vendor GEMM (PK2_TOKENS / PK2_ADAPTERS override), then
     # the K sweep (fixed cost per tile; v0.65: the persistent build beside the one-tile build).
     unpack_vllm
-    timeout -s KILL 170 python3 -m pytest -q -m gpu tests/test_k2_prefill.py \
+    timeout -s KILL 150 python3 -m pytest -q -m gpu tests/test_k2_prefill.py \
       -k "accum_modes or promotion or bitwise or model_shapes or 16384 or persistent or mcast" \
       2>&1 | tail -6 | tee "$OUT/prefill_k2_tests.log"
     timeout -s KILL 60 python3 -m pytest -q -m gpu tests/test_lora_linear_gpu.py -k prefill 2>&1 | tail -3 \
       | tee -a "$OUT/prefill_k2_tests.log"
     for c in "prefill_pers 3" "prefill_mcast 0"; do
-      timeout -s KILL 40 compute-sanitizer --tool racecheck --report-api-errors no \
+      timeout -s KILL 35 compute-sanitizer --tool racecheck --report-api-errors no \
         python3 tools/kernel_diag.py $c 2>&1 | tail -4 | tee -a "$OUT/prefill_k2_tests.log"
     done
     EPILORA_BENCH_TOKENS=${PK2_TOKENS:-64,256,2048,8192} EPILORA_BENCH_ADAPTERS=${PK2_ADAPTERS:-1,8} \
-      timeout -s KILL 200 python3 tools/bench.py --sections prefill_k2 --out "$OUT/pk2" 2>&1 | tee "$OUT/prefill_k2_bench.log" | tail -45
+      timeout -s KILL 170 python3 tools/bench.py --sections prefill_k2 --out "$OUT/pk2" 2>&1 | tee "$OUT/prefill_k2_bench.log" | tail -45
     timeout -s KILL 60 python3 tools/bench_k_sweep.py --out "$OUT/ks" 2>&1 | tee "$OUT/k_sweep.log" | tail -8
     ;;
   decode)
