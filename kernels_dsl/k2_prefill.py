@@ -62,6 +62,7 @@ written exactly once, by one CTA, in a fixed summation order: bitwise reproducib
 from __future__ import annotations
 
 import functools
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -107,19 +108,22 @@ class Build(NamedTuple):
     vstore: bool = True
     persistent: bool = False
     mcast: bool = False
+    stages: int = 4
 
     def tag(self) -> str:
         return (f"{self.accum}{'_vs' if self.vstore else ''}{'_pers' if self.persistent else ''}"
-                f"{'_mc' if self.mcast else ''}")
+                f"{'_mc' if self.mcast else ''}{f'_st{self.stages}' if self.stages != 4 else ''}")
 
     def config_kw(self) -> dict:
-        return dict(accum=self.accum, vstore=self.vstore, persistent=self.persistent, mcast=self.mcast)
+        return dict(accum=self.accum, vstore=self.vstore, persistent=self.persistent, mcast=self.mcast,
+                    stages=self.stages)
 
 
 # The builds the bench and the GPU tests compare (bit for bit): serial with scalar stores (the
 # kernel before v0.60), "overlap" with either store, and the persistent "overlap" build (v0.65).
 MAIN_LOOP_BUILDS = (Build("serial", False), Build("overlap", False), Build("overlap", True),
-                    Build("overlap", True, True), Build("overlap", True, mcast=True))
+                    Build("overlap", True, True), Build("overlap", True, mcast=True),
+                    Build("overlap", True, stages=6))
 # The persistent build (v0.65): two k-blocks in flight with the stage taken at run time, 16-byte
 # stores.
 PERSISTENT_BUILD = Build("overlap", True, True)
@@ -249,7 +253,7 @@ class Config:
 
     @property
     def build(self) -> Build:
-        return Build(self.accum, self.vstore, self.persistent, self.mcast)
+        return Build(self.accum, self.vstore, self.persistent, self.mcast, self.stages)
 
     @property
     def cluster(self) -> tuple[int, int, int]:
@@ -1366,6 +1370,9 @@ def select(widths, m: int, rank: int | None = None, build: Build = OP_BUILD):
     bn = token_tile(sum(widths), m, bm)
     b = build.config_kw()
     lora = Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=rank, **b) if rank else None
+    if lora is not None and lora.smem_bytes() > SMEM_LIMIT:
+        # A deep stage ring leaves room for one B chunk buffer only (6 stages at 128 x 128).
+        lora = dataclasses.replace(lora, b_bufs=1)
     return lora, Config(bn=bn, bm=bm, lora=False, **b)
 
 
@@ -1387,9 +1394,13 @@ def prebuild_configs() -> list[Config]:
             for b in MAIN_LOOP_BUILDS:
                 kw = b.config_kw()
                 cfgs.add(Config(bn=bn, bm=bm, lora=False, **kw))
-                cfgs.add(Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=64, **kw))
+                c_l = Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=64, **kw)
+                if c_l.smem_bytes() > SMEM_LIMIT:
+                    c_l = dataclasses.replace(c_l, b_bufs=1)  # as select()
+                if c_l.smem_bytes() <= SMEM_LIMIT:
+                    cfgs.add(c_l)
     return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank, c.accum, c.vstore,
-                                       c.persistent, c.mcast))
+                                       c.persistent, c.mcast, c.stages, c.b_bufs))
 
 
 # ---------------------------------------------------------------------------------------------

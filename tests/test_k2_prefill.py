@@ -46,6 +46,7 @@ FAST = [
     P.Config(bm=64, bn=64, lora=True, num_slices=2, rank=128, accum="serial", vstore=True, persistent=True),
     P.Config(bn=128, lora=True, num_slices=3, rank=64, accum="overlap", vstore=True, mcast=True),
     P.Config(bm=64, bn=64, lora=False, accum="overlap", vstore=False, mcast=True),
+    P.Config(bn=128, lora=True, num_slices=3, rank=64, accum="overlap", vstore=True, stages=6, b_bufs=1),
 ]
 
 
@@ -342,6 +343,19 @@ def test_persistent_walk_covers_every_tile_once():
             assert span < 3 * G, (T, NT, G, span)
             tiles = sorted(P.cta_tile(lin, T, NT, group) for lin in started)
             assert tiles == [(t, n_) for t in range(T) for n_ in range(NT)], (T, NT, group, G)
+
+
+def test_deep_stage_ring_keeps_one_b_buffer():
+    """Six 32 KB stages leave room for one B chunk buffer beside the adapter epilogue's tiles:
+    select() drops to b_bufs = 1 exactly when two do not fit (and the build then fits)."""
+    st6 = P.Build("overlap", True, stages=6)
+    c_l, c_n = P.select((4096, 1024, 1024), 2048, 64, st6)
+    assert (c_l.stages, c_l.b_bufs, c_n.stages) == (6, 1, 6)
+    assert c_l.smem_bytes() <= P.SMEM_LIMIT < P.dataclasses.replace(c_l, b_bufs=2).smem_bytes()
+    c_l64, _ = P.select((4096, 1024, 1024), 40, 64, st6)  # 64-token tiles: two fit
+    assert c_l64.bn == 64 and c_l64.b_bufs == 2
+    assert P.select((4096, 1024, 1024), 2048, 64)[0].b_bufs == 2  # the op's build as before
+    assert st6.tag() == "overlap_vs_st6" and P.OP_BUILD.tag() == "overlap_vs"
 
 
 def test_vstore_needs_aligned_rows():
