@@ -286,9 +286,12 @@ case $mode in
     cases=${PROFILE_CASES:-"qkv:2048:1 down:2048:1 qkv:256:32 down:256:32 gate_up:64:8"}
     paths=${PROFILE_PATHS:-k1,expand_add}
     mkdir -p "$OUT/prof"
-    timeout -s KILL 360 ncu --clock-control none --set full --import-source no \
+    # PROFILE_CLOCK: ncu's --clock-control (none: the GPU's own clocks; base: fixed, to compare
+    # designs apart from the power limit); PROFILE_ARGS: more profile_kernels.py options
+    # (e.g. --k2-builds overlap_vs,overlap_vs_pers --k2-no-adapter).
+    timeout -s KILL 360 ncu --clock-control "${PROFILE_CLOCK:-none}" --set full --import-source no \
       --kernel-name regex:"${PROFILE_KERNELS:-K1Kernel|ExpandAdd|K2Prefill|gemm_lora|quant_shrink}" -f -o "$OUT/prof/prof" \
-      python3 tools/profile_kernels.py --launches 1 --paths "$paths" $cases 2>&1 | tail -25
+      python3 tools/profile_kernels.py --launches 1 --paths "$paths" ${PROFILE_ARGS:-} $cases 2>&1 | tail -25
     if [[ -f $OUT/prof/prof.ncu-rep ]]; then
       ncu_text_exports "$OUT/prof"
       ncu -i "$OUT/prof/prof.ncu-rep" --page source --csv --print-source sass > "$OUT/prof/sass_all.csv" 2>&1

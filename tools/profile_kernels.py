@@ -52,7 +52,7 @@ def parse_case(text: str) -> tuple[str, int, int]:
     return proj, m, a
 
 
-def launchers(case: LayerCase, stages) -> dict:
+def launchers(case: LayerCase, stages, k2_builds=("overlap_vs",), k2_lora=True) -> dict:
     """stage -> zero-argument launch on buffers allocated once: the `hybrid_stages` bench's
     (tools/bench_hybrid_stages.HybridStages: K1 run once so that every stage has real inputs)."""
     from epilora_cute import ops
@@ -67,11 +67,20 @@ def launchers(case: LayerCase, stages) -> dict:
     if any(k in stages for k in ("k1", "gemm", "expand_add")):
         hs = HybridStages(case)
         fns |= {k: fn for k, fn in hs.launchers().items() if k in ("k1", "gemm", "expand_add")}
-    if "prefill_k2" in stages:  # the op's build, with the adapter epilogue, on K1's sorted codes and h
+    if "prefill_k2" in stages:  # the chosen builds (tags; default the op's), on K1's sorted codes and h
         from kernels_dsl import k2_prefill
         from tools.bench_prefill_k2 import PrefillK2Case
 
-        fns["prefill_k2"] = PrefillK2Case(case).k2(k2_prefill.OP_BUILD, True)
+        pk = PrefillK2Case(case)
+        by_tag = {b.tag(): b for b in k2_prefill.MAIN_LOOP_BUILDS + (k2_prefill.OP_BUILD,)}
+        out = {}
+        for k in stages:
+            if k != "prefill_k2":
+                out[k] = fns[k]
+                continue
+            for tag in k2_builds:
+                out[f"prefill_k2[{tag}]"] = pk.k2(by_tag[tag], k2_lora)
+        return out
     return {k: fns[k] for k in stages}
 
 
@@ -80,6 +89,9 @@ def main(argv=None) -> int:
     ap.add_argument("cases", nargs="+")
     ap.add_argument("--launches", type=int, default=2)
     ap.add_argument("--paths", default="k1,expand_add")
+    ap.add_argument("--k2-builds", default="overlap_vs",
+                    help="prefill_k2: the builds to launch, by k2_prefill.Build.tag() (comma-separated)")
+    ap.add_argument("--k2-no-adapter", action="store_true", help="prefill_k2: the no-adapter variant")
     args = ap.parse_args(argv)
     stages = [s for s in args.paths.split(",") if s]
     bad = [s for s in stages if s not in STAGES]
@@ -92,7 +104,7 @@ def main(argv=None) -> int:
     byname = {p.name: p for p in QWEN3_8B}
     for proj, m, a in cases:
         case = LayerCase(byname[proj], m, RANK, num_adapters=a, max_loras=max_loras_for(a))
-        fns = launchers(case, stages)
+        fns = launchers(case, stages, tuple(args.k2_builds.split(",")), not args.k2_no_adapter)
         torch.cuda.synchronize()
         for name, fn in fns.items():
             for _ in range(args.launches):
