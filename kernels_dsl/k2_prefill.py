@@ -102,7 +102,8 @@ ACCUM_MODES = ("serial", "overlap")
 
 
 class Build(NamedTuple):
-    """The main-loop and output choices of a build (Config's accum / vstore / persistent / mcast)."""
+    """The main-loop and output choices of a build (Config's accum / vstore / persistent / mcast /
+    stages)."""
 
     accum: str = "overlap"
     vstore: bool = True
@@ -120,7 +121,8 @@ class Build(NamedTuple):
 
 
 # The builds the bench and the GPU tests compare (bit for bit): serial with scalar stores (the
-# kernel before v0.60), "overlap" with either store, and the persistent "overlap" build (v0.65).
+# kernel before v0.60), "overlap" with either store, the persistent "overlap" build (v0.65/v0.66),
+# the W-multicast build (v0.67) and the six-stage build (v0.68).
 MAIN_LOOP_BUILDS = (Build("serial", False), Build("overlap", False), Build("overlap", True),
                     Build("overlap", True, True), Build("overlap", True, mcast=True),
                     Build("overlap", True, stages=6))
@@ -476,25 +478,15 @@ if cute is not None:
             # tiles, token tile fastest; group = T is plain token-tile-fastest order.
             bx, by, _ = cute.arch.block_idx()
             gdim = cute.arch.grid_dim()
-            n_ttiles = gdim[0]
-            cx = bx
             rank = cutlass.Int32(0)
             if cutlass.const_expr(cfg.mcast):
                 # The order runs over clusters (pairs of token tiles, group counted in pairs);
                 # the CTA of rank r takes the pair's token tile 2 * pair + r (cta_tile_mcast()).
                 rank = cute.arch.make_warp_uniform(cute.arch.block_in_cluster_idx()[0])
-                n_ttiles = gdim[0] // 2
-                cx = bx // 2
-            per_group = group * gdim[1]
-            lin = cx + by * n_ttiles
-            grp = lin // per_group
-            first = grp * group
-            gsize = cutlass.min(n_ttiles - first, group)
-            rem = lin - grp * per_group
-            ttile = first + rem % gsize
-            tile = rem // gsize
-            if cutlass.const_expr(cfg.mcast):
+                ttile, tile = self._tile_of(bx // 2 + by * (gdim[0] // 2), gdim[0] // 2, gdim[1], group)
                 ttile = ttile * 2 + rank
+            else:
+                ttile, tile = self._tile_of(bx + by * gdim[0], gdim[0], gdim[1], group)
             n0 = tile * BM
             p0 = ttile * BN
 
@@ -1242,8 +1234,8 @@ def launch(config: Config, *, w_q, w_scale, x_q_sorted, x_scale_sorted, y, token
     h: K1's [S, >= M, R] fp32 in original token order. group: rasterization (cta_tile()); None
     = l2_group(M, K, bn). ctas (persistent builds): CTAs in the grid, None = min(tiles, SMs).
     tile_counter (persistent builds): an int32 [>= 1] on y's device holding 0, which the launch
-    claims its tiles from and leaves 0 again; launches that share one must not overlap (one
-    per stream: epilora_cute.ops keeps them).
+    claims its tiles from and leaves 0 again; launches that share one must not overlap (e.g.
+    one per stream, as epilora_cute.ops._sync_buffer keeps its counters).
     Returns dict(args, grid, block, cluster, smem, pdl); launch without PDL (K1 must have
     finished) unless config.pdl.
     """
@@ -1369,11 +1361,14 @@ def select(widths, m: int, rank: int | None = None, build: Build = OP_BUILD):
     bm = bm_for(widths)
     bn = token_tile(sum(widths), m, bm)
     b = build.config_kw()
-    lora = Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=rank, **b) if rank else None
-    if lora is not None and lora.smem_bytes() > SMEM_LIMIT:
-        # A deep stage ring leaves room for one B chunk buffer only (6 stages at 128 x 128).
-        lora = dataclasses.replace(lora, b_bufs=1)
+    lora = _b_bufs_that_fit(Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=rank, **b)) if rank else None
     return lora, Config(bn=bn, bm=bm, lora=False, **b)
+
+
+def _b_bufs_that_fit(cfg: Config) -> Config:
+    """cfg, with one B chunk buffer where two do not fit beside a deep stage ring (6 stages at
+    128 x 128)."""
+    return dataclasses.replace(cfg, b_bufs=1) if cfg.smem_bytes() > SMEM_LIMIT else cfg
 
 
 def prebuild_configs() -> list[Config]:
@@ -1394,9 +1389,7 @@ def prebuild_configs() -> list[Config]:
             for b in MAIN_LOOP_BUILDS:
                 kw = b.config_kw()
                 cfgs.add(Config(bn=bn, bm=bm, lora=False, **kw))
-                c_l = Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=64, **kw)
-                if c_l.smem_bytes() > SMEM_LIMIT:
-                    c_l = dataclasses.replace(c_l, b_bufs=1)  # as select()
+                c_l = _b_bufs_that_fit(Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=64, **kw))
                 if c_l.smem_bytes() <= SMEM_LIMIT:
                     cfgs.add(c_l)
     return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank, c.accum, c.vstore,

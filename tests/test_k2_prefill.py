@@ -255,7 +255,7 @@ def test_launch_geometry_and_args():
     assert spec["args"][8] == P.l2_group(M, K, 128) == 3
 
 
-def _persistent_spec(cfg, M, N, K, **kw):
+def _launch_spec(cfg, M, N, K, **kw):
     if cfg.persistent:
         kw.setdefault("tile_counter", torch.zeros(1, dtype=torch.int32))
     return P.launch(cfg, w_q=torch.zeros(N, K, dtype=torch.float8_e4m3fn), w_scale=torch.ones(1),
@@ -268,22 +268,22 @@ def test_persistent_launch_geometry():
     """min(tiles, SMs) CTAs along x (the kernel strides over the tile list by gridDim.x); a
     chosen count within 1..tiles; the one-tile builds refuse the argument."""
     cfg = P.Config(bn=128, lora=False, accum="serial", vstore=True, persistent=True)
-    assert _persistent_spec(cfg, 2048, 4096, 256)["grid"] == (P.SM_COUNT_H100, 1, 1)  # 16 x 32 tiles
-    assert _persistent_spec(cfg, 200, 512, 256)["grid"] == (8, 1, 1)  # 2 x 4 tiles
-    assert _persistent_spec(cfg, 200, 512, 256, ctas=3)["grid"] == (3, 1, 1)
+    assert _launch_spec(cfg, 2048, 4096, 256)["grid"] == (P.SM_COUNT_H100, 1, 1)  # 16 x 32 tiles
+    assert _launch_spec(cfg, 200, 512, 256)["grid"] == (8, 1, 1)  # 2 x 4 tiles
+    assert _launch_spec(cfg, 200, 512, 256, ctas=3)["grid"] == (3, 1, 1)
     for bad in (0, 9):
         with pytest.raises(ValueError, match="ctas"):
-            _persistent_spec(cfg, 200, 512, 256, ctas=bad)
+            _launch_spec(cfg, 200, 512, 256, ctas=bad)
     with pytest.raises(ValueError, match="persistent"):
-        _persistent_spec(P.Config(bn=128, lora=False), 200, 512, 256, ctas=3)
+        _launch_spec(P.Config(bn=128, lora=False), 200, 512, 256, ctas=3)
     # the tile counter: required by the persistent builds (int32 on y's device), refused by the others
-    spec = _persistent_spec(cfg, 200, 512, 256, tile_counter=torch.zeros(4, dtype=torch.int32))
+    spec = _launch_spec(cfg, 200, 512, 256, tile_counter=torch.zeros(4, dtype=torch.int32))
     assert spec["args"][9].shape == (1,) and spec["args"][9].dtype == torch.int32  # right after group
     for bad in (None, torch.zeros(1, dtype=torch.int64), torch.zeros(0, dtype=torch.int32)):
         with pytest.raises(ValueError, match="tile_counter"):
-            _persistent_spec(cfg, 200, 512, 256, tile_counter=bad)
+            _launch_spec(cfg, 200, 512, 256, tile_counter=bad)
     with pytest.raises(ValueError, match="tile_counter"):
-        _persistent_spec(P.Config(bn=128, lora=False), 200, 512, 256, tile_counter=torch.zeros(1, dtype=torch.int32))
+        _launch_spec(P.Config(bn=128, lora=False), 200, 512, 256, tile_counter=torch.zeros(1, dtype=torch.int32))
     assert [p.name for p in P.params(cfg)][8:10] == ["group", "tile_counter"]
     for bad in (dict(pdl=True), dict(vstore=False)):
         with pytest.raises(ValueError, match="persistent"):
@@ -551,7 +551,7 @@ def test_host_capture_matches_launch(mcast):
         assert d["dims"] == (K, rows) and d["stride1_bytes"] == K, (name, d)
         assert d["box"] == tuple(ps[[p.name for p in ps].index(name)].spec.box), (name, d)
     assert decode_tensormap2d(raw["tma_w"])["box"] == (128, 64 if mcast else 128)
-    spec = _persistent_spec(cfg, M, N, K, group=1)
+    spec = _launch_spec(cfg, M, N, K, group=1)
     assert tuple(out["grid"]) == spec["grid"] == ((4 if mcast else 3), N // 128, 1)
     # cudaLaunchAttributeClusterDimension (id 4): (x, y, z) as three u32
     cl = [a for a in out["attrs"] if a["id"] == 4]
