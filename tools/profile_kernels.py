@@ -34,7 +34,11 @@ if str(ROOT) not in sys.path:
 from tools.bench_decode import QWEN3_8B, LayerCase  # noqa: E402
 from tools.bench_prefill import max_loras_for  # noqa: E402
 
+from kernels_dsl import k2_prefill  # noqa: E402
+
 RANK = 64
+# The prefill K2 builds --k2-builds names, by Build.tag().
+K2_BUILDS = {b.tag(): b for b in k2_prefill.MAIN_LOOP_BUILDS + (k2_prefill.OP_BUILD,)}
 STAGES = ("k1", "gemm", "expand_add", "prefill_k2", "triton", "decode", "decode_sq", "decode_fh", "no_adapter")
 
 
@@ -68,20 +72,13 @@ def launchers(case: LayerCase, stages, k2_builds=("overlap_vs",), k2_lora=True) 
         hs = HybridStages(case)
         fns |= {k: fn for k, fn in hs.launchers().items() if k in ("k1", "gemm", "expand_add")}
     if "prefill_k2" in stages:  # the chosen builds (tags; default the op's), on K1's sorted codes and h
-        from kernels_dsl import k2_prefill
         from tools.bench_prefill_k2 import PrefillK2Case
 
         pk = PrefillK2Case(case)
-        by_tag = {b.tag(): b for b in k2_prefill.MAIN_LOOP_BUILDS + (k2_prefill.OP_BUILD,)}
-        out = {}
-        for k in stages:
-            if k != "prefill_k2":
-                out[k] = fns[k]
-                continue
-            for tag in k2_builds:
-                out[f"prefill_k2[{tag}]"] = pk.k2(by_tag[tag], k2_lora)
-        return out
-    return {k: fns[k] for k in stages}
+        for tag in k2_builds:
+            fns[f"prefill_k2[{tag}]"] = pk.k2(K2_BUILDS[tag], k2_lora)
+    names = [n for k in stages for n in ([f"prefill_k2[{t}]" for t in k2_builds] if k == "prefill_k2" else [k])]
+    return {n: fns[n] for n in names}
 
 
 def main(argv=None) -> int:
@@ -94,6 +91,9 @@ def main(argv=None) -> int:
     ap.add_argument("--k2-no-adapter", action="store_true", help="prefill_k2: the no-adapter variant")
     args = ap.parse_args(argv)
     stages = [s for s in args.paths.split(",") if s]
+    k2_builds = tuple(args.k2_builds.split(","))
+    if set(k2_builds) - set(K2_BUILDS):
+        ap.error(f"unknown --k2-builds {sorted(set(k2_builds) - set(K2_BUILDS))}; choose from {sorted(K2_BUILDS)}")
     bad = [s for s in stages if s not in STAGES]
     if bad:
         ap.error(f"unknown stages {bad}; choose from {STAGES}")
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     byname = {p.name: p for p in QWEN3_8B}
     for proj, m, a in cases:
         case = LayerCase(byname[proj], m, RANK, num_adapters=a, max_loras=max_loras_for(a))
-        fns = launchers(case, stages, tuple(args.k2_builds.split(",")), not args.k2_no_adapter)
+        fns = launchers(case, stages, k2_builds, not args.k2_no_adapter)
         torch.cuda.synchronize()
         for name, fn in fns.items():
             for _ in range(args.launches):
