@@ -534,6 +534,7 @@ def test_host_capture_matches_launch(mcast):
     launches the grid and cluster that launch() computes (T rounded up to whole pairs)."""
     _dsl()
     from kernels_dsl.host_capture import capture_in_subprocess, decode_tensormap2d
+    from tests.test_k2_compile import _check_tma
 
     base = 0x7F00_0000_0000
     N, K, M = 4096, 2048, 300  # 3 token tiles: the multicast grid pads to 4
@@ -546,10 +547,9 @@ def test_host_capture_matches_launch(mcast):
     out = capture_in_subprocess("kernels_dsl.k2_prefill", cfg, v)
     ps = P.params(cfg)
     raw = dict(zip([p.name for p in ps], out["params"]))
-    for name, rows in (("tma_w", N), ("tma_xq", M)):
-        d = decode_tensormap2d(raw[name])
-        assert d["dims"] == (K, rows) and d["stride1_bytes"] == K, (name, d)
-        assert d["box"] == tuple(ps[[p.name for p in ps].index(name)].spec.box), (name, d)
+    by_name = {p.name: p for p in ps}
+    _check_tma(raw["tma_w"], by_name["tma_w"].spec, N, K, K, base)  # dims, stride, box, swizzle, dtype
+    _check_tma(raw["tma_xq"], by_name["tma_xq"].spec, M, K, K, base + 0x1000_0000)
     assert decode_tensormap2d(raw["tma_w"])["box"] == (128, 64 if mcast else 128)
     spec = _launch_spec(cfg, M, N, K, group=1)
     assert tuple(out["grid"]) == spec["grid"] == ((4 if mcast else 3), N // 128, 1)
