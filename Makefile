@@ -7,7 +7,7 @@ run:            ## the main job: prebuild the kernel set + reference demo (no GP
 
 test:           ## the test suite (GPU tests skip cleanly without a GPU), then the plugin against real vLLM
 	@tools/setup_env.sh
-	@.venv/bin/python -m pytest -q
+	@.venv/bin/python -m pytest -q -n auto --dist worksteal
 	@tools/test_vllm_cpu.sh tests/test_metadata.py
 
 prebuild:       ## compile every kernel for sm_90a into ./.epilora_cache (carried to the H200)

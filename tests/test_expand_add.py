@@ -31,7 +31,7 @@ from epilora_cute.compile_cache import dsl_version  # noqa: E402
 from epilora_cute.kernel_abi import check_params, ptx_entries  # noqa: E402
 from epilora_cute.metadata import build_meta  # noqa: E402
 from kernels_dsl import expand_add as E  # noqa: E402
-from tests.dsl46 import run_dsl46  # noqa: E402
+from tests.dsl46 import SHARDS, run_dsl46  # noqa: E402
 from tests.ptxas import spill_problems  # noqa: E402
 
 needs_dsl = pytest.mark.skipif(dsl_version() is None, reason="nvidia-cutlass-dsl is not installed")
@@ -301,8 +301,9 @@ def test_dsl46_fast_subset():
 
 
 @pytest.mark.slow
-def test_dsl46_prebuild_set():
-    run_dsl46(Path(__file__).resolve(), "all", 3600)
+@pytest.mark.parametrize("shard", range(SHARDS))
+def test_dsl46_prebuild_set(shard):
+    run_dsl46(Path(__file__).resolve(), "all", 3600, shard)
 
 
 
@@ -481,14 +482,6 @@ def test_gpu_cuda_graph_replay():
 
 
 if __name__ == "__main__":
-    import importlib.metadata
+    from tests.dsl46 import script_main
 
-    which = sys.argv[1] if len(sys.argv) > 1 else "fast"
-    results = []
-    for cfg in (FAST if which == "fast" else E.prebuild_configs()):
-        try:
-            results.append(check_config(E, cfg, spills=cfg.name() not in KNOWN_SPILLS))
-        except Exception as e:  # report, don't stop: one JSON line with everything
-            results.append({"family": E.FAMILY, "config": cfg.name(), "problems": [f"{type(e).__name__}: {e}"[:2000]]})
-    print("RESULTS " + json.dumps({"dsl_version": importlib.metadata.version("nvidia-cutlass-dsl"),
-                                   "results": results}))
+    script_main(FAST, E.prebuild_configs(), lambda c: check_config(E, c, spills=c.name() not in KNOWN_SPILLS), lambda c: c.name())

@@ -29,7 +29,7 @@ from epilora_cute import reference  # noqa: E402
 from epilora_cute.compile_cache import dsl_version  # noqa: E402
 from epilora_cute.metadata import build_meta  # noqa: E402
 from kernels_dsl import k1_shrink as K1  # noqa: E402
-from tests.dsl46 import run_dsl46  # noqa: E402
+from tests.dsl46 import SHARDS, run_dsl46  # noqa: E402
 from tests.test_expand_add import check_config  # noqa: E402
 
 needs_dsl = pytest.mark.skipif(dsl_version() is None, reason="nvidia-cutlass-dsl is not installed")
@@ -352,8 +352,9 @@ def test_dsl46_fast_subset():
 
 
 @pytest.mark.slow
-def test_dsl46_prebuild_set():
-    run_dsl46(Path(__file__).resolve(), "all", 3600)
+@pytest.mark.parametrize("shard", range(SHARDS))
+def test_dsl46_prebuild_set(shard):
+    run_dsl46(Path(__file__).resolve(), "all", 3600, shard)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -597,14 +598,6 @@ def test_gpu_cuda_graph_replay():
 
 
 if __name__ == "__main__":
-    import importlib.metadata
+    from tests.dsl46 import script_main
 
-    which = sys.argv[1] if len(sys.argv) > 1 else "fast"
-    results = []
-    for cfg in (FAST if which == "fast" else K1.prebuild_configs()):
-        try:
-            results.append(check_config(K1, cfg, ptx_problems, spills=False))
-        except Exception as e:  # report, don't stop: one JSON line with everything
-            results.append({"family": K1.FAMILY, "config": cfg.name(), "problems": [f"{type(e).__name__}: {e}"[:2000]]})
-    print("RESULTS " + json.dumps({"dsl_version": importlib.metadata.version("nvidia-cutlass-dsl"),
-                                   "results": results}))
+    script_main(FAST, K1.prebuild_configs(), lambda c: check_config(K1, c, ptx_problems, spills=False), lambda c: c.name())

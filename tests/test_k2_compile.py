@@ -29,7 +29,7 @@ import pytest  # noqa: E402
 from kernels_dsl import k2_gemm, lora_shrink  # noqa: E402
 from epilora_cute.cubin_info import register_pool_problem, stack_frame_bytes  # noqa: E402
 from kernels_dsl._abi import ptx_entry_params  # noqa: E402
-from tests.dsl46 import run_dsl46  # noqa: E402
+from tests.dsl46 import SHARDS, run_dsl46  # noqa: E402
 
 
 FAST_K2 = [
@@ -536,19 +536,12 @@ def test_dsl46_fast_subset():
 
 
 @pytest.mark.slow
-def test_dsl46_prebuild_set():
-    run_dsl46(Path(__file__).resolve(), "all", 3600)
+@pytest.mark.parametrize("shard", range(SHARDS))
+def test_dsl46_prebuild_set(shard):
+    run_dsl46(Path(__file__).resolve(), "all", 3600, shard)
 
 
 if __name__ == "__main__":
-    import importlib.metadata
+    from tests.dsl46 import script_main
 
-    which = sys.argv[1] if len(sys.argv) > 1 else "fast"
-    results = []
-    for mod, cfg in _configs(which):
-        try:
-            results.append(check_config(mod, cfg))
-        except Exception as e:  # report, don't stop: one JSON line with everything
-            results.append({"family": mod.FAMILY, "config": cfg.name(), "problems": [f"{type(e).__name__}: {e}"[:2000]]})
-    print("RESULTS " + json.dumps({"dsl_version": importlib.metadata.version("nvidia-cutlass-dsl"),
-                                   "results": results}))
+    script_main(_configs("fast"), _configs("all"), lambda it: check_config(*it), lambda it: f"{it[0].FAMILY}/{it[1].name()}")

@@ -33,6 +33,7 @@ import torch  # noqa: E402
 
 from kernels_dsl import k2_prefill as P  # noqa: E402
 from kernels_dsl._abi import ptx_entry_params  # noqa: E402
+from tests.dsl46 import SHARDS, run_dsl46  # noqa: E402
 from tests.ptxas import spill_problems  # noqa: E402
 
 FAST = [
@@ -689,16 +690,13 @@ def test_host_capture_matches_declared_abi():
 
 
 def test_dsl46_fast_subset():
-    from tests.dsl46 import run_dsl46
-
     run_dsl46(Path(__file__).resolve(), "fast", 900)
 
 
 @pytest.mark.slow
-def test_dsl46_prebuild_set():
-    from tests.dsl46 import run_dsl46
-
-    run_dsl46(Path(__file__).resolve(), "all", 3600)
+@pytest.mark.parametrize("shard", range(SHARDS))
+def test_dsl46_prebuild_set(shard):
+    run_dsl46(Path(__file__).resolve(), "all", 3600, shard)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -960,14 +958,6 @@ def test_gpu_bitwise_identical_over_10_runs():
 
 
 if __name__ == "__main__":
-    import importlib.metadata
+    from tests.dsl46 import script_main
 
-    which = sys.argv[1] if len(sys.argv) > 1 else "fast"
-    results = []
-    for cfg in _configs(which):
-        try:
-            results.append(check_config(cfg))
-        except Exception as e:  # report, don't stop: one JSON line with everything
-            results.append({"family": P.FAMILY, "config": cfg.name(), "problems": [f"{type(e).__name__}: {e}"[:2000]]})
-    print("RESULTS " + json.dumps({"dsl_version": importlib.metadata.version("nvidia-cutlass-dsl"),
-                                   "results": results}))
+    script_main(_configs("fast"), _configs("all"), check_config, lambda c: c.name())

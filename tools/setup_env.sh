@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) the project's virtual environments; idempotent and cheap when up to date.
 #   .venv        torch (CPU build on CPU machines), nvidia-cutlass-dsl 4.8.x, cuda-python, triton,
-#                pytest, the package itself (editable)
+#                pytest (+ pytest-xdist: the tests run one worker per core), the package itself (editable)
 #   .venv-dsl46  the same with nvidia-cutlass-dsl[cu13]==4.6.0 (vLLM 0.26's pin): the compile
 #                tests check every kernel builds with it too. Skip with EPILORA_SKIP_DSL46=1.
 set -euo pipefail
@@ -19,7 +19,7 @@ make_venv() {  # dir, dsl spec
   "$PY" -m venv "$dir"
   "$dir/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   "$dir/bin/python" -m pip install -q "$TORCH_SPEC" 2>&1 | grep -v '^WARNING: Location' || true
-  "$dir/bin/python" -m pip install -q "$dsl" "cuda-python>=12.6" filelock "pytest>=8" "triton>=3.4,<4" numpy \
+  "$dir/bin/python" -m pip install -q "$dsl" "cuda-python>=12.6" filelock "pytest>=8" "pytest-xdist>=3.5" "triton>=3.4,<4" numpy \
     2>&1 | grep -v '^WARNING: Location' || true
   "$dir/bin/python" -m pip install -q --no-deps -e . 2>&1 | grep -v '^WARNING: Location' || true
   "$dir/bin/python" -c "import torch, cutlass, cuda.bindings.driver, epilora_cute" \
