@@ -590,8 +590,8 @@ def _prefill_reason(x, w_q, widths, rank, a, b) -> str | None:
 
 
 def _prefill_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks):
-    """K1 (bit-exact quantization + split-K shrink), the activations gathered into adapter-sorted
-    order, then the prefill K2 with the grouped epilogue, writing y once (rows scattered back).
+    """K1 (bit-exact quantization + split-K shrink, its codes and scales stored in adapter-sorted
+    order), then the prefill K2 with the grouped epilogue, writing y once (rows scattered back).
     An "auto" candidate with EPILORA_PREFILL_PATH=1 (dispatch.VERIFIED_PATHS once GPU-verified).
     The K2 build is k2_prefill.OP_BUILD (its scalar-store twin where out's rows are not 16-byte
     aligned)."""
@@ -604,9 +604,9 @@ def _prefill_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks):
     dev = x.device
     if slot_ranks is None:
         slot_ranks = _full_ranks(int(a[0].shape[0]), rank, dev)
-    codes, scales, h = k1_quant_shrink(x, a, meta, slot_ranks=slot_ranks)
+    # Sorted rows straight from K1 (v0.69): no gather kernel between K1 and K2.
+    xs, ss, h = k1_quant_shrink(x, a, meta, slot_ranks=slot_ranks, sorted_codes=True)
     tok = meta.token_indices_sorted_by_lora_ids
-    xs, ss = k2_prefill.sort_activations(codes, scales, tok)
     build = k2_prefill.OP_BUILD
     if build.vstore and not k2_prefill.vstore_fits(out):
         build = k2_prefill.unaligned_twin(build)

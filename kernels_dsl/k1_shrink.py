@@ -161,6 +161,7 @@ def params(config: Config) -> list:
     for s in range(config.num_slices):  # A_s viewed as [max_loras * R, K]
         p.append(TensorParam(f"a{s}", bf16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16))
     p.append(ScalarParam("has_ranks", "i"))
+    p.append(ScalarParam("sorted_codes", "i"))  # 1: codes / scales rows in adapter-sorted order
     return p
 
 
@@ -198,7 +199,8 @@ if cute is not None:
         @cute.jit
         def __call__(self, x: cute.Tensor, codes16: cute.Tensor, scales: cute.Tensor, h: cute.Tensor,
                      tok: cute.Tensor, row_group: cute.Tensor, active: cute.Tensor, start_loc: cute.Tensor,
-                     slot_ranks: cute.Tensor, has_ranks: cutlass.Int32, stream: cuda.CUstream, a_bufs: tuple):
+                     slot_ranks: cute.Tensor, has_ranks: cutlass.Int32, sorted_codes: cutlass.Int32,
+                     stream: cuda.CUstream, a_bufs: tuple):
             cfg = self.cfg
             sX_layout = _kmajor_layout(self.BM, self.NKB)
             sW_layout = _kmajor_layout(self.RP, self.ST)
@@ -222,14 +224,15 @@ if cute is not None:
 
             self.storage = Storage
             self.smem_size = Storage.size_in_bytes()
-            self.kernel(x, codes16, scales, h, tok, row_group, active, start_loc, slot_ranks, a_bufs, has_ranks,
+            self.kernel(x, codes16, scales, h, tok, row_group, active, start_loc, slot_ranks, a_bufs, has_ranks, sorted_codes,
                         sX_layout, sW_layout, sP_layout, tiled_mma, tiled_copy).launch(
                 grid=(1, 1, 1), block=(self.NT, 1, 1), cluster=(1, 1, 1), smem=cfg.smem_bytes, stream=stream)
 
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mQ16: cute.Tensor, mScale: cute.Tensor, mH: cute.Tensor,
                    mTok: cute.Tensor, mRowGroup: cute.Tensor, mActive: cute.Tensor, mStart: cute.Tensor,
-                   mRanks: cute.Tensor, mAs: tuple, has_ranks: cutlass.Int32, sX_layout: cute.ComposedLayout,
+                   mRanks: cute.Tensor, mAs: tuple, has_ranks: cutlass.Int32, sorted_codes: cutlass.Int32,
+                   sX_layout: cute.ComposedLayout,
                    sW_layout: cute.ComposedLayout, sP_layout: cute.Layout, tiled_mma: cute.TiledMma,
                    tiled_copy: cute.TiledCopy):
             cfg = self.cfg
@@ -390,7 +393,7 @@ if cute is not None:
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
             if sl == 0 and bz == 0:
-                self._quantize(sX, sAmax, mQ16, mScale, mTok, r0, rows, nkb, k0, K, split, nsplit, tidx)
+                self._quantize(sX, sAmax, mQ16, mScale, mTok, r0, rows, nkb, k0, K, split, nsplit, tidx, sorted_codes)
             self._reduce(sP, mH, mTok, sl, r0, row_lo, row_hi, split, nsplit, tidx)
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
@@ -494,8 +497,10 @@ if cute is not None:
                 sAmax[r] = amax
 
         @cute.jit
-        def _quantize(self, sX, sAmax, mQ16, mScale, mTok, r0, rows, nkb, k0, K, split, nsplit, tidx):
-            """Fold the cluster's row maxima, then quantize this CTA's chunk from smem."""
+        def _quantize(self, sX, sAmax, mQ16, mScale, mTok, r0, rows, nkb, k0, K, split, nsplit, tidx, sorted_codes):
+            """Fold the cluster's row maxima, then quantize this CTA's chunk from smem into row t of
+            codes / scales: the row's token (original order) or, with sorted_codes, its sorted
+            position (what the prefill K2 reads: no gather between the two kernels)."""
             BM, NT = self.BM, self.NT
             TPR = NT // BM
             r = tidx // TPR
@@ -515,6 +520,8 @@ if cute is not None:
                     amax = D.fmax_f32(amax, part[q])
                 scale = D.fp8_scale(amax)
                 t = mTok[r0 + r]
+                if sorted_codes != 0:
+                    t = r0 + r
                 if split == 0 and sub == 0:
                     mScale[t] = scale
                 # x / scale as (x, div, rcp) quotients, bit-identical to div.rn (D.quot_rn_f32; the
@@ -584,8 +591,8 @@ def _fake_args(cfg: Config):
     h = rowmajor(f32, (cfg.num_slices, cute.sym_int32(), cfg.rank))
     vec = lambda: rowmajor(i32, (cute.sym_int32(),), align=4)  # noqa: E731
     a_bufs = tuple(matrix(bf16, 8) for _ in range(cfg.num_slices))
-    return (x, q16, sc, h, vec(), vec(), vec(), vec(), vec(), cutlass.Int32(0), cute.runtime.make_fake_stream(),
-            a_bufs)
+    return (x, q16, sc, h, vec(), vec(), vec(), vec(), vec(), cutlass.Int32(0), cutlass.Int32(0),
+            cute.runtime.make_fake_stream(), a_bufs)
 
 
 def compile(config: Config, options: str = "--gpu-arch sm_90a"):
@@ -774,7 +781,7 @@ def _as_3d(a: torch.Tensor, name: str) -> torch.Tensor:
 def k1_quant_shrink(x: torch.Tensor, lora_a_slices, meta, codes: torch.Tensor | None = None,
                     scales: torch.Tensor | None = None, h: torch.Tensor | None = None,
                     slot_ranks: torch.Tensor | None = None, *, config: Config | None = None,
-                    splits: int | None = None, zsplit: int | None = None):
+                    splits: int | None = None, zsplit: int | None = None, sorted_codes: bool = False):
     """One launch: (codes [M, K] e4m3, scales [M, 1] fp32) = reference.quantize_fp8_per_token(x)
     bit for bit, and h [S, M, R] fp32 = x . A_s[slot]^T per slice (0 for slot -1 and beyond a
     slot's effective rank when slot_ranks is given). Returns (codes, scales, h).
@@ -785,6 +792,8 @@ def k1_quant_shrink(x: torch.Tensor, lora_a_slices, meta, codes: torch.Tensor | 
     codes / scales / h: optional outputs to write in place (same constraints; scales contiguous).
     splits / zsplit: force the cluster size / the group split (grid z, choose_zsplit); the results
     do not depend on zsplit, bit for bit.
+    sorted_codes: row p of codes / scales is token meta.token_indices_sorted_by_lora_ids[p] (the
+    adapter-sorted order the prefill K2 reads) instead of token p; h stays in token order.
     """
     from epilora_cute.arch import arch_of
     from epilora_cute.kernels import get_kernel
@@ -848,18 +857,19 @@ def k1_quant_shrink(x: torch.Tensor, lora_a_slices, meta, codes: torch.Tensor | 
             meta.row_group, meta.active_lora_ids, meta.lora_token_start_loc, ranks]
     args += [a.reshape(L * R, K) for a in as_]
     args.append(1 if slot_ranks is not None else 0)
+    args.append(1 if sorted_codes else 0)
     kernel(*args, grid=g, cluster=cl, smem=cfg.smem_bytes)
     return codes, scales, h
 
 
 def emulate(x: torch.Tensor, lora_a_slices, meta, slot_ranks=None, config: Config | None = None,
-            splits: int | None = None, zsplit: int | None = None):
+            splits: int | None = None, zsplit: int | None = None, sorted_codes: bool = False):
     """Pure-torch model of the kernel (CPU): sorted BM-row tiles, the k-block split of the
     cluster, per-split partials of every (slice, group) pass with rows of other groups zeroed and
     rank columns beyond the slot's effective rank skipped, the fixed-order split sum, and the
     quantization from the folded per-split maxima; with the group split (zsplit, default as the
     launch) each z-chunk of a tile's groups computes and stores only its groups' rows (rows nobody
-    stores stay NaN, so a gap shows). Returns (codes, scales, h)."""
+    stores stay NaN, so a gap shows); sorted_codes as k1_quant_shrink. Returns (codes, scales, h)."""
     from epilora_cute.reference import FP8_MAX as FMAX, MIN_SCALE as MINS, _clamp_like_cuda, _nan_ignoring_abs_max
 
     from .emulate import z_group_slices
@@ -890,8 +900,9 @@ def emulate(x: torch.Tensor, lora_a_slices, meta, slot_ranks=None, config: Confi
                     for lo, hi in ranges]
         amax = torch.stack(part_max).amax(0).unsqueeze(-1)
         sc = torch.maximum(amax / torch.tensor(FMAX), torch.tensor(MINS))
-        scales[tok[r0:r0 + rows]] = sc
-        codes[tok[r0:r0 + rows]] = _clamp_like_cuda(xt / sc).to(torch.float8_e4m3fn)
+        dst = torch.arange(r0, r0 + rows) if sorted_codes else tok[r0:r0 + rows]
+        scales[dst] = sc
+        codes[dst] = _clamp_like_cuda(xt / sc).to(torch.float8_e4m3fn)
         for groups, row_lo, row_hi in z_group_slices(rg, start, r0, rows, nz):
             _emulate_h(h, xt, as_, act, start, slot_ranks, cfg, ranges, tok[r0:r0 + rows], r0, rows,
                        groups, row_lo, row_hi)

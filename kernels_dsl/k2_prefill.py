@@ -17,8 +17,9 @@ Token order. Tile t covers the adapter-sorted positions [t.bn, (t+1).bn) of
 meta.token_indices_sorted_by_lora_ids, so it meets a few contiguous adapter groups. TMA cannot
 gather rows, so the activations must be *stored* in sorted order: the kernel takes
 x_q_sorted [M, K] e4m3 and s_x_sorted [M] fp32 (row p = token token_indices_sorted[p]). The caller
-provides them: K1 (kernels_dsl/k1_shrink.py) writes codes/scales in the original order today, so a
-gather (sort_activations() below, torch; or a K1 variant that stores sorted rows) runs in between.
+provides them: K1 (kernels_dsl/k1_shrink.py, sorted_codes=True) stores its codes/scales rows in
+sorted order (v0.69; before, a gather ran in between: sort_activations() below, still there for
+codes from elsewhere).
 h stays in K1's layout [S, M, R] fp32, original token order (the epilogue gathers it by token).
 The output is scattered by row: y[token_indices_sorted[p], n0 + r], coalesced along the features.
 
@@ -1188,9 +1189,10 @@ def params(config: Config) -> list:
 
 
 def sort_activations(x_q: torch.Tensor, x_scale: torch.Tensor, token_indices_sorted: torch.Tensor):
-    """(x_q_sorted [M, K], s_x_sorted [M]) from K1's original-order codes / scales: row p is token
+    """(x_q_sorted [M, K], s_x_sorted [M]) from original-order codes / scales: row p is token
     token_indices_sorted[p] (meta.token_indices_sorted_by_lora_ids[:M]). A torch gather (one
-    extra read + write of M.K bytes); the production path would have K1 store sorted rows."""
+    extra read + write of M.K bytes) for codes from elsewhere; the op's K1 stores sorted rows
+    itself (k1_quant_shrink(sorted_codes=True))."""
     M, K = x_q.shape
     idx = token_indices_sorted[:M]
     if idx.device != x_q.device or idx.dtype not in (torch.int32, torch.int64):

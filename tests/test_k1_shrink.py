@@ -148,6 +148,18 @@ def test_emulation_matches_reference(M, L, R, K, S, ranked, splits):
     assert not h[:, case["ids"] < 0].any()  # tokens without an adapter: exactly 0
 
 
+@pytest.mark.parametrize("M,L,S", [(33, 1, 1), (257, 32, 3), (130, 8, 2)])
+def test_emulation_sorted_codes_are_the_sorted_rows(M, L, S):
+    """sorted_codes: codes / scales row p is token tok[p]'s row, bit for bit; h is unchanged."""
+    case = make_case(M, L, 64, 1040, S, seed=M + L, spread=True, specials=True)
+    tok = case["meta"].token_indices_sorted_by_lora_ids[:M].long()
+    assert not torch.equal(tok, torch.arange(M))  # the case does reorder the rows
+    c0, s0, h0 = K1.emulate(case["x"], case["As"], case["meta"])
+    c1, s1, h1 = K1.emulate(case["x"], case["As"], case["meta"], sorted_codes=True)
+    assert torch.equal(c1.view(torch.uint8), c0.view(torch.uint8)[tok]) and torch.equal(s1, s0[tok])
+    assert torch.equal(h1.nan_to_num(7.0), h0.nan_to_num(7.0))
+
+
 def test_emulation_split_invariance_of_codes():
     case = make_case(77, 8, 64, 4096, 2, seed=4, spread=True)
     cfg = K1.Config(rank=64, num_slices=2, bm=16, kc=4096)
@@ -278,7 +290,8 @@ def test_config_shapes():
 
 def test_params_declaration():
     p = K1.params(K1.Config(rank=64, num_slices=3))
-    assert [x.size for x in p] == [24, 24, 16, 24] + [16] * 5 + [24] * 3 + [4]
+    assert [x.size for x in p] == [24, 24, 16, 24] + [16] * 5 + [24] * 3 + [4, 4]
+    assert [x.name for x in p[-2:]] == ["has_ranks", "sorted_codes"]
 
 
 def _cpu_case():
@@ -398,6 +411,22 @@ def test_gpu_matches_reference(M, L):
     assert out[0] is codes and out[1] is scales and out[2] is h
     torch.cuda.synchronize()
     _check(case, codes, scales, h, K)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,L,K,S", [(33, 1, 4096, 3), (300, 8, 4096, 2), (2048, 32, 12288, 1), (1000, 8, 1040, 1)])
+def test_gpu_sorted_codes(M, L, K, S):
+    """sorted_codes (the prefill path's K1): codes / scales rows in adapter-sorted order, bit for
+    bit the reference's rows tok[p]; h in token order as without it; poisoned outputs."""
+    _hopper()
+    case = make_case(M, L, 64, K, S, seed=M + K + S, device="cuda", spread=True, specials=True)
+    codes, scales, h = _poisoned(M, K, S, 64)
+    K1.k1_quant_shrink(case["x"], case["As"], case["meta"], codes, scales, h, sorted_codes=True)
+    torch.cuda.synchronize()
+    tok = case["meta"].token_indices_sorted_by_lora_ids[:M].long()
+    inv = torch.empty_like(tok)
+    inv[tok] = torch.arange(M, device=tok.device)
+    _check(case, codes.view(torch.uint8)[inv].view(torch.float8_e4m3fn), scales[inv], h, K)
 
 
 @pytest.mark.gpu

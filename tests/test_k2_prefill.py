@@ -730,9 +730,8 @@ class PrefillPath:
 
         M = self.M
         meta = build_meta(tok.to(self.dev), self.L)
-        codes, scales, h = k1_quant_shrink(x, self.lora_a, meta, slot_ranks=self.slot_ranks)
-        xs, ss = P.sort_activations(codes, scales, meta.token_indices_sorted_by_lora_ids)
-        self.codes, self.scales = codes, scales
+        # K1 stores the codes / scales in adapter-sorted order, as the op's prefill path runs it
+        xs, ss, h = k1_quant_shrink(x, self.lora_a, meta, slot_ranks=self.slot_ranks, sorted_codes=True)
         if poison:
             self.y.fill_(float("nan"))
         c_l, c_n = P.select(self.widths, M, self.rank, build)

@@ -6,8 +6,8 @@ Issue #4 asks for ≤ 1.1× vLLM's FP8 GEMM at 2048 tokens with one adapter, whi
 cannot reach (its expand-add's y round trip alone is over the margin, docs/perf.md v0.33): the
 adapter has to be in the GEMM's epilogue, so the prefill K2's main loop has to be as fast as the
 vendor's. Per Qwen3-8B projection, per (tokens M, adapters A), CUDA-graph replays with the L2
-flushed (median), the activations already quantized and sorted (K1 and the gather are the same
-for every column):
+flushed (median), the activations already quantized in adapter-sorted order (K1 with
+sorted_codes, the same for every column):
 
   vllm_gemm_us        vLLM's cutlass_scaled_mm on the same codes (no adapter; absent without vLLM)
   scaled_mm_us        torch._scaled_mm on the same codes (cuBLASLt; always there)
@@ -15,8 +15,7 @@ for every column):
   k2_lora_<mode>_us   the same with the grouped adapter epilogue (rank 64, A adapters)
   ..._vs_us           the same builds with 16-byte output stores (Config.vstore)
   expand_add_us       the hybrid's expand-add on the same h (what the epilogue replaces)
-  gather_us           the prefill path's gather of codes / scales into adapter-sorted order
-                      (so prefill = K1 + gather + k2_lora against hybrid = K1 + GEMM + expand-add)
+                      (so prefill = K1 + k2_lora against hybrid = K1 + GEMM + expand-add)
   <col>_tflops        base FLOPs / time
   overlap_bitwise     the "overlap" K2's y equal bit for bit to the "serial" one's (they sum in
                       the same order), with and without adapter
@@ -60,7 +59,8 @@ def base_flops(p: Projection, m: int) -> float:
 
 
 class PrefillK2Case:
-    """One projection's inputs for the prefill K2: K1's codes / scales / h, the sorted activations."""
+    """One projection's inputs for the prefill K2: K1's codes / scales in adapter-sorted order (as
+    the op's prefill path stores them) and h."""
 
     def __init__(self, c: LayerCase):
         from epilora_cute.ops import _full_ranks, _slice_start
@@ -68,9 +68,7 @@ class PrefillK2Case:
         from kernels_dsl.k1_shrink import k1_quant_shrink
 
         self.c = c
-        self.codes, self.scales, self.h = k1_quant_shrink(c.x, c.lora_a, c.meta)
-        tok = c.meta.token_indices_sorted_by_lora_ids
-        self.xs, self.ss = P.sort_activations(self.codes, self.scales, tok)
+        self.xs, self.ss, self.h = k1_quant_shrink(c.x, c.lora_a, c.meta, sorted_codes=True)
         self.slot_ranks = _full_ranks(c.max_loras, c.rank, c.x.device)
         self.slice_start = _slice_start(tuple(c.proj.slices), c.x.device)
         self.y = torch.empty(c.m, c.proj.n, dtype=torch.bfloat16, device=c.x.device)
@@ -114,11 +112,12 @@ def scaled_mm_launcher(x_q, s_x, w_q, w_s):
 
 
 def _vendor(c: LayerCase, pk: PrefillK2Case) -> dict:
-    fns = {"scaled_mm": scaled_mm_launcher(pk.codes, pk.scales, c.w_q, c.w_s)}
+    # (the anchors multiply the sorted rows: a row order costs a GEMM nothing)
+    fns = {"scaled_mm": scaled_mm_launcher(pk.xs, pk.ss, c.w_q, c.w_s)}
     try:
         from vllm import _custom_ops as vops
         w_t = c.w_q.t()
-        fns["vllm_gemm"] = lambda: vops.cutlass_scaled_mm(pk.codes, w_t, scale_a=pk.scales, scale_b=c.w_s,
+        fns["vllm_gemm"] = lambda: vops.cutlass_scaled_mm(pk.xs, w_t, scale_a=pk.ss, scale_b=c.w_s,
                                                           out_dtype=torch.bfloat16)
     except Exception:  # noqa: BLE001 - no vLLM: the cuBLASLt anchor only
         pass
@@ -145,7 +144,6 @@ def bench_projection(p: Projection, m: int, adapters: int) -> dict:
     fns.update(launchers)
     y_ex = torch.zeros(m, p.n, dtype=torch.bfloat16, device=c.x.device)
     fns["expand_add"] = lambda: expand_add(y_ex, pk.h, c.lora_b, c.meta)
-    fns["gather"] = lambda: P.sort_activations(pk.codes, pk.scales, c.meta.token_indices_sorted_by_lora_ids)
     for name, fn in fns.items():
         try:
             us = time_graph(fn)
