@@ -17,7 +17,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, decode, push-tests, push-bench, wide-tests, wide-bench, fh or prefill-k2}
+mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -169,6 +169,22 @@ case $mode in
     EPILORA_BENCH_TOKENS=${PK2_TOKENS:-64,256,2048,8192} EPILORA_BENCH_ADAPTERS=${PK2_ADAPTERS:-1,8} \
       timeout -s KILL 170 python3 tools/bench.py --sections prefill_k2 --out "$OUT/pk2" 2>&1 | tee "$OUT/prefill_k2_bench.log" | tail -45
     timeout -s KILL 60 python3 tools/bench_k_sweep.py --out "$OUT/ks" 2>&1 | tee "$OUT/k_sweep.log" | tail -8
+    ;;
+  prefill-path)
+    # perf.md v0.69 (carry the cache with K1's and the prefill K2's builds, .devvllm/2 after call A
+    # for vLLM's columns; ~8 min): K1's GPU tests (its sorted_codes rows among them), the op's
+    # prefill tests, the prefill K2's GPU tests on K1's sorted codes, then the `prefill` section
+    # (the hybrid, prefill and auto paths per layer beside vLLM's) at PP_TOKENS x PP_ADAPTERS.
+    unpack_vllm
+    timeout -s KILL 90 python3 -m pytest -q -m gpu tests/test_k1_shrink.py -k "sorted or matches_reference or bitwise" \
+      2>&1 | tail -4 | tee "$OUT/prefill_path_tests.log"
+    timeout -s KILL 60 python3 -m pytest -q -m gpu tests/test_lora_linear_gpu.py -k prefill 2>&1 | tail -3 \
+      | tee -a "$OUT/prefill_path_tests.log"
+    timeout -s KILL 120 python3 -m pytest -q -m gpu tests/test_k2_prefill.py \
+      -k "accum_modes or bitwise or model_shapes or persistent" 2>&1 | tail -4 | tee -a "$OUT/prefill_path_tests.log"
+    EPILORA_PREFILL_PATH=1 EPILORA_BENCH_OURS=hybrid,prefill,auto EPILORA_BENCH_TOKENS=${PP_TOKENS:-2048} \
+      EPILORA_BENCH_ADAPTERS=${PP_ADAPTERS:-1,8} \
+      timeout -s KILL 180 python3 tools/bench.py --quick --sections prefill --out "$OUT/pp" 2>&1 | tail -30
     ;;
   decode)
     # After decode-path kernel changes (perf.md v0.45-v0.47; carry the cache; no vLLM: the layer's
