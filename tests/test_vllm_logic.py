@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("v,ok", [
     ("0.26.0", True), ("0.26.0+cu129", True), ("0.27.1", True), ("0.30.0rc1", True),
-    ("0.33.0", True), ("0.33.9.dev12+gabc", True), ("v0.28.0", True),
-    ("0.25.1", False), ("0.34.0", False), ("0.34.0rc1", False), ("1.0.0", False), ("0.9.2", False),
+    ("0.33.0", True), ("0.34.0", True), ("0.34.0rc1", True), ("0.34.9.dev12+gabc", True), ("v0.28.0", True),
+    ("0.25.1", False), ("0.35.0", False), ("0.35.0rc1", False), ("1.0.0", False), ("0.9.2", False),
     ("", False), ("dev", False),
 ])
 def test_version_range(v, ok):

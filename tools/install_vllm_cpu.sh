@@ -12,7 +12,7 @@
 #     missing), with vLLM's own version bounds where it declares one; xgrammar without its
 #     dependencies (it would pull triton, 1 GB; vLLM only imports it).
 # Env: PYTHON (python3), EPILORA_VLLM_VENV (.venv-vllm), EPILORA_VLLM_SPEC (vllm==0.26.0; the
-#      same list installs vllm==0.33.0, the newest supported release), EPILORA_TORCH_SPEC (torch==2.13.0).
+#      same list installs vllm==0.33.0 and vllm==0.34.0, the newest supported release), EPILORA_TORCH_SPEC (torch==2.13.0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -1,6 +1,6 @@
 """EpiLoRA subclasses of vLLM's LoRA linear layers (imports vLLM; built by ``build()``).
 
-How vLLM picks a LoRA class (0.26 - 0.33): ``vllm.lora.utils.from_layer`` walks the module
+How vLLM picks a LoRA class (0.26 - 0.34): ``vllm.lora.utils.from_layer`` walks the module
 global ``_all_lora_classes`` in order and takes the first class whose ``can_replace_layer``
 accepts the base layer. The plugin puts one subclass per stock linear class in front of that
 tuple. Each subclass accepts a layer only when (a) the stock classes, asked in their own order,
@@ -30,7 +30,7 @@ from . import custom_op, eligibility, fused, meta_bridge, shadow
 
 logger = logging.getLogger("vllm.epilora")
 
-# Stock classes the plugin mirrors, by name (all exist in vllm.lora.layers 0.26 - 0.33).
+# Stock classes the plugin mirrors, by name (all exist in vllm.lora.layers 0.26 - 0.34).
 STOCK_LINEAR_CLASSES = (
     "ColumnParallelLinearWithLoRA",
     "MergedColumnParallelLinearWithLoRA",

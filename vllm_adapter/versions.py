@@ -13,8 +13,8 @@ import re
 from importlib import metadata
 
 MIN_VERSION = (0, 26, 0)  # inclusive
-MAX_VERSION = (0, 34)  # exclusive
-SUPPORTED_SPEC = ">=0.26.0,<0.34"
+MAX_VERSION = (0, 35)  # exclusive
+SUPPORTED_SPEC = ">=0.26.0,<0.35"
 
 
 def parse_release(version: str) -> tuple[int, ...] | None:
