@@ -87,7 +87,6 @@ RUNTIME_CONTRACT = True
 
 THREADS = 384  # warpgroup 0: producer, warpgroups 1-2: consumers
 CONSUMER_THREADS = 256
-CONSUMER_WARPS = CONSUMER_THREADS // 32
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232  # 128 x (40 + 2 x 232) = 64512 <= 65536 (168 x 384 at launch)
 RED_PAD = 4  # fp32 words of padding per token column of the output tile (bank spread)
@@ -103,35 +102,30 @@ ACCUM_MODES = ("serial", "overlap")
 
 
 class Build(NamedTuple):
-    """The main-loop and output choices of a build (Config's accum / vstore / persistent / mcast /
-    stages)."""
+    """The main-loop and output choices of a build (Config's accum / vstore / persistent / stages)."""
 
     accum: str = "overlap"
     vstore: bool = True
     persistent: bool = False
-    mcast: bool = False
     stages: int = 4
 
     def tag(self) -> str:
         return (f"{self.accum}{'_vs' if self.vstore else ''}{'_pers' if self.persistent else ''}"
-                f"{'_mc' if self.mcast else ''}{f'_st{self.stages}' if self.stages != 4 else ''}")
+                f"{f'_st{self.stages}' if self.stages != 4 else ''}")
 
     def config_kw(self) -> dict:
-        return dict(accum=self.accum, vstore=self.vstore, persistent=self.persistent, mcast=self.mcast,
-                    stages=self.stages)
+        return dict(accum=self.accum, vstore=self.vstore, persistent=self.persistent, stages=self.stages)
 
 
 # The builds the bench and the GPU tests compare (bit for bit): serial with scalar stores (the
-# kernel before v0.60), "overlap" with either store, the persistent "overlap" build (v0.65/v0.66),
-# the W-multicast build (v0.67) and the six-stage build (v0.68).
+# kernel before v0.60), "overlap" with either store and the persistent "overlap" build
+# (v0.65/v0.66). Measured and removed again (docs/perf.md): the W-multicast build (v0.67, 6 %
+# slower; not shared-memory or L2 bound, call 10) and the six-stage build (v0.68, within ±3.6 %).
 MAIN_LOOP_BUILDS = (Build("serial", False), Build("overlap", False), Build("overlap", True),
-                    Build("overlap", True, True), Build("overlap", True, mcast=True),
-                    Build("overlap", True, stages=6))
+                    Build("overlap", True, True))
 # The persistent build (v0.65): two k-blocks in flight with the stage taken at run time, 16-byte
 # stores.
 PERSISTENT_BUILD = Build("overlap", True, True)
-# The W-multicast build (v0.67): clusters of two token tiles share each weight tile's loads.
-MCAST_BUILD = Build("overlap", True, mcast=True)
 # The build the op's prefill path launches (ops._prefill_path), prebuilt for every rank: run25's
 # fastest (2048 tokens: 683 µs per layer against serial's 804); its scalar-store twin
 # (vstore=False) serves an output whose rows are not 16-byte aligned.
@@ -167,9 +161,6 @@ class Config:
       producer's stage ring and B ring run on across tiles, the output tile has its own bf16
       buffer, so the next tile's stages stream in during this tile's epilogue (v0.65). Needs
       vstore (an unaligned output takes the one-tile scalar-store build) and no PDL.
-    mcast: clusters of two CTAs on neighbouring token tiles of one weight tile; each loads half of
-      every W stage and multicasts it to both (L2->SM bytes per k-block 32 -> 24 KB at 128 x 128,
-      v0.67). One tile per CTA, no PDL.
     """
 
     bn: int = 128
@@ -184,7 +175,6 @@ class Config:
     accum: str = "serial"
     vstore: bool = False
     persistent: bool = False
-    mcast: bool = False
 
     def __post_init__(self):
         if self.accum not in ACCUM_MODES:
@@ -202,8 +192,6 @@ class Config:
         if self.persistent and (self.pdl or not self.vstore):
             # (an output whose rows are not 16-byte aligned takes the one-tile scalar-store build)
             raise ValueError("the persistent builds store 16-byte vectors and are launched without PDL")
-        if self.mcast and (self.persistent or self.pdl):
-            raise ValueError("the multicast build runs one tile per CTA, without PDL")
         if self.lora:
             if self.rank not in (8, 16, 32, 64, 128, 256):
                 raise ValueError("rank must be 8..256, a power of two")
@@ -236,7 +224,6 @@ class Config:
         s += "" if self.accum == "serial" else f"_{self.accum}"
         s += "_vs" if self.vstore else ""
         s += "_pers" if self.persistent else ""
-        s += "_mc2" if self.mcast else ""
         return s + ("_pdl" if self.pdl else "")
 
     @property
@@ -256,11 +243,7 @@ class Config:
 
     @property
     def build(self) -> Build:
-        return Build(self.accum, self.vstore, self.persistent, self.mcast, self.stages)
-
-    @property
-    def cluster(self) -> tuple[int, int, int]:
-        return (2, 1, 1) if self.mcast else (1, 1, 1)
+        return Build(self.accum, self.vstore, self.persistent, self.stages)
 
     @property
     def tile_bufs(self) -> int:
@@ -322,14 +305,8 @@ if cute is not None:
             sX_layout = sm90_utils.make_smem_layout_b(utils.LayoutEnum.from_tensor(xq), tile_mnk,
                                                       xq.element_type, self.stages)
             op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-            if cutlass.const_expr(cfg.mcast):
-                # Each CTA of the pair loads half of the W tile and multicasts it to both.
-                tma_w, mW = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                    cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp(), w,
-                    cute.slice_(sW_layout, (None, None, 0)), (self.bm, self.bk), num_multicast=2)
-            else:
-                tma_w, mW = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                    op, w, cute.slice_(sW_layout, (None, None, 0)), (self.bm, self.bk))
+            tma_w, mW = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                op, w, cute.slice_(sW_layout, (None, None, 0)), (self.bm, self.bk))
             tma_x, mX = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 op, xq, cute.slice_(sX_layout, (None, None, 0)), (self.bn, self.bk))
 
@@ -430,13 +407,11 @@ if cute is not None:
 
             n_tiles = cute.size(w, mode=[0]) // self.bm
             t_tiles = (cute.size(xq, mode=[0]) + self.bn - 1) // self.bn
-            if cutlass.const_expr(cfg.mcast):
-                t_tiles = (t_tiles + 1) // 2 * 2  # whole clusters (a CTA past M computes nothing)
             # (The launcher takes the grid from launch(): persistent builds run min(tiles, SMs)
             # CTAs along x and read their tile stride from gridDim.)
             self.kernel(
                 tma_w, mW, tma_x, mX, sx, sw, y, tok_sorted, group, tile_counter, lora_pack, sW_layout, sX_layout, sB_layout, sH_layout,
-            ).launch(grid=(t_tiles, n_tiles, 1), block=(THREADS, 1, 1), cluster=cfg.cluster, stream=stream,
+            ).launch(grid=(t_tiles, n_tiles, 1), block=(THREADS, 1, 1), cluster=(1, 1, 1), stream=stream,
                      # .minnctapersm 1: ptxas gives the launch 168 registers per thread, a pool of
                      # 384 x 168 = 128 x (40 + 2 x 232); at ptxas's own count setmaxnreg.inc would
                      # wait forever (the decode K2's first H200 hang).
@@ -479,15 +454,7 @@ if cute is not None:
             # tiles, token tile fastest; group = T is plain token-tile-fastest order.
             bx, by, _ = cute.arch.block_idx()
             gdim = cute.arch.grid_dim()
-            rank = cutlass.Int32(0)
-            if cutlass.const_expr(cfg.mcast):
-                # The order runs over clusters (pairs of token tiles, group counted in pairs);
-                # the CTA of rank r takes the pair's token tile 2 * pair + r (cta_tile_mcast()).
-                rank = cute.arch.make_warp_uniform(cute.arch.block_in_cluster_idx()[0])
-                ttile, tile = self._tile_of(bx // 2 + by * (gdim[0] // 2), gdim[0] // 2, gdim[1], group)
-                ttile = ttile * 2 + rank
-            else:
-                ttile, tile = self._tile_of(bx + by * gdim[0], gdim[0], gdim[1], group)
+            ttile, tile = self._tile_of(bx + by * gdim[0], gdim[0], gdim[1], group)
             n0 = tile * BM
             p0 = ttile * BN
 
@@ -510,35 +477,18 @@ if cute is not None:
             if tidx == 0:
                 for i in cutlass.range_constexpr(STAGES):
                     cute.arch.mbarrier_init(full + i, 1)
-                    # multicast: a stage is free once both CTAs' consumer warps released it (one
-                    # arrival per warp and CTA, _release_stage)
-                    cute.arch.mbarrier_init(empty + i, 2 * CONSUMER_WARPS if cfg.mcast else CONSUMER_THREADS)
+                    cute.arch.mbarrier_init(empty + i, CONSUMER_THREADS)
                 for i in cutlass.range_constexpr(NB):
                     cute.arch.mbarrier_init(bfull + i, 1)
                     cute.arch.mbarrier_init(bempty + i, CONSUMER_THREADS)
                 cute.arch.mbarrier_init_fence()
-            if cutlass.const_expr(cfg.mcast):
-                # Both CTAs' barriers initialized before either multicasts into the other.
-                cute.arch.cluster_arrive_relaxed()
-                cute.arch.cluster_wait()
-            else:
-                cute.arch.sync_threads()
+            cute.arch.sync_threads()
 
             # TMA views: (tile, k-block) of W, (token tile, k-block) of x_q_sorted.
             gW = cute.local_tile(mW, (BM, BK), (tile, None))
-            # (multicast, odd T: the last cluster's second CTA lies past M; it loads the last real
-            # token tile rather than a box wholly out of bounds, and stores nothing: valid <= 0)
-            xtile = ttile
-            if cutlass.const_expr(cfg.mcast):
-                xtile = cutlass.min(ttile, (M + BN - 1) // BN - 1)
-            gX = cute.local_tile(mX, (BN, BK), (xtile, None))
-            # (multicast: this CTA's half of each W stage, written into both CTAs)
+            gX = cute.local_tile(mX, (BN, BK), (ttile, None))
             tWs, tWg = cute.nvgpu.cpasync.tma_partition(
-                tma_w, rank, cute.make_layout(2 if cfg.mcast else 1), cute.group_modes(sW, 0, 2),
-                cute.group_modes(gW, 0, 2))
-            w_kw = {}
-            if cutlass.const_expr(cfg.mcast):
-                w_kw = dict(mcast_mask=cutlass.Int16(0b11))
+                tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
             tXs, tXg = cute.nvgpu.cpasync.tma_partition(
                 tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
             stage_bytes = BM * BK + BN * BK
@@ -567,7 +517,7 @@ if cute is not None:
                     for i in cutlass.range(npre, unroll=1):
                         with cute.arch.elect_one():
                             cute.arch.mbarrier_arrive_and_expect_tx(full + i, stage_bytes)
-                        cute.copy(tma_w, tWg[(None, i)], tWs[(None, i)], tma_bar_ptr=full + i, **w_kw)
+                        cute.copy(tma_w, tWg[(None, i)], tWs[(None, i)], tma_bar_ptr=full + i)
                     # 2. the adapter B chunks that fit the ring, 3. x_q of the first stages. The B
                     # chunks' group scan is a chain of metadata loads: without PDL it goes after
                     # the x_q requests (the main loop needs those first); with PDL before the
@@ -588,7 +538,7 @@ if cute is not None:
                         cute.arch.mbarrier_wait(empty + s, ((i // STAGES) + 1) % 2)
                         with cute.arch.elect_one():
                             cute.arch.mbarrier_arrive_and_expect_tx(full + s, stage_bytes)
-                        cute.copy(tma_w, tWg[(None, i)], tWs[(None, s)], tma_bar_ptr=full + s, **w_kw)
+                        cute.copy(tma_w, tWg[(None, i)], tWs[(None, s)], tma_bar_ptr=full + s)
                         cute.copy(tma_x, tXg[(None, i)], tXs[(None, s)], tma_bar_ptr=full + s)
                     # 5. the rest of the B chunks, as the consumers free buffers.
                     if cutlass.const_expr(cfg.lora):
@@ -696,10 +646,6 @@ if cute is not None:
                         j = e // BM
                         r = e - j * BM
                         mY[sTok[j], n0 + r] = sRed[r, j].to(cutlass.BFloat16)
-            if cutlass.const_expr(cfg.mcast):
-                # No CTA leaves while its pair may still arrive on its barriers.
-                cute.arch.cluster_arrive()
-                cute.arch.cluster_wait()
 
         # -----------------------------------------------------------------------------------------
         @cute.jit
@@ -972,13 +918,7 @@ if cute is not None:
             then complete) and hand its stage back to the producer."""
             empty = mma[3]
             cute.nvgpu.warpgroup.wait_group(pending)
-            if cutlass.const_expr(self.cfg.mcast):
-                # Lane r of each consumer warp tells CTA r (both CTAs' producers write the stage).
-                lane = cute.arch.lane_idx()
-                if lane < 2:
-                    cute.arch.mbarrier_arrive(empty + i % self.stages, lane)
-            else:
-                cute.arch.mbarrier_arrive(empty + i % self.stages)
+            cute.arch.mbarrier_arrive(empty + i % self.stages)
 
         @cute.jit
         def _retire_block(self, mma, acc, acc_t, i, pending: cutlass.Constexpr):
@@ -1156,8 +1096,7 @@ def params(config: Config) -> list:
     bm, bn, bk, rc = config.bm, config.bn, config.bk, config.rank_chunk
     f8, bf16, f32, i32 = torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.int32
     p = [
-        # (multicast: each CTA loads half the rows of a W tile)
-        TmaParam("tma_w", TmaSpec(f8, (bk, bm // 2 if config.mcast else bm)), "W_q [N, K] e4m3"),
+        TmaParam("tma_w", TmaSpec(f8, (bk, bm)), "W_q [N, K] e4m3"),
         CoordParam("w_dims", 2),  # (N, K)
         TmaParam("tma_xq", TmaSpec(f8, (bk, bn)), "x_q_sorted [M, K] e4m3 (row p = token token_indices_sorted[p])"),
         CoordParam("xq_dims", 2),  # (M, K)
@@ -1258,10 +1197,6 @@ def launch(config: Config, *, w_q, w_scale, x_q_sorted, x_scale_sorted, y, token
     group = l2_group(M, K, config.bn) if group is None else int(group)
     if not 1 <= group <= T:
         raise ValueError(f"group must be 1..{T} token tiles, got {group}")
-    if config.mcast:
-        # The kernel's order runs over clusters (pairs of token tiles): group in pairs.
-        T = -(-T // 2) * 2
-        group = -(-group // 2)
     args = [w_q, (N, K), x_q_sorted, (M, K), x_scale_sorted.reshape(-1), w_scale.reshape(-1), y, tok, group]
     if config.persistent:
         if tile_counter is None or tile_counter.dtype != torch.int32 or tile_counter.numel() < 1 \
@@ -1294,7 +1229,7 @@ def launch(config: Config, *, w_q, w_scale, x_q_sorted, x_scale_sorted, y, token
     elif ctas is not None:
         raise ValueError("ctas applies to the persistent builds only")
     return dict(args=tuple(args), grid=grid, block=config.block,
-                cluster=config.cluster, smem=config.smem_bytes(), pdl=config.pdl)
+                cluster=(1, 1, 1), smem=config.smem_bytes(), pdl=config.pdl)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1319,16 +1254,6 @@ def cta_tile(lin: int, n_ttiles: int, n_wtiles: int, group: int) -> tuple[int, i
     gsize = min(n_ttiles - first, group)
     rem = lin - grp * per_group
     return first + rem % gsize, rem // gsize
-
-
-def cta_tile_mcast(bx: int, by: int, n_ttiles: int, n_wtiles: int, group_pairs: int) -> tuple[int, int]:
-    """(token tile, weight tile) of CTA (bx, by) in a multicast build, exactly as the kernel
-    computes it: cta_tile()'s order over clusters (pairs of token tiles, ceil(T / 2) of them,
-    group counted in pairs); rank bx % 2 takes the pair's token tile 2 * pair + rank (one past
-    the last when T is odd: that CTA computes nothing, but its W half still feeds its pair)."""
-    pairs = -(-n_ttiles // 2)
-    tp, tile = cta_tile(bx // 2 + by * pairs, pairs, n_wtiles, group_pairs)
-    return 2 * tp + bx % 2, tile
 
 
 def l2_group(m: int, k: int, bn: int) -> int:
@@ -1395,7 +1320,7 @@ def prebuild_configs() -> list[Config]:
                 if c_l.smem_bytes() <= SMEM_LIMIT:
                     cfgs.add(c_l)
     return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank, c.accum, c.vstore,
-                                       c.persistent, c.mcast, c.stages, c.b_bufs))
+                                       c.persistent, c.stages, c.b_bufs))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -45,8 +45,6 @@ FAST = [
     P.Config(bn=128, lora=False, accum="overlap", vstore=True),
     P.Config(bn=128, lora=True, num_slices=3, rank=64, accum="overlap", vstore=True, persistent=True),
     P.Config(bm=64, bn=64, lora=True, num_slices=2, rank=128, accum="serial", vstore=True, persistent=True),
-    P.Config(bn=128, lora=True, num_slices=3, rank=64, accum="overlap", vstore=True, mcast=True),
-    P.Config(bm=64, bn=64, lora=False, accum="overlap", vstore=False, mcast=True),
     P.Config(bn=128, lora=True, num_slices=3, rank=64, accum="overlap", vstore=True, stages=6, b_bufs=1),
 ]
 
@@ -81,11 +79,10 @@ def ptx_problems(cfg: P.Config, ptx: str) -> list[str]:
     for ins in ("ld.acquire.gpu", "atom.acq_rel.gpu", "ld.shared::cluster", "griddepcontrol.launch_dependents"):
         if ins in ptx:
             bad.append(f"unexpected {ins}")
-    # The multicast build: W loads multicast to the pair, stage releases to both CTAs' barriers,
-    # cluster barriers after the barrier init and before exit; no other build touches the cluster.
-    mc = ("barrier.cluster" in ptx, ".multicast::cluster" in ptx, "mapa" in ptx)
-    if mc != (cfg.mcast,) * 3:
-        bad.append(f"cluster barrier / multicast / mapa {mc} in a build with mcast={cfg.mcast}")
+    # One CTA per tile, no cluster (the v0.67 multicast build was measured and removed).
+    for ins in ("barrier.cluster", ".multicast::cluster", "mapa"):
+        if ins in ptx:
+            bad.append(f"unexpected {ins} (no build uses a cluster)")
     if cfg.lora and not bf:
         bad.append("no bf16 epilogue WGMMA")
     if not cfg.lora and bf:
@@ -528,18 +525,17 @@ def test_compiles(cfg):
     assert not r["problems"], r
 
 
-@pytest.mark.parametrize("mcast", [False, True], ids=["one_cta", "mcast"])
-def test_host_capture_matches_launch(mcast):
+def test_host_capture_matches_launch():
     """The DSL's own host code (run with stub CUDA functions, kernels_dsl.host_capture) builds the
-    W descriptor with the box params() declares (multicast: half the tile's rows per CTA), and
-    launches the grid and cluster that launch() computes (T rounded up to whole pairs)."""
+    W and x_q descriptors with the boxes params() declares, and launches the grid and cluster
+    that launch() computes."""
     _dsl()
     from kernels_dsl.host_capture import capture_in_subprocess, decode_tensormap2d
     from tests.test_k2_compile import _check_tma
 
     base = 0x7F00_0000_0000
-    N, K, M = 4096, 2048, 300  # 3 token tiles: the multicast grid pads to 4
-    cfg = P.Config(bn=128, lora=False, accum="overlap", vstore=True, mcast=mcast)
+    N, K, M = 4096, 2048, 300  # 3 token tiles
+    cfg = P.Config(bn=128, lora=False, accum="overlap", vstore=True)
     v = dict(w=dict(data=base, shapes=[N, K], strides=[K]),
              xq=dict(data=base + 0x1000_0000, shapes=[M, K], strides=[K]),
              sx=dict(data=base + 0x2000_0000, shapes=[M]), sw=dict(data=base + 0x2100_0000),
@@ -551,35 +547,13 @@ def test_host_capture_matches_launch(mcast):
     by_name = {p.name: p for p in ps}
     _check_tma(raw["tma_w"], by_name["tma_w"].spec, N, K, K, base)  # dims, stride, box, swizzle, dtype
     _check_tma(raw["tma_xq"], by_name["tma_xq"].spec, M, K, K, base + 0x1000_0000)
-    assert decode_tensormap2d(raw["tma_w"])["box"] == (128, 64 if mcast else 128)
+    assert decode_tensormap2d(raw["tma_w"])["box"] == (128, 128)
     spec = _launch_spec(cfg, M, N, K, group=1)
-    assert tuple(out["grid"]) == spec["grid"] == ((4 if mcast else 3), N // 128, 1)
+    assert tuple(out["grid"]) == spec["grid"] == (3, N // 128, 1)
     # cudaLaunchAttributeClusterDimension (id 4): (x, y, z) as three u32
     cl = [a for a in out["attrs"] if a["id"] == 4]
     got = tuple(int.from_bytes(bytes.fromhex(cl[0]["value"])[i:i + 4], "little") for i in (0, 4, 8)) if cl else (1, 1, 1)
-    assert got == spec["cluster"] == cfg.cluster == ((2, 1, 1) if mcast else (1, 1, 1))
-
-
-def test_mcast_tile_order_is_a_bijection():
-    """cta_tile_mcast(): every (token tile, weight tile) exactly once over the padded grid (plus
-    one empty token tile per weight tile when T is odd), both CTAs of a cluster on one weight
-    tile and neighbouring token tiles."""
-    for T in (1, 2, 3, 7, 16):
-        for NT in (1, 5, 48):
-            pairs = -(-T // 2)
-            for gp in sorted({1, 2, pairs}):
-                if gp > pairs:
-                    continue
-                got = {}
-                for by in range(NT):
-                    for bx in range(2 * pairs):
-                        got[(bx, by)] = P.cta_tile_mcast(bx, by, T, NT, gp)
-                tiles = sorted(t for t in got.values() if t[0] < T)
-                assert tiles == [(t, n) for t in range(T) for n in range(NT)], (T, NT, gp)
-                assert sum(t[0] >= T for t in got.values()) == (NT if T % 2 else 0)
-                for (bx, by), (tt, wt) in got.items():
-                    if bx % 2 == 0:
-                        assert got[(bx + 1, by)] == (tt + 1, wt)
+    assert got == spec["cluster"] == (1, 1, 1)
 
 
 @pytest.mark.slow
@@ -899,29 +873,6 @@ def test_gpu_persistent_walk(case, ctas):
         y2 = pp.run(x, tok, lora=lora, build=pers, ctas=ctas)
         assert torch.equal(y2.view(torch.int16), one_tile.view(torch.int16)), lora
         assert int(pp.tile_counter.item()) == 0
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", ["qkv_odd_pairs", "qkv_grouped", "bm64", "one_tile"])
-def test_gpu_mcast_matches_one_cta(case):
-    """The multicast build (W halves loaded by each CTA of a pair, multicast to both) writes
-    exactly the one-CTA build's bits: an odd number of token tiles (the last cluster's second CTA
-    lies past M), grouped rasterization (group 3 token tiles = 2 pairs), 64-row weight tiles
-    (widths not multiples of 128), a single token tile; with and without adapter, launched twice."""
-    _hopper()
-    widths, K, M, group = {"qkv_odd_pairs": ((4096, 1024, 1024), 4096, 300, None),
-                           "qkv_grouped": ((4096, 1024, 1024), 2048, 1000, 3),
-                           "bm64": ((192, 192), 1152, 700, None),  # 64-row tiles (prebuilt: 2 slices)
-                           "one_tile": ((256, 128, 128), 512, 40, None)}[case]  # bn 64: T = 1
-    pp = PrefillPath(widths, K, 64, 8, M, seed=21, slot_ranks=[64, 16, 64, 8, 64, 32, 64, 0])
-    x, tok = _x(M, K, 21), _tokens(M, 8, 21, none_frac=0.1)
-    for lora in (True, False):
-        one = pp.run(x, tok, lora=lora, build=P.Build("overlap", True), group=group).clone()
-        y = pp.run(x, tok, lora=lora, build=P.MCAST_BUILD, group=group).clone()
-        pp.check(x, tok, y, lora=lora)
-        assert torch.equal(y.view(torch.int16), one.view(torch.int16)), lora
-        y2 = pp.run(x, tok, lora=lora, build=P.MCAST_BUILD, group=group)
-        assert torch.equal(y2.view(torch.int16), one.view(torch.int16)), lora
 
 
 @pytest.mark.gpu

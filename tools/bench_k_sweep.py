@@ -1,8 +1,8 @@
 """How much of the prefill K2's time is per tile and how much per k-block: the same output (M
 tokens × N features, so the same tiles and waves) at several K, for our K2 (no adapter, the op's
-main-loop build, `k2`, its persistent twin, `k2_pers`, v0.65, its W-multicast twin, `k2_mc`,
-v0.67, and its six-stage twin, `k2_st6`, v0.68) and cuBLASLt (`torch._scaled_mm`)
-side by side.
+main-loop build, `k2`, and its persistent twin, `k2_pers`, v0.65; run26 also swept the since
+removed W-multicast `k2_mc`, v0.67, and six-stage `k2_st6`, v0.68) and cuBLASLt
+(`torch._scaled_mm`) side by side.
 
     python tools/bench_k_sweep.py [--m 2048] [--n 24576] [--ks 512,1024,2048,4096,8192] [--out DIR]
 
@@ -66,9 +66,7 @@ def measure(m: int, n: int, k: int) -> dict:
                                  cluster=spec["cluster"])
 
     cfg, fn = k2(P.OP_BUILD)
-    fns = {"k2": fn, "k2_pers": k2(P.PERSISTENT_BUILD)[1], "k2_mc": k2(P.MCAST_BUILD)[1],
-           "k2_st6": k2(P.Build("overlap", True, stages=6))[1],
-           "scaled_mm": scaled_mm_launcher(x_q, s_x, w_q, w_s)}
+    fns = {"k2": fn, "k2_pers": k2(P.PERSISTENT_BUILD)[1], "scaled_mm": scaled_mm_launcher(x_q, s_x, w_q, w_s)}
     T, NT = -(-m // cfg.bn), n // cfg.bm
     row = {"M": m, "N": n, "K": k, "config": cfg.name(), "tiles": T * NT}
     for name, fn in fns.items():

@@ -158,11 +158,11 @@ case $mode in
     # the K sweep (fixed cost per tile; v0.65: the persistent build beside the one-tile build).
     unpack_vllm
     timeout -s KILL 150 python3 -m pytest -q -m gpu tests/test_k2_prefill.py \
-      -k "accum_modes or promotion or bitwise or model_shapes or 16384 or persistent or mcast" \
+      -k "accum_modes or promotion or bitwise or model_shapes or 16384 or persistent" \
       2>&1 | tail -6 | tee "$OUT/prefill_k2_tests.log"
     timeout -s KILL 60 python3 -m pytest -q -m gpu tests/test_lora_linear_gpu.py -k prefill 2>&1 | tail -3 \
       | tee -a "$OUT/prefill_k2_tests.log"
-    for c in "prefill_pers 3" "prefill_mcast 0"; do
+    for c in "prefill_pers 3" "prefill_pers 1"; do
       timeout -s KILL 35 compute-sanitizer --tool racecheck --report-api-errors no \
         python3 tools/kernel_diag.py $c 2>&1 | tail -4 | tee -a "$OUT/prefill_k2_tests.log"
     done

@@ -6,8 +6,7 @@ or cuda-gdb (a hang or a fault then costs one small process, not a test file).
 CASE: k2_nolora (K2 alone, x_q given, no adapter, n_quant 0), shrink (the shrink+quant kernel
 alone), decode (shrink then the self-quantizing K2 with PDL, 3 tokens), decode_xq (shrink+quant
 then the x_q K2), decode_split2 (decode with the shrink split as K2), decode_wide (decode with the wide self-quantizing K2, K = 2176), expand (expand_add), k1 (K1 quant+shrink),
-prefill_pers (K1 then the persistent prefill K2; SPLIT = its CTA count), prefill_mcast (K1 then the
-multicast prefill K2).
+prefill_pers (K1 then the persistent prefill K2; SPLIT = its CTA count).
 Prints "CASE ok" with the maximum error against the reference, after a device synchronize.
 The K2 builds follow EPILORA_K2_PUSH (k2_gemm.push_variant: `maxima`, `partials`, both by default, `none`) like
 the ops do; the K2 build launched is printed.
@@ -140,24 +139,8 @@ def prefill_pers(ctas: int) -> float:
     return 0.0
 
 
-def prefill_mcast(_: int = 0) -> float:
-    """K1, then the multicast prefill K2 (adapter build): 3 token tiles of 128 (the last cluster
-    has one CTA past M) x 4 weight tiles, up to 8 adapter groups per tile (racecheck's case for
-    the W halves multicast into both CTAs and the stage releases to both)."""
-    from kernels_dsl import k2_prefill as P
-    from tests.test_k2_prefill import PrefillPath, _tokens, _x
-
-    widths, K, M = (256, 128, 128), 512, 300
-    pp = PrefillPath(widths, K, 64, 8, M, seed=4)
-    x, tok = _x(M, K, 4), _tokens(M, 8, 4)
-    y = pp.run(x, tok, build=P.MCAST_BUILD)
-    torch.cuda.synchronize()
-    pp.check(x, tok, y)
-    return 0.0
-
-
 CASES = {f.__name__: f for f in (k2_nolora, shrink, decode, decode_xq, decode_split2, decode_wide, expand, k1,
-                                 prefill_pers, prefill_mcast)}
+                                 prefill_pers)}
 
 if __name__ == "__main__":
     case = sys.argv[1]
