@@ -12,7 +12,6 @@ configurations and prints one RESULTS JSON line: that is how the 4.6.0 venv is t
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import shutil

@@ -13,7 +13,6 @@ configurations and prints one RESULTS JSON line (how the 4.6.0 venv is tested).
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path

@@ -14,7 +14,6 @@ results: that is how the 4.6.0 venv checks the same configurations in a subproce
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import tempfile

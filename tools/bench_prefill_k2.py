@@ -64,7 +64,6 @@ class PrefillK2Case:
 
     def __init__(self, c: LayerCase):
         from epilora_cute.ops import _full_ranks, _slice_start
-        from kernels_dsl import k2_prefill as P
         from kernels_dsl.k1_shrink import k1_quant_shrink
 
         self.c = c
