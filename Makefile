@@ -12,7 +12,7 @@ test:           ## the test suite (GPU tests skip cleanly without a GPU), then t
 
 prebuild:       ## compile every kernel for sm_90a into ./.epilora_cache (carried to the H200)
 	@tools/setup_env.sh
-	@EPILORA_CACHE_DIR=.epilora_cache .venv/bin/python -m epilora_cute.prebuild --arch sm_90a --prune
+	@EPILORA_CACHE_DIR=.epilora_cache .venv/bin/python -m epilora_cute.prebuild --arch sm_90a --jobs 0 --prune
 
 carry-cache: prebuild  ## the cache without PTX (the GPU machine loads cubins) -> .gpu_carry/.epilora_cache
 	@rm -rf .gpu_carry/.epilora_cache && mkdir -p .gpu_carry && cp -r .epilora_cache .gpu_carry/.epilora_cache

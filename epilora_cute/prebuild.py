@@ -20,24 +20,43 @@ from .kernel_abi import check_params
 from .kernels import families
 
 
-def prebuild(arch: str, cache_dir: Path | None = None, only: list[str] | None = None, verbose: bool = True) -> list[dict]:
+def _build_one(family: str, index: int, arch: str, cache_dir: Path | None) -> dict:
+    """Compile (or find in the cache) one prebuild configuration; a worker's unit of work."""
+    mod = next(m for m in families() if m.FAMILY == family)
+    cfg = mod.prebuild_configs()[index]
+    t0 = time.perf_counter()
+    art = get_artifact(mod, cfg, arch, root=cache_dir)
+    params = mod.params(cfg) if hasattr(mod, "params") else mod.PARAMS
+    check_params(params, art.param_sizes, art.kernel_name)
+    return {"family": family, "config": cfg.name(), "seconds": time.perf_counter() - t0,
+            "cubin_bytes": len(art.cubin), "path": str(art.path)}
+
+
+def prebuild(arch: str, cache_dir: Path | None = None, only: list[str] | None = None, verbose: bool = True,
+             jobs: int = 1) -> list[dict]:
+    """Every family's prebuild configurations into the cache. jobs > 1: a pool of processes (the
+    DSL compiles in Python, one core per process; the cache's file locks make concurrent writers
+    safe). Rows come back in the kernel set's order either way."""
     if dsl_version() is None:
         raise SystemExit("nvidia-cutlass-dsl is not installed: nothing can be compiled here")
-    rows = []
-    for mod in families():
-        if only and mod.FAMILY not in only:
-            continue
-        for cfg in mod.prebuild_configs():
-            t0 = time.perf_counter()
-            art = get_artifact(mod, cfg, arch, root=cache_dir)
-            params = mod.params(cfg) if hasattr(mod, "params") else mod.PARAMS
-            check_params(params, art.param_sizes, art.kernel_name)
-            rows.append({"family": mod.FAMILY, "config": cfg.name(), "seconds": time.perf_counter() - t0,
-                         "cubin_bytes": len(art.cubin), "path": str(art.path)})
-            if verbose:
-                print(f"  {mod.FAMILY:12s} {cfg.name():40s} {rows[-1]['seconds']:6.2f} s  {len(art.cubin):8d} B",
-                      flush=True)
-    return rows
+    work = [(mod.FAMILY, i) for mod in families() if not only or mod.FAMILY in only
+            for i in range(len(mod.prebuild_configs()))]
+
+    def report(row):
+        if verbose:
+            print(f"  {row['family']:12s} {row['config']:40s} {row['seconds']:6.2f} s  {row['cubin_bytes']:8d} B",
+                  flush=True)
+        return row
+
+    if jobs <= 1:
+        return [report(_build_one(f, i, arch, cache_dir)) for f, i in work]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawn: a fresh interpreter per worker (the DSL's MLIR context does not survive fork).
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_build_one, f, i, arch, cache_dir) for f, i in work]
+        return [report(fut.result()) for fut in futures]
 
 
 def prune(arch: str, rows: list[dict], cache_dir: Path | None = None) -> list[Path]:
@@ -66,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--cache-dir", type=Path, default=None, help="default: EPILORA_CACHE_DIR or ~/.cache/epilora_cute")
     ap.add_argument("--family", action="append", help="only these families (repeatable)")
+    ap.add_argument("--jobs", type=int, default=1, help="compile in this many processes (0: one per core)")
     ap.add_argument("--prune", action="store_true",
                     help="then delete the arch's entries not in the kernel set (stale sources, other DSL versions)")
     args = ap.parse_args(argv)
@@ -74,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("EPILORA_QUIET_BUILD", "1")
     t0 = time.perf_counter()
     print(f"prebuilding for {args.arch} with nvidia-cutlass-dsl {dsl_version()}", flush=True)
-    rows = prebuild(args.arch, args.cache_dir, args.family)
+    jobs = args.jobs if args.jobs > 0 else (os.cpu_count() or 1)
+    rows = prebuild(args.arch, args.cache_dir, args.family, jobs=jobs)
     print(f"{len(rows)} kernels ready in {time.perf_counter() - t0:.1f} s", flush=True)
     if args.prune:
         if args.family:

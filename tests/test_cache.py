@@ -86,3 +86,15 @@ def test_prebuild_prune_keeps_only_the_current_kernel_set(tmp_path):
     assert keep.is_dir() and other_arch.is_dir()
     assert not stale_key.parent.exists() and not other_version.exists()
     assert len(removed) == 2
+
+
+def test_prebuild_in_a_process_pool_builds_the_same_set_in_order(tmp_path):
+    """`--jobs N` (make prebuild uses one process per core): the same rows, in the kernel set's
+    order, and the second run finds every build in the cache the pool wrote."""
+    from epilora_cute.prebuild import prebuild
+
+    pooled = prebuild("sm_90a", tmp_path, ["fp8_quant"], verbose=False, jobs=2)
+    serial = prebuild("sm_90a", tmp_path, ["fp8_quant"], verbose=False, jobs=1)
+    assert [r["config"] for r in pooled] == [c.name() for c in fp8_quant.prebuild_configs()]
+    assert [(r["config"], r["path"]) for r in pooled] == [(r["config"], r["path"]) for r in serial]
+    assert len(list(tmp_path.rglob("kernel.cubin"))) == len(pooled)
