@@ -8,6 +8,8 @@ replays with the L2 flushed before each (median, tools/gpu_timing):
 
   k1_us          our K1 alone (kernels_dsl/k1_shrink.py: quantization + split-K shrink), outputs
                  preallocated
+  k1_sorted_us   the same storing codes / scales in adapter-sorted row order (sorted_codes=True:
+                 the prefill path's K1, v0.69)
   gemm_us        the vendor FP8 GEMM alone (ops.vendor_fp8_gemm: vLLM's cutlass_scaled_mm
                  writing y in place, cuBLAS without vLLM) on K1's codes and scales
   expand_add_us  our expand-add alone (kernels_dsl/expand_add.py) on K1's h, adding into y
@@ -155,6 +157,8 @@ class HybridStages:
             return lambda: expand_add(self.y, self.h, c.lora_b, c.meta, **kw)
 
         fns = {"k1": k1(),
+               # the prefill path's K1: codes / scales stored in adapter-sorted row order (v0.69)
+               "k1_sorted": k1(sorted_codes=True),
                "gemm": lambda: ops.vendor_fp8_gemm(self.codes, self.scales, c.w_q, c.w_s, out=self.y),
                "expand_add": ex(),
                # the whole op, per path (the default argument binds each lambda's own path)
