@@ -806,7 +806,6 @@ if cute is not None:
                 it = cutlass.Int32(0)
                 qc = cutlass.Int32(0)
                 tcount = cutlass.Int32(0)
-                ring_aligned = nk % STAGES == 0  # every tile starts the ring at stage 0
                 lin = self._posted_tile(full, sLin, it)
                 while lin < n_tiles:
                     ttile, tile = self._tile_of(lin, n_ttiles, n_wtiles, group)
@@ -835,29 +834,17 @@ if cute is not None:
                             self._issue_block(mma, bufs[0], it + i, False)
                             self._retire_block(mma, acc, bufs[0], it + i, 0)
                     else:
-                        # Two blocks in flight, as the one-tile build. When every tile has a
-                        # multiple of STAGES k-blocks (K = 4096 / 12288 here: ring_aligned), each
-                        # tile starts at stage 0 and the loop unrolled by STAGES takes its stages at
-                        # compile time, so its WGMMA descriptors are constant offsets (v0.70);
-                        # otherwise the stage comes at run time, unrolled by the two blocks. (v0.65's
-                        # C7514 — ptxas serializing every WGMMA — came from peeled loop forms, not
-                        # from compile-time stages: both loops here compile clean, tests/ptxas.py.)
-                        if ring_aligned:
-                            for i0 in cutlass.range(0, nk, STAGES, unroll=1):
-                                for u in cutlass.range_constexpr(STAGES):
-                                    i = i0 + u
-                                    if i < nk:
-                                        self._issue_block(mma, bufs[u % 2], it + i, False, u)
-                                        if i > 0:
-                                            self._retire_block(mma, acc, bufs[(u + 1) % 2], it + i - 1, 1)
-                        else:
-                            for i0 in cutlass.range(0, nk, 2, unroll=1):
-                                for u in cutlass.range_constexpr(2):
-                                    i = i0 + u
-                                    if i < nk:
-                                        self._issue_block(mma, bufs[u], it + i, False)
-                                        if i > 0:
-                                            self._retire_block(mma, acc, bufs[(u + 1) % 2], it + i - 1, 1)
+                        # Two blocks in flight, as the one-tile build, but with the stage taken at
+                        # run time (a tile starts wherever the ring stands): ptxas serialized every
+                        # WGMMA (C7514) when this loop sat beside the one-tile build's compile-time
+                        # stage loop (or replaced it) inside the tile loop (run26, perf.md v0.65).
+                        for i0 in cutlass.range(0, nk, 2, unroll=1):
+                            for u in cutlass.range_constexpr(2):
+                                i = i0 + u
+                                if i < nk:
+                                    self._issue_block(mma, bufs[u], it + i, False)
+                                    if i > 0:
+                                        self._retire_block(mma, acc, bufs[(u + 1) % 2], it + i - 1, 1)
                         if (nk - 1) % 2 == 0:
                             self._retire_block(mma, acc, bufs[0], it + nk - 1, 0)
                         else:

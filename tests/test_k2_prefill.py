@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from kernels_dsl import k2_prefill as P  # noqa: E402
 from kernels_dsl._abi import ptx_entry_params  # noqa: E402
 from tests.dsl46 import SHARDS, run_dsl46  # noqa: E402
-from tests.ptxas import spill_problems  # noqa: E402
+from tests.ptxas import spill_problems, wgmma_overlap_problems  # noqa: E402
 
 FAST = [
     P.Config(bn=128, lora=True, num_slices=3, rank=64),
@@ -149,6 +149,8 @@ def check_config(cfg: P.Config) -> dict:
 
         regs = register_count(cubin)
         bad += pool_problems(ptx, cubin)
+        if cfg.accum == "overlap":
+            bad += wgmma_overlap_problems(cubin)
     smem = getattr(f, "epilora_smem_bytes", None)
     if smem is not None and smem != cfg.smem_bytes():
         bad.append(f"smem_bytes() {cfg.smem_bytes()} != DSL struct {smem}")
