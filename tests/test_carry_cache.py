@@ -73,3 +73,21 @@ def test_slim_copies_the_slim_set_only(tmp_path):
 def test_check_command_fails_with_the_missing_names(tmp_path, capsys):
     assert cc.main(["check", str(tmp_path)]) == 1
     assert "missing from" in capsys.readouterr().err
+
+
+def test_families_subset_holds_those_families_at_every_rank(tmp_path):
+    """`--families`: a few families' whole prebuild sets (every rank, no trace builds), nothing else."""
+    only = ("k1_quant_shrink", "expand_add")
+    sub = cc.wanted(only=only)
+    assert {m.FAMILY for m, _ in sub} == set(only)
+    assert not any("trace" in c.name() for _, c in sub)
+    every = [b for b in cc.wanted(full=True) if b[0].FAMILY in only and "trace" not in b[1].name()]
+    assert [(m.FAMILY, c) for m, c in sub] == [(m.FAMILY, c) for m, c in every]
+    assert len({getattr(c, "rank", None) for _, c in sub}) > 1  # not only the slim rank
+    k1_off_rank = [b for b in sub if b[0].FAMILY == "k1_quant_shrink" and b[1].rank != cc.SLIM_RANK][:1]
+    other = [b for b in cc.wanted(full=True) if b[0].FAMILY == "fp8_quant"][:1]
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    for b in k1_off_rank + other:
+        _fake_entry(*b, src)
+    assert cc.slim(src, dest, with_prefill=False, only=only) == 1
+    assert cc.missing(dest, k1_off_rank) == [] and len(cc.missing(dest, other)) == 1

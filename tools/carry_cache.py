@@ -1,7 +1,7 @@
 """The kernel cache a device call carries: made slim, and checked the way the GPU machine reads it.
 
-    python tools/carry_cache.py slim [--with-prefill]      # .gpu_carry/.epilora_cache -> .gpu_carry/slim
-    python tools/carry_cache.py check DIR [--with-prefill | --full]
+    python tools/carry_cache.py slim [--with-prefill | --families F1,F2]  # .gpu_carry/.epilora_cache -> .gpu_carry/slim
+    python tools/carry_cache.py check DIR [--with-prefill | --full | --families F1,F2]
 
 Why the check exists: session 22 built part of the kernel set into the default cache
 (~/.cache/epilora_cute) instead of ./.epilora_cache, carried a cache without K1, and spent its
@@ -42,10 +42,16 @@ def in_slim(family: str, config, with_prefill: bool) -> bool:
     return not (adapter_build and getattr(config, "rank", SLIM_RANK) != SLIM_RANK)
 
 
-def wanted(with_prefill: bool = False, full: bool = False) -> list[tuple]:
-    """(family module, config) of every build the carried cache must hold."""
+def wanted(with_prefill: bool = False, full: bool = False, only: tuple[str, ...] | None = None) -> list[tuple]:
+    """(family module, config) of every build the carried cache must hold. only: these families'
+    whole prebuild sets, every rank, without the trace builds (a call that tests and benches a few
+    families beside vLLM: run27 carried K1, the prefill K2, expand-add, quantization and the decode
+    shrink this way, 24 MB next to .devvllm/2's 29)."""
     from epilora_cute.kernels import families
 
+    if only:
+        return [(mod, cfg) for mod in families() if mod.FAMILY in only for cfg in mod.prebuild_configs()
+                if "trace" not in cfg.name()]
     return [(mod, cfg) for mod in families() for cfg in mod.prebuild_configs()
             if full or in_slim(mod.FAMILY, cfg, with_prefill)]
 
@@ -68,14 +74,15 @@ def missing(cache_dir: Path, builds: list[tuple]) -> list[str]:
         compile_cache.dsl_version = real
 
 
-def slim(src: Path, dest: Path, with_prefill: bool) -> int:
-    """Copy the entries of the slim set from ``src`` (a carry cache) to ``dest``; the number copied."""
+def slim(src: Path, dest: Path, with_prefill: bool, only: tuple[str, ...] | None = None) -> int:
+    """Copy the entries of the slim set (or of ``only``'s families) from ``src`` (a carry cache) to
+    ``dest``; the number copied."""
     from epilora_cute.compile_cache import entry_dir
 
     if dest.exists():
         shutil.rmtree(dest)
     n = 0
-    for mod, cfg in wanted(with_prefill):
+    for mod, cfg in wanted(with_prefill, only=only):
         entry = entry_dir(mod, cfg, ARCH, src)
         if entry.is_dir():
             shutil.copytree(entry, entry_dir(mod, cfg, ARCH, dest))
@@ -96,17 +103,21 @@ def main(argv=None) -> int:
     c.add_argument("cache_dir", type=Path)
     c.add_argument("--with-prefill", action="store_true")
     c.add_argument("--full", action="store_true")
+    for p in (s, c):
+        p.add_argument("--families", default="",
+                       help="comma-separated families: their whole prebuild sets instead of the slim rule")
     args = ap.parse_args(argv)
+    only = tuple(f for f in args.families.split(",") if f) or None
     if args.cmd == "slim":
         src, dest = ROOT / ".gpu_carry" / ".epilora_cache", ROOT / ".gpu_carry" / "slim" / ".epilora_cache"
         if not src.is_dir():
             print(f"no {src}: run make carry-cache first", file=sys.stderr)
             return 1
-        n = slim(src, dest, args.with_prefill)
+        n = slim(src, dest, args.with_prefill, only)
         print(f"{dest}: {n} builds, {_size_mb(dest):.1f} MiB")
-        cache, builds = dest, wanted(args.with_prefill)
+        cache, builds = dest, wanted(args.with_prefill, only=only)
     else:
-        cache, builds = args.cache_dir, wanted(args.with_prefill, args.full)
+        cache, builds = args.cache_dir, wanted(args.with_prefill, args.full, only)
     gone = missing(cache, builds)
     if gone:
         print(f"{len(gone)} of {len(builds)} builds missing from {cache}:", file=sys.stderr)
