@@ -9,6 +9,7 @@ and runs the kernels without nvidia-cutlass-dsl installed.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import shutil
 import sys
@@ -20,15 +21,15 @@ from .kernel_abi import check_params
 from .kernels import families
 
 
-def _build_one(family: str, index: int, arch: str, cache_dir: Path | None) -> dict:
-    """Compile (or find in the cache) one prebuild configuration; a worker's unit of work."""
-    mod = next(m for m in families() if m.FAMILY == family)
-    cfg = mod.prebuild_configs()[index]
+def _build_one(module_name: str, cfg, arch: str, cache_dir: Path | None) -> dict:
+    """Compile (or find in the cache) one prebuild configuration; a worker's unit of work (the
+    module by name and the frozen config travel to a pool worker by pickling)."""
+    mod = importlib.import_module(module_name)
     t0 = time.perf_counter()
     art = get_artifact(mod, cfg, arch, root=cache_dir)
     params = mod.params(cfg) if hasattr(mod, "params") else mod.PARAMS
     check_params(params, art.param_sizes, art.kernel_name)
-    return {"family": family, "config": cfg.name(), "seconds": time.perf_counter() - t0,
+    return {"family": mod.FAMILY, "config": cfg.name(), "seconds": time.perf_counter() - t0,
             "cubin_bytes": len(art.cubin), "path": str(art.path)}
 
 
@@ -39,8 +40,8 @@ def prebuild(arch: str, cache_dir: Path | None = None, only: list[str] | None = 
     safe). Rows come back in the kernel set's order either way."""
     if dsl_version() is None:
         raise SystemExit("nvidia-cutlass-dsl is not installed: nothing can be compiled here")
-    work = [(mod.FAMILY, i) for mod in families() if not only or mod.FAMILY in only
-            for i in range(len(mod.prebuild_configs()))]
+    work = [(mod.__name__, cfg) for mod in families() if not only or mod.FAMILY in only
+            for cfg in mod.prebuild_configs()]
 
     def report(row):
         if verbose:
@@ -49,13 +50,13 @@ def prebuild(arch: str, cache_dir: Path | None = None, only: list[str] | None = 
         return row
 
     if jobs <= 1:
-        return [report(_build_one(f, i, arch, cache_dir)) for f, i in work]
+        return [report(_build_one(m, cfg, arch, cache_dir)) for m, cfg in work]
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     # spawn: a fresh interpreter per worker (the DSL's MLIR context does not survive fork).
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_build_one, f, i, arch, cache_dir) for f, i in work]
+        futures = [pool.submit(_build_one, m, cfg, arch, cache_dir) for m, cfg in work]
         return [report(fut.result()) for fut in futures]
 
 
