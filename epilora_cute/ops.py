@@ -7,6 +7,7 @@ taken only where the result is identical (the quantization) or explicitly reques
 from __future__ import annotations
 
 import logging
+import os
 from typing import NamedTuple
 
 import torch
@@ -506,6 +507,26 @@ def _base_path(x, w_q, w_scale, out):
     return vendor_fp8_gemm(codes, scales, w_q, w_scale, out=out)
 
 
+# The dtype of h between K1 and the expand-add on the hybrid paths (v0.71). bf16 is what the
+# expand-add's MMA reads either way, so y is bit for bit the same; it halves h's bytes and drops the
+# expand-add's conversions. "fp32" stays the default until the H200 has run the bf16 builds
+# (tests/test_k1_shrink.py / test_expand_add.py -k bf16_h, the op tests with EPILORA_HYBRID_H=bf16).
+HYBRID_H_ENV = "EPILORA_HYBRID_H"
+HYBRID_H_DEFAULT = "fp32"
+_H_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def hybrid_h_dtype() -> torch.dtype:
+    """h's dtype on the hybrid paths: EPILORA_HYBRID_H (fp32 | bf16), else HYBRID_H_DEFAULT (an
+    unknown value is logged once and ignored: a typo must not stop an engine)."""
+    v = (os.environ.get(HYBRID_H_ENV) or HYBRID_H_DEFAULT).strip().lower()
+    if v not in _H_DTYPES:
+        _warn_once(f"{HYBRID_H_ENV}={v}", f"{HYBRID_H_ENV}={v!r} is not one of {sorted(_H_DTYPES)}; "
+                   f"using {HYBRID_H_DEFAULT}")
+        v = HYBRID_H_DEFAULT
+    return _H_DTYPES[v]
+
+
 def _hybrid_path(x, w_q, w_scale, a, b, meta, out, slot_ranks):
     """K1 (bit-exact quantization + split-K shrink, one launch), the vendor FP8 GEMM, then our
     expand-add into its output: three launches instead of vLLM's four. (A batch the host knows to
@@ -513,7 +534,7 @@ def _hybrid_path(x, w_q, w_scale, a, b, meta, out, slot_ranks):
     from kernels_dsl.expand_add import expand_add
     from kernels_dsl.k1_shrink import k1_quant_shrink
 
-    codes, scales, h = k1_quant_shrink(x, a, meta, slot_ranks=slot_ranks)
+    codes, scales, h = k1_quant_shrink(x, a, meta, slot_ranks=slot_ranks, h_dtype=hybrid_h_dtype())
     vendor_fp8_gemm(codes, scales, w_q, w_scale, out=out)
     return expand_add(out, h, b, meta, slot_ranks=slot_ranks)
 
@@ -553,7 +574,7 @@ def _hybrid_par_path(x, w_q, w_scale, a, b, meta, out, slot_ranks, quant_first: 
     # fork: the caching allocator then never hands their memory to other work before the join.
     scratch_codes = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=dev)
     scratch_scales = torch.empty((m, 1), dtype=torch.float32, device=dev)
-    h = torch.empty((len(a), m, int(a[0].shape[-2])), dtype=torch.float32, device=dev)
+    h = torch.empty((len(a), m, int(a[0].shape[-2])), dtype=hybrid_h_dtype(), device=dev)
     main = torch.cuda.current_stream(dev)
     side = _side_stream(dev)
     if not quant_first:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import sys
 import functools
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -72,13 +73,16 @@ RANKS = (8, 16, 32, 64, 128, 256)
 @dataclass(frozen=True)
 class Config:
     """rank: buffer rank R. num_slices: A buffers (1..4). bm: sorted rows per CTA (16/32/64).
-    kc: resident K capacity per CTA (multiple of 64). stages: depth of the A-block ring."""
+    kc: resident K capacity per CTA (multiple of 64). stages: depth of the A-block ring.
+    h_bf16: store h as bf16 (RN of the same fp32 sum) instead of fp32 — what the expand-add and
+    the prefill K2 feed their MMA anyway, so their outputs are bit for bit the same (v0.71)."""
 
     rank: int = 64
     num_slices: int = 1
     bm: int = 64
     kc: int = 512
     stages: int = 3
+    h_bf16: bool = False
 
     def __post_init__(self):
         if self.rank not in RANKS:
@@ -122,7 +126,8 @@ class Config:
         return MAX_SPLITS * self.kc
 
     def name(self) -> str:
-        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_kc{self.kc}_st{self.stages}"
+        hb = "_hb" if self.h_bf16 else ""
+        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_kc{self.kc}_st{self.stages}{hb}"
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -151,7 +156,7 @@ def params(config: Config) -> list:
         TensorParam("x", bf16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16),  # [M, K]
         TensorParam("codes16", i16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16),  # [M, K/2]
         TensorParam("scales", f32, 1, dynamic_shape=(0,), align=4),  # [M]
-        TensorParam("h", f32, 3, dynamic_shape=(1,), dynamic_stride=(0,), align=16),  # [S, M, R]
+        TensorParam("h", h_dtype(config), 3, dynamic_shape=(1,), dynamic_stride=(0,), align=16),  # [S, M, R]
         TensorParam("token_indices_sorted", i32, 1, dynamic_shape=(0,), align=4),
         TensorParam("row_group", i32, 1, dynamic_shape=(0,), align=4),
         TensorParam("active_lora_ids", i32, 1, dynamic_shape=(0,), align=4),
@@ -163,6 +168,11 @@ def params(config: Config) -> list:
     p.append(ScalarParam("has_ranks", "i"))
     p.append(ScalarParam("sorted_codes", "i"))  # 1: codes / scales rows in adapter-sorted order
     return p
+
+
+def h_dtype(config: Config) -> torch.dtype:
+    """The dtype of the h the configuration writes."""
+    return torch.bfloat16 if config.h_bf16 else torch.float32
 
 
 def _smem_allocator():
@@ -567,7 +577,10 @@ if cute is not None:
                 for q in cutlass.range_constexpr(MAX_SPLITS):
                     if q < nsplit:
                         v = v + part[q]
-                mH[s, mTok[r0 + r], c] = v
+                if cutlass.const_expr(self.cfg.h_bf16):
+                    mH[s, mTok[r0 + r], c] = v.to(cutlass.BFloat16)  # RN, as the consumers round it
+                else:
+                    mH[s, mTok[r0 + r], c] = v
 
 
 def _fake_args(cfg: Config):
@@ -588,7 +601,7 @@ def _fake_args(cfg: Config):
     x = matrix(bf16, 8)
     q16 = matrix(i16, 4)
     sc = rowmajor(f32, (cute.sym_int32(),), align=4)
-    h = rowmajor(f32, (cfg.num_slices, cute.sym_int32(), cfg.rank))
+    h = rowmajor(bf16 if cfg.h_bf16 else f32, (cfg.num_slices, cute.sym_int32(), cfg.rank))
     vec = lambda: rowmajor(i32, (cute.sym_int32(),), align=4)  # noqa: E731
     a_bufs = tuple(matrix(bf16, 8) for _ in range(cfg.num_slices))
     return (x, q16, sc, h, vec(), vec(), vec(), vec(), vec(), cutlass.Int32(0), cutlass.Int32(0),
@@ -688,14 +701,17 @@ def projection_ks() -> dict[int, set[int]]:
 
 
 def prebuild_configs() -> list[Config]:
-    cfgs = {select(s, k, r, m) for s, ks in projection_ks().items() for k in ks for r in RANKS
-            for m in (None, SHALLOW_SMALL_M, SHALLOW_SMALL_M + 1)}
+    by_size = {select(s, k, r, m) for s, ks in projection_ks().items() for k in ks for r in RANKS
+               for m in (SHALLOW_SMALL_M, SHALLOW_SMALL_M + 1)}  # what a launch at m tokens selects
+    cfgs = by_size | {select(s, k, r) for s, ks in projection_ks().items() for k in ks for r in RANKS}
+    # The selections by size also with h stored as bf16 (the hybrid paths' h, v0.71).
+    cfgs |= {dataclasses.replace(c, h_bf16=True) for c in by_size}
     # down's configuration before v0.13 (K 12288 / 14336, rank 64), which tests/test_k1_shrink.py's
     # GPU check compares against (still selected for K 14784 as well; the GPU machine has no DSL).
     cfgs.add(Config(rank=64, num_slices=1, bm=32, kc=2048, stages=8))
     for s, k in SWEEP_SHAPES:
         cfgs.update(sweep_configs(s, k, 64).values())
-    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.kc, c.bm, c.stages))
+    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.kc, c.bm, c.stages, c.h_bf16))
 
 
 # The bench's K1 sweep (`hybrid_stages` with EPILORA_BENCH_K1SWEEP=1): Qwen3-8B's (slices, K) at
@@ -781,10 +797,12 @@ def _as_3d(a: torch.Tensor, name: str) -> torch.Tensor:
 def k1_quant_shrink(x: torch.Tensor, lora_a_slices, meta, codes: torch.Tensor | None = None,
                     scales: torch.Tensor | None = None, h: torch.Tensor | None = None,
                     slot_ranks: torch.Tensor | None = None, *, config: Config | None = None,
-                    splits: int | None = None, zsplit: int | None = None, sorted_codes: bool = False):
+                    splits: int | None = None, zsplit: int | None = None, sorted_codes: bool = False,
+                    h_dtype: torch.dtype = torch.float32):
     """One launch: (codes [M, K] e4m3, scales [M, 1] fp32) = reference.quantize_fp8_per_token(x)
-    bit for bit, and h [S, M, R] fp32 = x . A_s[slot]^T per slice (0 for slot -1 and beyond a
+    bit for bit, and h [S, M, R] = x . A_s[slot]^T per slice (0 for slot -1 and beyond a
     slot's effective rank when slot_ranks is given). Returns (codes, scales, h).
+    h is fp32, or bf16 (the fp32 sum rounded to nearest even) when h_dtype / the given h is bf16.
 
     x: [M, K] bf16, K a multiple of 8, unit column stride, row stride a multiple of 8, 16-byte
         aligned. lora_a_slices: S (1..4) tensors [max_loras, 1, R, K] (or [max_loras, R, K]) bf16
@@ -823,7 +841,9 @@ def k1_quant_shrink(x: torch.Tensor, lora_a_slices, meta, codes: torch.Tensor | 
     if scales is None:
         scales = torch.empty((M, 1), dtype=torch.float32, device=x.device)
     if h is None:
-        h = torch.empty((S, M, R), dtype=torch.float32, device=x.device)
+        if h_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"h_dtype must be torch.float32 or torch.bfloat16, got {h_dtype}")
+        h = torch.empty((S, M, R), dtype=h_dtype, device=x.device)
     if codes.dtype != torch.float8_e4m3fn or tuple(codes.shape) != (M, K) or codes.device != x.device:
         raise ValueError(f"codes must be float8_e4m3fn [{M}, {K}] on {x.device}")
     if codes.stride(1) != 1 or codes.stride(0) % 8 or codes.data_ptr() % 16:
@@ -831,20 +851,25 @@ def k1_quant_shrink(x: torch.Tensor, lora_a_slices, meta, codes: torch.Tensor | 
     if scales.dtype != torch.float32 or scales.numel() != M or scales.device != x.device or \
             (M > 1 and scales.reshape(-1).stride(0) != 1):
         raise ValueError(f"scales must be a contiguous float32 [{M}, 1] on {x.device}")
-    if h.dtype != torch.float32 or h.dim() != 3 or h.shape[0] != S or h.shape[1] < M or h.shape[2] != R:
-        raise ValueError(f"h must be float32 [{S}, >= {M}, {R}]")
+    if h.dtype not in (torch.float32, torch.bfloat16) or h.dim() != 3 or h.shape[0] != S or h.shape[1] < M or \
+            h.shape[2] != R:
+        raise ValueError(f"h must be float32 or bfloat16 [{S}, >= {M}, {R}]")
     if h.device != x.device or h.stride(2) != 1 or h.stride(1) != R or h.stride(0) % R or h.data_ptr() % 16:
         raise ValueError("h must be row-major over [M, rank] with a 16-byte aligned base")
     _check_meta(meta, M, x.device)
     check_slot_ranks(slot_ranks, L, x.device)
+    h_bf16 = h.dtype == torch.bfloat16
+    cfg = config or dataclasses.replace(select(S, K, R, max(M, 1)), h_bf16=h_bf16)
+    if cfg.rank != R or cfg.num_slices != S:
+        raise ValueError(f"config {cfg.name()} does not match rank {R} / {S} slices")
+    if cfg.h_bf16 != h_bf16:
+        raise ValueError(f"config {cfg.name()} writes h as {'bfloat16' if cfg.h_bf16 else 'float32'}, "
+                         f"the given h is {h.dtype}")
     if M == 0:
         return codes, scales, h
     arch = arch_of(x)  # None off CUDA (and on GPUs without a CuTe target)
     if arch is None:
         raise ValueError("k1_quant_shrink runs on CUDA tensors only (the reference / emulate() on the CPU)")
-    cfg = config or select(S, K, R, M)
-    if cfg.rank != R or cfg.num_slices != S:
-        raise ValueError(f"config {cfg.name()} does not match rank {R} / {S} slices")
     if zsplit is not None and not 1 <= zsplit <= 65535:
         raise ValueError(f"zsplit must be 1..65535, got {zsplit}")
     g, cl = grid(K, M, cfg, splits, max_loras=L, zsplit=zsplit)
@@ -863,13 +888,15 @@ def k1_quant_shrink(x: torch.Tensor, lora_a_slices, meta, codes: torch.Tensor | 
 
 
 def emulate(x: torch.Tensor, lora_a_slices, meta, slot_ranks=None, config: Config | None = None,
-            splits: int | None = None, zsplit: int | None = None, sorted_codes: bool = False):
+            splits: int | None = None, zsplit: int | None = None, sorted_codes: bool = False,
+            h_dtype: torch.dtype = torch.float32):
     """Pure-torch model of the kernel (CPU): sorted BM-row tiles, the k-block split of the
     cluster, per-split partials of every (slice, group) pass with rows of other groups zeroed and
     rank columns beyond the slot's effective rank skipped, the fixed-order split sum, and the
     quantization from the folded per-split maxima; with the group split (zsplit, default as the
     launch) each z-chunk of a tile's groups computes and stores only its groups' rows (rows nobody
-    stores stay NaN, so a gap shows); sorted_codes as k1_quant_shrink. Returns (codes, scales, h)."""
+    stores stay NaN, so a gap shows); sorted_codes and h_dtype as k1_quant_shrink. Returns (codes,
+    scales, h)."""
     from epilora_cute.reference import FP8_MAX as FMAX, MIN_SCALE as MINS, _clamp_like_cuda, _nan_ignoring_abs_max
 
     from .emulate import z_group_slices
@@ -906,7 +933,7 @@ def emulate(x: torch.Tensor, lora_a_slices, meta, slot_ranks=None, config: Confi
         for groups, row_lo, row_hi in z_group_slices(rg, start, r0, rows, nz):
             _emulate_h(h, xt, as_, act, start, slot_ranks, cfg, ranges, tok[r0:r0 + rows], r0, rows,
                        groups, row_lo, row_hi)
-    return codes, scales, h
+    return codes, scales, h.to(h_dtype)  # fp32 -> bf16 rounds to nearest even, as the kernel's cvt
 
 
 def _emulate_h(h, xt, as_, act, start, slot_ranks, cfg, ranges, tok, r0, rows, groups, row_lo, row_hi):

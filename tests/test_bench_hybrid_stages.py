@@ -137,3 +137,24 @@ def test_orchestration_with_the_gpu_parts_faked(capsys, monkeypatch):
     layer = [r for r in rows if r["proj"] == "layer"]
     assert len(layer) == 6 and all(r["hybrid_us"] == 4.0 and r["stages_sum_us"] == 12.0 for r in layer)
     assert "vLLM columns left out" in capsys.readouterr().out
+
+
+def test_with_env_sets_the_variable_only_during_the_call(monkeypatch):
+    """The *_hb op columns: EPILORA_HYBRID_H is set while the op runs (and a graph is captured
+    from it), and restored after, also when the call raises."""
+    import os
+
+    from epilora_cute import ops
+    from tools.bench_hybrid_stages import _with_env
+
+    monkeypatch.setenv(ops.HYBRID_H_ENV, "fp32")
+    seen = []
+    _with_env(ops.HYBRID_H_ENV, "bf16", lambda: seen.append(ops.hybrid_h_dtype()))()
+    assert seen == [torch.bfloat16] and ops.hybrid_h_dtype() == torch.float32
+
+    def boom():
+        raise RuntimeError("x")
+    monkeypatch.delenv(ops.HYBRID_H_ENV)
+    with pytest.raises(RuntimeError):
+        _with_env(ops.HYBRID_H_ENV, "bf16", boom)()
+    assert ops.HYBRID_H_ENV not in os.environ

@@ -12,6 +12,7 @@ configurations and prints one RESULTS JSON line: that is how the 4.6.0 venv is t
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 import shutil
@@ -35,7 +36,10 @@ from tests.ptxas import spill_problems  # noqa: E402
 
 needs_dsl = pytest.mark.skipif(dsl_version() is None, reason="nvidia-cutlass-dsl is not installed")
 
-FAST = [E.Config(rank=64, num_slices=3), E.Config(rank=8, num_slices=1, bm=128), E.Config(rank=256, num_slices=2, bn=64)]
+FAST = [E.Config(rank=64, num_slices=3), E.Config(rank=8, num_slices=1, bm=128), E.Config(rank=256, num_slices=2, bn=64),
+        E.Config(rank=64, num_slices=2, bn=64, h_bf16=True), E.Config(rank=8, num_slices=1, h_bf16=True),
+        E.Config(rank=64, num_slices=2, bn=64, h_bf16=True, y_early=True),
+        E.Config(rank=256, num_slices=3, bn=64, h_bf16=True, y_early=True)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,6 +201,10 @@ def _cpu_case():
 @pytest.mark.parametrize("mutate,exc,match", [
     (lambda c: c.update(y=c["y"].float()), TypeError, "bfloat16"),
     (lambda c: c.update(h=c["h"].double()), TypeError, "float32"),
+    (lambda c: c.update(h=c["h"].half()), TypeError, "float32 or bfloat16"),
+    (lambda c: c.update(h=c["h"].bfloat16(), config=E.Config(rank=16, num_slices=2)), ValueError, "reads h as float32"),
+    (lambda c: c.update(config=E.Config(rank=16, num_slices=2, h_bf16=True)), ValueError, "reads h as bfloat16"),
+    (lambda c: c.update(y_early=True), ValueError, "y_early builds read a bfloat16 h"),
     (lambda c: c.update(h=c["h"][:1]), ValueError, "h must be"),
     (lambda c: c.update(h=c["h"].transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "row-major"),
     (lambda c: c.update(bs=[c["bs"][0], c["bs"][1][:, :, :12].contiguous()]), ValueError, "multiples of 8|add up"),
@@ -210,9 +218,21 @@ def _cpu_case():
 def test_bad_input(mutate, exc, match):
     c = _cpu_case()
     c["slot_ranks"] = None
+    c["config"] = None
+    c["y_early"] = None
     mutate(c)
     with pytest.raises(exc, match=match):
-        E.expand_add(c["y"], c["h"], c["bs"], c["meta"], c["slot_ranks"])
+        E.expand_add(c["y"], c["h"], c["bs"], c["meta"], c["slot_ranks"], config=c["config"], y_early=c["y_early"])
+
+
+def test_emulation_bf16_h_is_the_fp32_h_result():
+    """The kernel's operand is bf16(h) either way: a bf16 h (K1's h_bf16 store) gives y bit for bit."""
+    ranks = torch.tensor([64, 16, 0, 8] * 2, dtype=torch.int32)
+    case = make_case(130, 8, 64, (256, 128, 128), seed=3, slot_ranks=ranks)
+    y32 = E.emulate(case["y"], case["h"], case["bs"], case["meta"], ranks)
+    y16 = E.emulate(case["y"], case["h"].bfloat16(), case["bs"], case["meta"], ranks)
+    assert torch.equal(y16.view(torch.int16), y32.view(torch.int16))
+    assert not torch.equal(y32.view(torch.int16), case["y"].view(torch.int16))  # the case adds something
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,23 +240,35 @@ def test_bad_input(mutate, exc, match):
 # ---------------------------------------------------------------------------------------------
 
 
-def ptx_problems(ptx: str) -> list[str]:
+def ptx_problems(ptx: str, cfg: E.Config | None = None) -> list[str]:
     bad = []
     for ins in ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
-                "cp.async.cg.shared.global", "cp.async.wait_group", "cvt.rn.bf16.f32",  # h -> bf16 operand
+                "cp.async.cg.shared.global", "cp.async.wait_group",
                 "st.global.v4.b32", "ld.global.v4.b32"):  # 16-byte y accesses
         if ins not in ptx:
             bad.append(f"missing {ins}")
+    if cfg is not None and cfg.y_early and "ld.shared.v4.b32" not in ptx:  # y read back from smem
+        bad.append("y_early: missing ld.shared.v4.b32")
+    if cfg is not None and cfg.h_bf16:  # bf16 h staged as 16-byte vectors, never converted
+        if "st.shared.v4.b32" not in ptx:
+            bad.append("h_bf16: missing st.shared.v4.b32")
+        if "cvt.rn.bf16.f32" in ptx:
+            bad.append("h_bf16: unexpected cvt.rn.bf16.f32")
+    elif "cvt.rn.bf16.f32" not in ptx:  # h -> bf16 operand
+        bad.append("missing cvt.rn.bf16.f32")
     for pat in (r"\.local\b", r"griddepcontrol", r"^\s*(?:@%p\d+\s+)?(?:atom|red)\."):  # no spills/atomics
         if re.search(pat, ptx, re.M):
             bad.append(f"unexpected {pat}")
     return bad
 
 
-def check_config(mod, cfg, problems=ptx_problems, spills=True) -> dict:
-    """Compile one configuration; check PTX content, the declared parameters (sizes against the
-    PTX .entry), the DSL's smem struct against Config.smem_bytes, the cubin and (spills) ptxas's
-    register spills, which the result lists under "spills" either way."""
+def check_config(mod, cfg, problems=None, spills=True) -> dict:
+    """Compile one configuration; check PTX content (problems: ptx -> list, default this file's
+    ptx_problems for cfg), the declared parameters (sizes against the PTX .entry), the DSL's smem
+    struct against Config.smem_bytes, the cubin and (spills) ptxas's register spills, which the
+    result lists under "spills" either way."""
+    if problems is None:
+        problems = functools.partial(ptx_problems, cfg=cfg)
     with tempfile.TemporaryDirectory() as d:
         f = mod.compile(cfg, f"--gpu-arch sm_90a --keep-ptx --keep-cubin --dump-dir {d}")
         ptxs, cubins = sorted(Path(d).glob("*.ptx")), sorted(Path(d).glob("*.cubin"))
@@ -281,7 +313,7 @@ def test_compiles_with_required_instructions(cfg):
 # Prebuilt configurations that spill under ptxas -v, as found when the check was added (session
 # 23): GPU-verified and timed as they are. A new spill elsewhere fails the test below; so does an
 # entry here that no longer spills (the list stays true).
-KNOWN_SPILLS = {"r16_s2_bm64_bn128": "4 bytes"}
+KNOWN_SPILLS = {"r16_s2_bm64_bn128": "4 bytes", "r16_s2_bm64_bn128_hb": "4 bytes"}
 
 
 @needs_dsl
@@ -416,6 +448,60 @@ def test_gpu_group_split_bitwise_invariant(M):
     assert_close_bf16(outs[None], expected(dict(case, y=y0), bf16_h=True), True)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,L,R,widths", [(33, 8, 64, (4096, 1024, 1024)), (2048, 1, 64, (12288, 12288)),
+                                          (256, 32, 64, (4096,)), (511, 8, 8, (2048, 512)), (300, 4, 256, (1024, 512)),
+                                          (2500, 32, 16, (4096, 1024, 1024, 512))])
+def test_gpu_bf16_h_is_bitwise_fp32_h(M, L, R, widths):
+    """v0.71: a bf16 h (K1's h_bf16 store) gives the y of the fp32 h it rounds, bit for bit (the
+    MMA operand is bf16(h) either way); rows without an adapter untouched (their h poisoned);
+    mixed effective ranks; both tile widths (below / from WIDE_M)."""
+    _hopper()
+    ranks = torch.tensor([(R, R // 2, 0, 8)[i % 4] for i in range(L)], dtype=torch.int32)
+    case = make_case(M, L, R, widths, seed=M + R, slot_ranks=ranks, device="cuda")
+    neg = case["ids"] < 0
+    case["h"][:, neg] = float("nan")
+    y0 = case["y"].clone()
+    y0[neg] = float("nan")
+    y32, y16 = y0.clone(), y0.clone()
+    E.expand_add(y32, case["h"], case["bs"], case["meta"], ranks.cuda())
+    out = E.expand_add(y16, case["h"].bfloat16(), case["bs"], case["meta"], ranks.cuda())
+    assert out is y16
+    torch.cuda.synchronize()
+    assert torch.equal(y16.view(torch.int16), y32.view(torch.int16))
+    assert torch.equal(y16[neg].view(torch.int16), y0[neg].view(torch.int16))
+    keep = ~neg
+    assert_close_bf16(y16[keep], expected(dict(case, y=y0), bf16_h=True)[keep], True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,L,R,widths", [(33, 8, 64, (4096, 1024, 1024)), (2048, 1, 64, (12288, 12288)),
+                                          (256, 32, 64, (4096,)), (511, 8, 8, (2048, 520)), (300, 4, 256, (1024, 520)),
+                                          (2500, 32, 16, (4096, 1024, 1024, 512)), (100, 32, 64, (264, 8))])
+def test_gpu_y_early_is_bitwise_the_late_y(M, L, R, widths):
+    """v0.72: y requested before the MMAs (cp.async into smem) gives the y of the build that loads
+    it in the epilogue, bit for bit; rows without an adapter neither read into the result nor
+    written (poisoned); slices whose last tile is partial (520, 264, 8 columns), the group split."""
+    _hopper()
+    ranks = torch.tensor([(R, R // 2, 0, 8)[i % 4] for i in range(L)], dtype=torch.int32)
+    case = make_case(M, L, R, widths, seed=M + 3 * R, slot_ranks=ranks, device="cuda")
+    neg = case["ids"] < 0
+    case["h"][:, neg] = float("nan")
+    y0 = case["y"].clone()
+    y0[neg] = float("nan")
+    h16 = case["h"].bfloat16()
+    outs = {}
+    for ye in (False, True):
+        for z in (None, 1):
+            y = y0.clone()
+            E.expand_add(y, h16, case["bs"], case["meta"], ranks.cuda(), zsplit=z, y_early=ye)
+            outs[ye, z] = y
+    torch.cuda.synchronize()
+    for key, y in outs.items():
+        assert torch.equal(y.view(torch.int16), outs[False, None].view(torch.int16)), key
+    assert torch.equal(outs[True, None][neg].view(torch.int16), y0[neg].view(torch.int16))
+
+
 def _assert_configs_bitwise_equal(case, cfgs):
     """Each configuration on its own copy of the case's y: the same bits from all of them (rows
     without an adapter untouched), and that y within the reference's tolerance."""
@@ -461,6 +547,18 @@ def test_select_takes_the_narrow_tile_from_wide_m():
     assert E.select(1, 64, 256).bn == 64
     assert all(E.select(s, m, r) in E.prebuild_configs() for s in (1, 2, 3, 4) for r in E.RANKS
                for m in (1, E.WIDE_M - 1, E.WIDE_M, 8192))
+
+
+def test_prebuild_set_has_the_bf16_h_and_y_early_tiles():
+    """Every tile select() takes, also built for a bf16 h (v0.71) with and without early y (v0.72)."""
+    import dataclasses
+
+    built = set(E.prebuild_configs())
+    for s in (1, 2, 3, 4):
+        for r in E.RANKS:
+            for m in (1, E.WIDE_M - 1, E.WIDE_M, 8192):
+                for ye in (False, True):
+                    assert dataclasses.replace(E.select(s, m, r), h_bf16=True, y_early=ye) in built, (s, r, m, ye)
 
 
 @pytest.mark.gpu

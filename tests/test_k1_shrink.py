@@ -13,6 +13,7 @@ configurations and prints one RESULTS JSON line (how the 4.6.0 venv is tested).
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from pathlib import Path
@@ -40,6 +41,8 @@ FAST = [
     K1.Config(rank=8, num_slices=2, bm=32, kc=1024),
     K1.Config(rank=64, num_slices=3, bm=32, kc=512, stages=4),  # qkv's selection since v0.31
     K1.Config(rank=16, num_slices=1, bm=16, kc=1536, stages=2),
+    K1.Config(rank=64, num_slices=3, bm=32, kc=512, stages=4, h_bf16=True),  # qkv's, h stored as bf16
+    K1.Config(rank=8, num_slices=1, bm=16, kc=1536, stages=2, h_bf16=True),  # 16-byte bf16 rows of h
 ]
 
 
@@ -306,16 +309,49 @@ def _cpu_case():
     (lambda c: c.update(codes=torch.empty(20, 64, dtype=torch.uint8)), ValueError, "codes"),
     (lambda c: c.update(scales=torch.empty(19, 1)), ValueError, "scales"),
     (lambda c: c.update(h=torch.empty(2, 20, 8)), ValueError, "h must be"),
+    (lambda c: c.update(h=torch.empty(2, 20, 16, dtype=torch.float16)), ValueError, "float32 or bfloat16"),
+    (lambda c: c.update(h=torch.empty(2, 20, 16, dtype=torch.bfloat16), config=K1.Config(rank=16, num_slices=2)),
+     ValueError, "writes h as float32"),
+    (lambda c: c.update(config=K1.Config(rank=16, num_slices=2, h_bf16=True)), ValueError, "writes h as bfloat16"),
     (lambda c: c.update(meta=build_meta(c["ids"][:10], 4)), ValueError, "metadata"),
     (lambda c: c.update(slot_ranks=torch.ones(4)), TypeError, "int32"),
     (lambda c: None, ValueError, "CUDA"),
 ])
 def test_bad_input(mutate, exc, match):
     c = _cpu_case()
-    c.update(codes=None, scales=None, h=None, slot_ranks=None)
+    c.update(codes=None, scales=None, h=None, slot_ranks=None, config=None)
     mutate(c)
     with pytest.raises(exc, match=match):
-        K1.k1_quant_shrink(c["x"], c["As"], c["meta"], c["codes"], c["scales"], c["h"], c["slot_ranks"])
+        K1.k1_quant_shrink(c["x"], c["As"], c["meta"], c["codes"], c["scales"], c["h"], c["slot_ranks"],
+                           config=c["config"])
+
+
+def test_bad_h_dtype_argument():
+    c = _cpu_case()
+    with pytest.raises(ValueError, match="h_dtype"):
+        K1.k1_quant_shrink(c["x"], c["As"], c["meta"], h_dtype=torch.float16)
+
+
+def test_emulation_h_bf16_is_the_rounded_fp32_h():
+    """h_dtype=bf16: the fp32 h rounded to nearest even, element for element; codes unchanged."""
+    case = make_case(257, 32, 64, 1040, 3, seed=5, spread=True, specials=True)
+    c0, s0, h0 = K1.emulate(case["x"], case["As"], case["meta"])
+    c1, s1, h1 = K1.emulate(case["x"], case["As"], case["meta"], h_dtype=torch.bfloat16)
+    assert h1.dtype == torch.bfloat16
+    assert torch.equal(h1.view(torch.int16), h0.to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(c1.view(torch.uint8), c0.view(torch.uint8)) and torch.equal(s1, s0)
+
+
+def test_prebuild_set_has_every_selection_with_bf16_h():
+    """The hybrid path asks for select()'s configuration with h_bf16 at any size it serves."""
+    import dataclasses
+
+    built = set(K1.prebuild_configs())
+    for s, ks in K1.projection_ks().items():
+        for k in ks:
+            for r in K1.RANKS:
+                for m in (33, 1024, 1025, 8192):
+                    assert dataclasses.replace(K1.select(s, k, r, m), h_bf16=True) in built, (s, k, r, m)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,10 +359,12 @@ def test_bad_input(mutate, exc, match):
 # ---------------------------------------------------------------------------------------------
 
 
-def ptx_problems(ptx: str) -> list[str]:
+def ptx_problems(ptx: str, cfg: K1.Config | None = None) -> list[str]:
     import re
 
     bad = []
+    if cfg is not None and cfg.h_bf16:  # h rounded to nearest even, 2-byte stores
+        bad += [f"h_bf16: missing {ins}" for ins in ("cvt.rn.bf16.f32", "st.global.b16") if ins not in ptx]
     for ins in ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
                 "cp.async.cg.shared.global", "barrier.cluster.arrive", "barrier.cluster.wait",
                 "mapa.shared::cluster.u32", "ld.shared::cluster.f32",  # DSMEM split-K reduction
@@ -347,7 +385,7 @@ def ptx_problems(ptx: str) -> list[str]:
 def test_compiles_with_required_instructions(cfg):
     # spills=False: r64_s3_bm64_kc512_st3 (a test configuration, not prebuilt) spills 8 bytes
     # under ptxas -v (session 23); the prebuilt set was never checked for spills.
-    r = check_config(K1, cfg, ptx_problems, spills=False)
+    r = check_config(K1, cfg, functools.partial(ptx_problems, cfg=cfg), spills=False)
     assert not r["problems"], r
 
 
@@ -355,7 +393,7 @@ def test_compiles_with_required_instructions(cfg):
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", K1.prebuild_configs(), ids=lambda c: c.name())
 def test_prebuild_set_compiles(cfg):
-    r = check_config(K1, cfg, ptx_problems, spills=False)
+    r = check_config(K1, cfg, functools.partial(ptx_problems, cfg=cfg), spills=False)
     assert not r["problems"], r
 
 
@@ -515,6 +553,31 @@ def test_gpu_bitwise_deterministic(M):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M,L,R,K,S", [(33, 1, 64, 4096, 3), (2048, 1, 64, 4096, 3), (300, 32, 64, 4096, 2),
+                                       (2048, 8, 64, 12288, 1), (511, 8, 8, 4096, 2), (100, 4, 256, 1040, 1),
+                                       (1025, 32, 16, 3696, 1)])
+def test_gpu_h_bf16_is_the_rounded_fp32_h(M, L, R, K, S):
+    """v0.71: h stored as bf16 is the fp32 h rounded to nearest even, bit for bit (the same sums,
+    one cvt), codes and scales unchanged; mixed effective ranks, -1 tokens, poisoned outputs;
+    sizes on both sides of SHALLOW_SMALL_M (two configurations per shape), rank 8's 16-byte rows."""
+    _hopper()
+    slot_ranks = torch.tensor([(R, R // 2, 0, 8)[i % 4] for i in range(L)], dtype=torch.int32)
+    case = make_case(M, L, R, K, S, seed=M + 7 * L, slot_ranks=slot_ranks, device="cuda", spread=True,
+                     specials=True)
+    codes, scales, h = _poisoned(M, K, S, R)
+    K1.k1_quant_shrink(case["x"], case["As"], case["meta"], codes, scales, h, case["slot_ranks"])
+    codes_b, scales_b, _ = _poisoned(M, K, S, R)
+    h_b = torch.full((S, M, R), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = K1.k1_quant_shrink(case["x"], case["As"], case["meta"], codes_b, scales_b, h_b, case["slot_ranks"])
+    assert out[2] is h_b
+    torch.cuda.synchronize()
+    assert torch.equal(h_b.view(torch.int16), h.to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(codes_b.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(scales_b.view(torch.int32), scales.view(torch.int32))
+    _check(case, codes, scales, h, K)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("M,L,K,S", [(64, 8, 4096, 3), (2048, 1, 4096, 3), (300, 32, 4096, 2), (2048, 8, 12288, 1),
                                      (100, 8, 4040, 1), (1500, 4, 4040, 1)])
 def test_gpu_zero_filled_copies_match_the_reference(M, L, K, S):
@@ -628,4 +691,4 @@ def test_gpu_cuda_graph_replay():
 if __name__ == "__main__":
     from tests.dsl46 import script_main
 
-    script_main(FAST, K1.prebuild_configs(), lambda c: check_config(K1, c, ptx_problems, spills=False), lambda c: c.name())
+    script_main(FAST, K1.prebuild_configs(), lambda c: check_config(K1, c, functools.partial(ptx_problems, cfg=c), spills=False), lambda c: c.name())

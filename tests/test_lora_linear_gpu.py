@@ -231,6 +231,24 @@ def test_hybrid_par_is_the_hybrid_path_bit_for_bit(proj, m, path):
     assert _rel_err(y, _reference(x, wq, ws, a, b, mapping)) < 1e-2
 
 
+@pytest.mark.parametrize("path", ["hybrid", "hybrid_par", "hybrid_par_q"])
+@pytest.mark.parametrize("m", [33, 256, 2048])
+@pytest.mark.parametrize("proj", ["qkv", "gate_up", "down"])
+def test_hybrid_paths_with_bf16_h_are_bit_for_bit_fp32_h(proj, m, path, monkeypatch):
+    """v0.71: EPILORA_HYBRID_H=bf16 (K1 stores h as bf16, the expand-add reads it as it is) gives
+    the fp32-h path's y bit for bit, into a poisoned output."""
+    widths, k = QWEN3_8B[proj]
+    x, wq, ws, a, b, mapping = _case(widths, k, m, seed=m + 23)
+    meta = build_meta(mapping, 4)
+    monkeypatch.setenv(ops.HYBRID_H_ENV, "fp32")
+    want = ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path)
+    monkeypatch.setenv(ops.HYBRID_H_ENV, "bf16")
+    out = torch.full((m, sum(widths)), float("nan"), dtype=torch.bfloat16, device="cuda")
+    y = ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path=path)
+    torch.cuda.synchronize()
+    assert y.data_ptr() == out.data_ptr() and torch.equal(y.view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.parametrize("path", ["hybrid_par", "hybrid_par_q"])
 def test_hybrid_par_in_a_cuda_graph_with_new_inputs(path):
     """The fork / join is captured as two branches of one graph; replays with new x and a new

@@ -113,13 +113,64 @@ def test_hybrid_path_without_adapters_is_quantization_plus_the_vendor_gemm(monke
     monkeypatch.setattr(ops, "arch_of", lambda t: "sm_90a")
     monkeypatch.setattr(ops, "vendor_fp8_gemm", lambda codes, scales, w_q, w_scale, out=None:
                         calls.append("gemm") or out.copy_(reference.fp8_scaled_mm(codes, scales, w_q, w_scale)))
-    monkeypatch.setattr(k1_shrink, "k1_quant_shrink", lambda x, a, meta, slot_ranks=None: calls.append("k1") or (
-        *reference.quantize_fp8_per_token(x), None))
+    monkeypatch.setattr(k1_shrink, "k1_quant_shrink", lambda x, a, meta, slot_ranks=None, h_dtype=None:
+                        calls.append("k1") or (*reference.quantize_fp8_per_token(x), None))
     monkeypatch.setattr(expand_add, "expand_add", lambda out, h, b, meta, slot_ranks=None: calls.append("expand") or out)
     y = ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="hybrid")
     assert calls == (["gemm"] if host_adapters == 0 else ["k1", "gemm", "expand"])
     codes, scales = reference.quantize_fp8_per_token(x)
     assert torch.equal(y, reference.fp8_scaled_mm(codes, scales, wq, ws).bfloat16())
+
+
+@pytest.mark.parametrize("env,want", [(None, ops.HYBRID_H_DEFAULT), ("bf16", "bf16"), ("fp32", "fp32"),
+                                      (" BF16 ", "bf16"), ("half", ops.HYBRID_H_DEFAULT)])
+def test_hybrid_h_dtype_from_the_environment(monkeypatch, env, want):
+    """EPILORA_HYBRID_H picks h's dtype between K1 and the expand-add; an unknown value falls back
+    to the default (a warning, not an error inside a serving engine)."""
+    if env is None:
+        monkeypatch.delenv(ops.HYBRID_H_ENV, raising=False)
+    else:
+        monkeypatch.setenv(ops.HYBRID_H_ENV, env)
+    assert ops.hybrid_h_dtype() == {"fp32": torch.float32, "bf16": torch.bfloat16}[want]
+
+
+@pytest.mark.parametrize("path", ["hybrid", "hybrid_par"])
+@pytest.mark.parametrize("env", ["fp32", "bf16"])
+def test_hybrid_paths_hand_h_of_the_chosen_dtype_to_the_expand_add(monkeypatch, path, env):
+    """Both hybrid forms give K1 and the expand-add one h of EPILORA_HYBRID_H's dtype."""
+    import contextlib
+
+    from kernels_dsl import expand_add, k1_shrink
+
+    monkeypatch.setenv(ops.HYBRID_H_ENV, env)
+    seen = {}
+
+    def fake_k1(x, a, meta, codes=None, scales=None, h=None, slot_ranks=None, h_dtype=torch.float32):
+        if h is None:
+            h = torch.empty(len(a), x.shape[0], a[0].shape[-2], dtype=h_dtype)
+        seen["k1"] = h
+        return (*reference.quantize_fp8_per_token(x), h)
+
+    def fake_expand(out, h, b, meta, slot_ranks=None):
+        seen["expand"] = h
+        return out
+
+    monkeypatch.setattr(ops, "quantize_fp8_per_token", lambda x: reference.quantize_fp8_per_token(x))
+    monkeypatch.setattr(ops, "vendor_fp8_gemm", lambda codes, scales, w_q, w_scale, out=None: out)
+    monkeypatch.setattr(ops, "_side_stream", lambda dev: torch.cuda.current_stream(dev))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: type("S", (), {
+        "wait_stream": lambda self, o: None, "wait_event": lambda self, e: None})())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(k1_shrink, "k1_quant_shrink", fake_k1)
+    monkeypatch.setattr(expand_add, "expand_add", fake_expand)
+    x, wq, ws, a, b, meta, _ = _linear_case()
+    out = torch.empty(x.shape[0], wq.shape[0], dtype=torch.bfloat16)
+    if path == "hybrid":
+        ops._hybrid_path(x, wq, ws, a, b, meta, out, None)
+    else:
+        ops._hybrid_par_path(x, wq, ws, a, b, meta, out, None)
+    assert seen["k1"] is seen["expand"]
+    assert seen["k1"].dtype == {"fp32": torch.float32, "bf16": torch.bfloat16}[env]
 
 
 @pytest.mark.parametrize("quant_first", [False, True])

@@ -16,6 +16,9 @@ replays with the L2 flushed before each (median, tools/gpu_timing):
   hybrid_us      the whole op, lora_linear_fp8(path="hybrid") (validation + the three launches)
   hybrid_par_us  the same with K1 on a second stream beside the quantization + GEMM (v0.34)
   hybrid_par_q_us  hybrid_par with that branch forked after the quantization (v0.58)
+  k1_hb_us, expand_add_hb_us, hybrid_hb_us, hybrid_par_hb_us, hybrid_par_q_hb_us   the same with h
+                 stored / read as bf16 (v0.71: K1's h_bf16 builds, the op under EPILORA_HYBRID_H=bf16)
+  expand_add_hb_ye_us   the bf16-h expand-add with y requested before its MMAs (v0.72, y_early)
   k1_z1_us, expand_add_z1_us     the same kernels with the group split (grid z) forced to 1: the
                  launch geometry before v0.6 (timed only where the default z is > 1)
   k1_zN_us, expand_add_zN_us     with EPILORA_BENCH_ZSWEEP=1, also z = 2, 4, ..., 64 where it differs
@@ -59,6 +62,7 @@ RANK = 64
 TOKENS = (32, 256, 2048)
 ADAPTERS = (1, 32)
 STAGES = ("k1", "gemm", "expand_add", "hybrid", "hybrid_par", "hybrid_par_q")
+HYBRID_PATHS = ("hybrid", "hybrid_par", "hybrid_par_q")
 ZSWEEP = (2, 4, 8, 16, 32, 64)
 ZSWEEP_ENV = "EPILORA_BENCH_ZSWEEP"
 K1SWEEP_ENV = "EPILORA_BENCH_K1SWEEP"  # "1": also K1 / expand-add under their sweep_configs
@@ -138,9 +142,11 @@ class HybridStages:
         self.codes = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev)
         self.scales = torch.empty(m, 1, dtype=torch.float32, device=dev)
         self.h = torch.empty(len(c.proj.slices), m, c.rank, dtype=torch.float32, device=dev)
+        self.h_bf16 = torch.empty(len(c.proj.slices), m, c.rank, dtype=torch.bfloat16, device=dev)
         self.y = torch.empty(m, c.proj.n, dtype=torch.bfloat16, device=dev)
         self.out = torch.empty_like(self.y)
         k1_quant_shrink(c.x, c.lora_a, c.meta, self.codes, self.scales, self.h)
+        self.h_bf16.copy_(self.h)  # what K1's bf16 store writes (the GPU tests check it bit for bit)
         torch.cuda.synchronize()
 
     def launchers(self) -> dict[str, Callable[[], object]]:
@@ -150,21 +156,29 @@ class HybridStages:
 
         c = self.c
 
-        def k1(**kw):
-            return lambda: k1_quant_shrink(c.x, c.lora_a, c.meta, self.codes, self.scales, self.h, **kw)
+        def k1(h=self.h, **kw):
+            return lambda: k1_quant_shrink(c.x, c.lora_a, c.meta, self.codes, self.scales, h, **kw)
 
-        def ex(**kw):
-            return lambda: expand_add(self.y, self.h, c.lora_b, c.meta, **kw)
+        def ex(h=self.h, **kw):
+            return lambda: expand_add(self.y, h, c.lora_b, c.meta, **kw)
+
+        def op(path, h_env=None):
+            def run():
+                return ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=self.out, path=path)
+            return run if h_env is None else _with_env(ops.HYBRID_H_ENV, h_env, run)
 
         fns = {"k1": k1(),
                # the prefill path's K1: codes / scales stored in adapter-sorted row order (v0.69)
                "k1_sorted": k1(sorted_codes=True),
                "gemm": lambda: ops.vendor_fp8_gemm(self.codes, self.scales, c.w_q, c.w_s, out=self.y),
                "expand_add": ex(),
-               # the whole op, per path (the default argument binds each lambda's own path)
-               **{path: lambda path=path: ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta,
-                                                              out=self.out, path=path)
-                  for path in ("hybrid", "hybrid_par", "hybrid_par_q")}}
+               # the whole op, per path, with h as the op's default dtype
+               **{path: op(path) for path in HYBRID_PATHS},
+               # v0.71: h stored / read as bf16 (kernels alone, then the op with EPILORA_HYBRID_H=bf16)
+               "k1_hb": k1(h=self.h_bf16),
+               "expand_add_hb": ex(h=self.h_bf16),
+               "expand_add_hb_ye": ex(h=self.h_bf16, y_early=True),  # v0.72: y requested before the MMAs
+               **{f"{path}_hb": op(path, "bf16") for path in HYBRID_PATHS}}
         if os.environ.get(K1SWEEP_ENV) == "1":
             from kernels_dsl import k1_shrink as k1mod
             for name, cfg in k1mod.sweep_configs(len(c.proj.slices), c.proj.k, c.rank).items():
@@ -178,6 +192,22 @@ class HybridStages:
             if ex_kw is not None:
                 fns[f"expand_add_{name}"] = ex(**ex_kw)
         return fns
+
+
+def _with_env(name: str, value: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """fn run with os.environ[name] = value (restored after): the op reads it on the host, so a
+    CUDA graph captured from this call keeps the launches it chose."""
+    def run():
+        old = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return fn()
+        finally:
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+    return run
 
 
 def launch_variants(c: LayerCase, zsweep: bool = False) -> dict[str, tuple[dict | None, dict | None]]:

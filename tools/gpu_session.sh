@@ -21,7 +21,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
+mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -153,6 +153,27 @@ case $mode in
     timeout -s KILL 60 python3 -m pytest -q -m gpu tests/test_lora_linear_gpu.py -k hybrid 2>&1 | tail -3 | tee -a "$OUT/k1_tests.log"
     EPILORA_BENCH_K1SWEEP=1 EPILORA_BENCH_TOKENS=${K1_TOKENS:-64,256,2048} EPILORA_BENCH_ADAPTERS=${K1_ADAPTERS:-1,8,32} \
       timeout -s KILL 200 python3 tools/bench.py --quick --sections hybrid_stages --out "$OUT/hs" 2>&1 | tail -45
+    (cd "$OUT" && [[ -d hs ]] && tar czf hs.tgz hs && rm -rf hs)
+    ;;
+  h-bf16)
+    # perf.md v0.71 / v0.72 (carry the cache with K1's and the expand-add's builds (--families
+    # k1_quant_shrink,expand_add,fp8_quant), .devvllm/2 after call A for vLLM's columns; ~9.5 min):
+    # K1 storing h as bf16 and the expand-add reading it (also with y requested early), bit for bit
+    # against the fp32 h / late y, the op's hybrid paths under EPILORA_HYBRID_H=bf16 bit for bit the
+    # fp32 ones, racecheck of the three new builds, then hybrid_stages (its *_hb / *_hb_ye columns
+    # beside the fp32 ones) at HB_TOKENS x HB_ADAPTERS.
+    unpack_vllm
+    timeout -s KILL 130 python3 -m pytest -q -m gpu tests/test_k1_shrink.py tests/test_expand_add.py \
+      -k "bf16_h or h_bf16 or y_early or matches_reference or bitwise" 2>&1 | tail -4 | tee "$OUT/h_bf16_tests.log"
+    timeout -s KILL 80 python3 -m pytest -q -m gpu tests/test_lora_linear_gpu.py -k hybrid 2>&1 | tail -3 \
+      | tee -a "$OUT/h_bf16_tests.log"
+    for c in k1_hb expand_hb expand_ye; do
+      echo "== racecheck kernel_diag $c" | tee -a "$OUT/h_bf16_tests.log"
+      timeout -s KILL 40 compute-sanitizer --tool racecheck --report-api-errors no \
+        python3 tools/kernel_diag.py $c 2>&1 | tail -4 | tee -a "$OUT/h_bf16_tests.log"
+    done
+    EPILORA_BENCH_TOKENS=${HB_TOKENS:-64,256,2048} EPILORA_BENCH_ADAPTERS=${HB_ADAPTERS:-1,32} \
+      timeout -s KILL 170 python3 tools/bench.py --quick --sections hybrid_stages --out "$OUT/hs" 2>&1 | tail -45
     (cd "$OUT" && [[ -d hs ]] && tar czf hs.tgz hs && rm -rf hs)
     ;;
   prefill-k2)
