@@ -1,8 +1,8 @@
 """Hybrid-path expand-add (issue 4, 33..8192 tokens): y[M, N] += concat_s(h_s . B_s[slot]^T), CuTe-DSL.
 
 y already holds the base GEMM's bf16 output (e.g. vLLM's CUTLASS FP8 GEMM); h is the shrink's fp32
-[num_slices, M, R] (or K1's bf16 h, v0.71: the same bf16 operand without the conversion); B_s are vLLM's per-slice buffers [max_loras, 1, n_s, R] bf16. The result is
-bf16(fp32(y) + sum_k bf16(h)[m, k] * B[n, k]) (fp32 accumulation, one rounding), rows of tokens
+[num_slices, M, R] (or K1's bf16 h, v0.71: the same bf16 operand without the conversion); B_s are
+vLLM's per-slice buffers [max_loras, 1, n_s, R] bf16. The result is bf16(fp32(y) + sum_k bf16(h)[m, k] * B[n, k]) (fp32 accumulation, one rounding), rows of tokens
 without an adapter (slot -1) are neither read nor written.
 
 Tiling: the CONCATENATED output. blockIdx.x enumerates column tiles of BN columns slice by slice
@@ -71,17 +71,13 @@ class Config:
     """rank: the buffers' rank R (vLLM's max_lora_rank). num_slices: 1..4 B buffers.
     bm: token rows per CTA (16 per warp). bn: output columns per CTA (multiple of 16).
     h_bf16: h arrives as bf16 (K1's h_bf16 store): staged into smem as it is, half the bytes and
-    no conversion; the MMA operand is the same bf16 value either way (v0.71).
-    y_early: the tile's y rows are requested at the start (cp.async into smem sY, beside the first
-    B tile and h) instead of after the MMAs, so y's DRAM round trip overlaps theirs (v0.72); the
-    same arithmetic, bit for bit."""
+    no conversion; the MMA operand is the same bf16 value either way (v0.71)."""
 
     rank: int = 64
     num_slices: int = 1
     bm: int = 64
     bn: int = 128
     h_bf16: bool = False
-    y_early: bool = False
 
     def __post_init__(self):
         if self.rank not in RANKS:
@@ -106,8 +102,7 @@ class Config:
 
     def name(self) -> str:
         hb = "_hb" if self.h_bf16 else ""
-        ye = "_ye" if self.y_early else ""
-        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}{hb}{ye}"
+        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}{hb}"
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -116,14 +111,10 @@ class Config:
     @functools.cached_property  # launches ask for it on every call
     def smem_bytes(self) -> int:
         """Dynamic smem, the kernel's struct field by field: sA (bf16 [bm, Rp]) then the B double
-        buffer, which the fp32 epilogue tile [bm, bn + C_PAD] reuses (the larger of the two), then
-        (y_early) the y tile sY (bf16 [bm, bn])."""
+        buffer, which the fp32 epilogue tile [bm, bn + C_PAD] reuses (the larger of the two)."""
         a = self.bm * self.rank_pad * 2
         b = max(2 * self.bn * self.rank_pad * 2, self.bm * (self.bn + C_PAD) * 4)
-        off = _align(_align(a, 1024) + b, 1024)
-        if self.y_early:
-            off = _align(off + self.bm * self.bn * 2, 1024)
-        return off
+        return _align(_align(a, 1024) + b, 1024)
 
 
 def _align(x: int, a: int) -> int:
@@ -182,17 +173,6 @@ if cute is not None:
             order = (0, 1) if stages is None else (0, 1, 2)
             return cute.tile_to_shape(atom, shape, order)
 
-        def _storage(self, a_elems: int, b_elems: int):
-            """The shared-storage struct (a plain method: the y_early field is a Python choice). Built
-            from an annotations dict of real types: this module's string annotations (the future
-            import) would name locals the struct decorator cannot resolve."""
-            def field(n):
-                return cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, n], 1024]
-            fields = {"sA": field(a_elems), "sB": field(b_elems)}
-            if self.cfg.y_early:
-                fields["sY"] = field(self.BM * self.BN)
-            return cute.struct(type("Storage", (), {"__annotations__": fields}))
-
         @cute.jit
         def __call__(self, y: cute.Tensor, h: cute.Tensor, tok: cute.Tensor, sorted_ids: cute.Tensor,
                      row_group: cute.Tensor, active: cute.Tensor, start_loc: cute.Tensor,
@@ -213,8 +193,15 @@ if cute is not None:
             tiled_copy_b = cute.make_tiled_copy_tv(
                 g2s, cute.make_layout((self.threads // cpr, cpr), stride=(cpr, 1)), cute.make_layout((1, 8)))
             c_elems = cute.cosize(sC_layout) * 2  # fp32 epilogue tile in bf16 units (it reuses sB)
-            self.storage = self._storage(cute.cosize(sA_layout), max(cute.cosize(sB_layout), c_elems))
-            self.smem_size = self.storage.size_in_bytes()
+
+            @cute.struct
+            class Storage:
+                sA: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sA_layout)], 1024]
+                sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, max(cute.cosize(sB_layout), c_elems)],
+                                      1024]
+
+            self.storage = Storage
+            self.smem_size = Storage.size_in_bytes()
             self.kernel(y, h, tok, sorted_ids, row_group, active, start_loc, slot_ranks, b_bufs, n_widths,
                         has_ranks, sA_layout, sB_layout, sC_layout, tiled_mma, tiled_copy_b).launch(
                 grid=(1, 1, 1), block=(self.threads, 1, 1), smem=cfg.smem_bytes, stream=stream)
@@ -273,30 +260,6 @@ if cute is not None:
                 sB = st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
                 # The epilogue tile reuses the B buffers (both are dead by then).
                 sC = cute.make_tensor(cute.recast_ptr(st.sB.data_ptr(), dtype=cutlass.Float32), sC_layout)
-
-                # Output chunks: thread tidx owns chunks v = it * NT + tidx (row v // CPR, 16-byte
-                # column chunk v % CPR) of the tile in the epilogue.
-                CPR = BN // 8
-                NIT = BM * CPR // NT
-                toks = []
-                if cutlass.const_expr(cfg.y_early):
-                    j0 = (col_base + c0) // 8  # the tile's first 16-byte chunk of y's row
-                    # v0.72: the chunks' tokens, and their y requested now, in group 0's B commit
-                    # group (the first wait covers both), so y's DRAM round trip overlaps B's and h's
-                    # instead of following the MMAs.
-                    toks = self._out_tokens(mSorted, mTok, r0, row_lo, row_hi, ncols, tidx)
-                    y_base = st.sY.data_ptr().toint()
-                    for it in cutlass.range_constexpr(NIT):
-                        # (names of their own: the DSL types every Python name across its branches)
-                        vy = it * NT + tidx
-                        ry = vy // CPR
-                        cy = vy - ry * CPR
-                        ty = toks[it]
-                        nbytes = cutlass.Int32(cutlass.select_(ty >= 0, 16, 0))  # 0: nothing read, zeros
-                        t_src = cutlass.Int32(cutlass.select_(ty >= 0, ty, 0))  # a valid address either way
-                        c_src = cutlass.Int32(cutlass.select_(ty >= 0, cy, 0))
-                        src = cute.zipped_divide(mY[t_src, None], (8,))[None, j0 + c_src]
-                        _dsl.cp_async_cg_16(y_base + (ry * BN + cy * 8) * 2, src.iterator.toint(), nbytes)
 
                 # ---- group 0's B is requested first, then h is staged while it flies ------------
                 thr_cb = tiled_copy_b.get_slice(tidx)
@@ -374,24 +337,30 @@ if cute is not None:
 
                 # Three passes over this thread's NIT chunks so that the memory round trips overlap
                 # instead of queueing chunk after chunk: (1) every chunk's sorted slot and token
-                # index, (2) every chunk's 16-byte y load (y_early: from sY, landed by now), (3) add,
-                # round once, store. Same arithmetic per element as one pass; rows of slot -1
-                # neither read nor written.
-                if cutlass.const_expr(not cfg.y_early):
-                    j0 = (col_base + c0) // 8
-                    toks = self._out_tokens(mSorted, mTok, r0, row_lo, row_hi, ncols, tidx)
-                else:
-                    sY = st.sY.get_tensor(cute.make_layout((BM, BN), stride=(BN, 1)))
+                # index, (2) every chunk's 16-byte y load, (3) add, round once, store. Same
+                # arithmetic per element as one pass; rows of slot -1 neither read nor written.
+                CPR = BN // 8
+                NIT = BM * CPR // NT
+                j0 = (col_base + c0) // 8
+                toks = []
+                for it in cutlass.range_constexpr(NIT):
+                    v = it * NT + tidx
+                    r = v // CPR
+                    cc = v - r * CPR
+                    t = cutlass.Int32(-1)
+                    if r >= row_lo and r < row_hi and cc * 8 < ncols:
+                        srt = mSorted[r0 + r]
+                        tk = mTok[r0 + r]
+                        if srt >= 0:
+                            t = tk
+                    toks.append(t)
                 ys = []
                 for it in cutlass.range_constexpr(NIT):
                     v = it * NT + tidx
                     cc = v - (v // CPR) * CPR
                     r_y = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
                     if toks[it] >= 0:
-                        if cutlass.const_expr(cfg.y_early):
-                            cute.autovec_copy(cute.zipped_divide(sY[v // CPR, None], (8,))[None, cc], r_y)
-                        else:
-                            cute.autovec_copy(cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc], r_y)
+                        cute.autovec_copy(cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc], r_y)
                     ys.append(r_y)
                 for it in cutlass.range_constexpr(NIT):
                     v = it * NT + tidx
@@ -403,26 +372,6 @@ if cute is not None:
                         r_o = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
                         r_o.store((ys[it].load().to(cutlass.Float32) + r_c.load()).to(cutlass.BFloat16))
                         cute.autovec_copy(r_o, cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc])
-
-        @cute.jit
-        def _out_tokens(self, mSorted, mTok, r0, row_lo, row_hi, ncols, tidx):
-            """Per output chunk of this thread (see the kernel): the token of its row, or -1 where the
-            row is outside this CTA's groups, has no adapter, or the chunk is past the slice."""
-            BM, BN, NT = self.BM, self.BN, self.threads
-            CPR = BN // 8
-            toks = []
-            for it in cutlass.range_constexpr(BM * CPR // NT):
-                v = it * NT + tidx
-                r = v // CPR
-                cc = v - r * CPR
-                t = cutlass.Int32(-1)
-                if r >= row_lo and r < row_hi and cc * 8 < ncols:
-                    srt = mSorted[r0 + r]
-                    tk = mTok[r0 + r]
-                    if srt >= 0:
-                        t = tk
-                toks.append(t)
-            return toks
 
         @cute.jit
         def _k_eff(self, lid, mRanks, has_ranks):
@@ -573,14 +522,12 @@ def prebuild_configs() -> list[Config]:
     # since v0.13: tests/test_expand_add.py's GPU check compares against it, and the GPU machine
     # (no DSL) runs only prebuilt configurations.
     cfgs |= {Config(rank=64, num_slices=s, bm=128, bn=128) for s in SLICE_COUNTS}
-    # select()'s tiles also for K1's bf16 h (the hybrid path's, v0.71), and those with y requested
-    # early (v0.72).
-    for ye in (False, True):
-        cfgs |= {dataclasses.replace(select(s, m, r), h_bf16=True, y_early=ye) for s in SLICE_COUNTS
-                 for r in RANKS for m in (64, WIDE_M)}
+    # select()'s tiles also for K1's bf16 h (the hybrid path's, v0.71).
+    cfgs |= {dataclasses.replace(select(s, m, r), h_bf16=True) for s in SLICE_COUNTS for r in RANKS
+             for m in (64, WIDE_M)}
     for s in SWEEP_SLICES:
         cfgs.update(sweep_configs(s, 64).values())
-    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.bn, c.h_bf16, c.y_early))
+    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.bn, c.h_bf16))
 
 
 # The bench's expand-add sweep (`hybrid_stages` with EPILORA_BENCH_K1SWEEP=1), rank 64, Qwen3-8B's
@@ -673,14 +620,8 @@ def check_slot_ranks(slot_ranks, max_loras: int, device):
         raise ValueError("slot_ranks must be on the device of y")
 
 
-# v0.72's early y requests (Config.y_early) in the configurations expand_add() selects: off until
-# the H200 has run those builds (tests/test_expand_add.py -k y_early; bench column expand_add_hb_ye).
-Y_EARLY_DEFAULT = False
-
-
 def expand_add(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks: torch.Tensor | None = None,
-               *, config: Config | None = None, zsplit: int | None = None,
-               y_early: bool | None = None) -> torch.Tensor:
+               *, config: Config | None = None, zsplit: int | None = None) -> torch.Tensor:
     """y[m, slice s] += h[s, m] . B_s[slot(m)]^T in place (fp32 accumulation, one bf16 rounding);
     tokens with slot -1 untouched. Returns y.
 
@@ -693,8 +634,6 @@ def expand_add(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks
     slot_ranks: optional int32 [>= max_loras]: per-slot effective rank; work beyond it is skipped
         (exact when the buffers are zero-padded beyond it, as vLLM keeps them).
     zsplit: force the group split (grid z, choose_zsplit); the result does not depend on it.
-    y_early: select()'s tile with y requested before the MMAs (Config.y_early; None:
-        Y_EARLY_DEFAULT); the result does not depend on it. Only with a bf16 h (the builds made).
     """
     from epilora_cute.arch import arch_of
     from epilora_cute.kernels import get_kernel
@@ -731,10 +670,7 @@ def expand_add(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks
     _check_meta(meta, M, y.device)
     check_slot_ranks(slot_ranks, L, y.device)
     h_bf16 = h.dtype == torch.bfloat16
-    ye = Y_EARLY_DEFAULT if y_early is None else bool(y_early)
-    if ye and not h_bf16 and config is None:
-        raise ValueError("y_early builds read a bfloat16 h (K1's h_bf16 store)")
-    cfg = config or dataclasses.replace(select(S, max(M, 1), R), h_bf16=h_bf16, y_early=ye)
+    cfg = config or dataclasses.replace(select(S, max(M, 1), R), h_bf16=h_bf16)
     if cfg.rank != R or cfg.num_slices != S:
         raise ValueError(f"config {cfg.name()} does not match rank {R} / {S} slices")
     if cfg.h_bf16 != h_bf16:

@@ -37,9 +37,7 @@ from tests.ptxas import spill_problems  # noqa: E402
 needs_dsl = pytest.mark.skipif(dsl_version() is None, reason="nvidia-cutlass-dsl is not installed")
 
 FAST = [E.Config(rank=64, num_slices=3), E.Config(rank=8, num_slices=1, bm=128), E.Config(rank=256, num_slices=2, bn=64),
-        E.Config(rank=64, num_slices=2, bn=64, h_bf16=True), E.Config(rank=8, num_slices=1, h_bf16=True),
-        E.Config(rank=64, num_slices=2, bn=64, h_bf16=True, y_early=True),
-        E.Config(rank=256, num_slices=3, bn=64, h_bf16=True, y_early=True)]
+        E.Config(rank=64, num_slices=2, bn=64, h_bf16=True), E.Config(rank=8, num_slices=1, h_bf16=True)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,7 +202,6 @@ def _cpu_case():
     (lambda c: c.update(h=c["h"].half()), TypeError, "float32 or bfloat16"),
     (lambda c: c.update(h=c["h"].bfloat16(), config=E.Config(rank=16, num_slices=2)), ValueError, "reads h as float32"),
     (lambda c: c.update(config=E.Config(rank=16, num_slices=2, h_bf16=True)), ValueError, "reads h as bfloat16"),
-    (lambda c: c.update(y_early=True), ValueError, "y_early builds read a bfloat16 h"),
     (lambda c: c.update(h=c["h"][:1]), ValueError, "h must be"),
     (lambda c: c.update(h=c["h"].transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "row-major"),
     (lambda c: c.update(bs=[c["bs"][0], c["bs"][1][:, :, :12].contiguous()]), ValueError, "multiples of 8|add up"),
@@ -219,10 +216,9 @@ def test_bad_input(mutate, exc, match):
     c = _cpu_case()
     c["slot_ranks"] = None
     c["config"] = None
-    c["y_early"] = None
     mutate(c)
     with pytest.raises(exc, match=match):
-        E.expand_add(c["y"], c["h"], c["bs"], c["meta"], c["slot_ranks"], config=c["config"], y_early=c["y_early"])
+        E.expand_add(c["y"], c["h"], c["bs"], c["meta"], c["slot_ranks"], config=c["config"])
 
 
 def test_emulation_bf16_h_is_the_fp32_h_result():
@@ -247,8 +243,6 @@ def ptx_problems(ptx: str, cfg: E.Config | None = None) -> list[str]:
                 "st.global.v4.b32", "ld.global.v4.b32"):  # 16-byte y accesses
         if ins not in ptx:
             bad.append(f"missing {ins}")
-    if cfg is not None and cfg.y_early and "ld.shared.v4.b32" not in ptx:  # y read back from smem
-        bad.append("y_early: missing ld.shared.v4.b32")
     if cfg is not None and cfg.h_bf16:  # bf16 h staged as 16-byte vectors, never converted
         if "st.shared.v4.b32" not in ptx:
             bad.append("h_bf16: missing st.shared.v4.b32")
@@ -474,34 +468,6 @@ def test_gpu_bf16_h_is_bitwise_fp32_h(M, L, R, widths):
     assert_close_bf16(y16[keep], expected(dict(case, y=y0), bf16_h=True)[keep], True)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("M,L,R,widths", [(33, 8, 64, (4096, 1024, 1024)), (2048, 1, 64, (12288, 12288)),
-                                          (256, 32, 64, (4096,)), (511, 8, 8, (2048, 520)), (300, 4, 256, (1024, 520)),
-                                          (2500, 32, 16, (4096, 1024, 1024, 512)), (100, 32, 64, (264, 8))])
-def test_gpu_y_early_is_bitwise_the_late_y(M, L, R, widths):
-    """v0.72: y requested before the MMAs (cp.async into smem) gives the y of the build that loads
-    it in the epilogue, bit for bit; rows without an adapter neither read into the result nor
-    written (poisoned); slices whose last tile is partial (520, 264, 8 columns), the group split."""
-    _hopper()
-    ranks = torch.tensor([(R, R // 2, 0, 8)[i % 4] for i in range(L)], dtype=torch.int32)
-    case = make_case(M, L, R, widths, seed=M + 3 * R, slot_ranks=ranks, device="cuda")
-    neg = case["ids"] < 0
-    case["h"][:, neg] = float("nan")
-    y0 = case["y"].clone()
-    y0[neg] = float("nan")
-    h16 = case["h"].bfloat16()
-    outs = {}
-    for ye in (False, True):
-        for z in (None, 1):
-            y = y0.clone()
-            E.expand_add(y, h16, case["bs"], case["meta"], ranks.cuda(), zsplit=z, y_early=ye)
-            outs[ye, z] = y
-    torch.cuda.synchronize()
-    for key, y in outs.items():
-        assert torch.equal(y.view(torch.int16), outs[False, None].view(torch.int16)), key
-    assert torch.equal(outs[True, None][neg].view(torch.int16), y0[neg].view(torch.int16))
-
-
 def _assert_configs_bitwise_equal(case, cfgs):
     """Each configuration on its own copy of the case's y: the same bits from all of them (rows
     without an adapter untouched), and that y within the reference's tolerance."""
@@ -549,16 +515,15 @@ def test_select_takes_the_narrow_tile_from_wide_m():
                for m in (1, E.WIDE_M - 1, E.WIDE_M, 8192))
 
 
-def test_prebuild_set_has_the_bf16_h_and_y_early_tiles():
-    """Every tile select() takes, also built for a bf16 h (v0.71) with and without early y (v0.72)."""
+def test_prebuild_set_has_the_bf16_h_tiles():
+    """Every tile select() takes, also built for a bf16 h (v0.71)."""
     import dataclasses
 
     built = set(E.prebuild_configs())
     for s in (1, 2, 3, 4):
         for r in E.RANKS:
             for m in (1, E.WIDE_M - 1, E.WIDE_M, 8192):
-                for ye in (False, True):
-                    assert dataclasses.replace(E.select(s, m, r), h_bf16=True, y_early=ye) in built, (s, r, m, ye)
+                assert dataclasses.replace(E.select(s, m, r), h_bf16=True) in built, (s, r, m)
 
 
 @pytest.mark.gpu

@@ -18,7 +18,6 @@ replays with the L2 flushed before each (median, tools/gpu_timing):
   hybrid_par_q_us  hybrid_par with that branch forked after the quantization (v0.58)
   k1_hb_us, expand_add_hb_us, hybrid_hb_us, hybrid_par_hb_us, hybrid_par_q_hb_us   the same with h
                  stored / read as bf16 (v0.71: K1's h_bf16 builds, the op under EPILORA_HYBRID_H=bf16)
-  expand_add_hb_ye_us   the bf16-h expand-add with y requested before its MMAs (v0.72, y_early)
   k1_z1_us, expand_add_z1_us     the same kernels with the group split (grid z) forced to 1: the
                  launch geometry before v0.6 (timed only where the default z is > 1)
   k1_zN_us, expand_add_zN_us     with EPILORA_BENCH_ZSWEEP=1, also z = 2, 4, ..., 64 where it differs
@@ -177,7 +176,6 @@ class HybridStages:
                # v0.71: h stored / read as bf16 (kernels alone, then the op with EPILORA_HYBRID_H=bf16)
                "k1_hb": k1(h=self.h_bf16),
                "expand_add_hb": ex(h=self.h_bf16),
-               "expand_add_hb_ye": ex(h=self.h_bf16, y_early=True),  # v0.72: y requested before the MMAs
                **{f"{path}_hb": op(path, "bf16") for path in HYBRID_PATHS}}
         if os.environ.get(K1SWEEP_ENV) == "1":
             from kernels_dsl import k1_shrink as k1mod

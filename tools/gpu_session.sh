@@ -156,18 +156,17 @@ case $mode in
     (cd "$OUT" && [[ -d hs ]] && tar czf hs.tgz hs && rm -rf hs)
     ;;
   h-bf16)
-    # perf.md v0.71 / v0.72 (carry the cache with K1's and the expand-add's builds (--families
-    # k1_quant_shrink,expand_add,fp8_quant), .devvllm/2 after call A for vLLM's columns; ~9.5 min):
-    # K1 storing h as bf16 and the expand-add reading it (also with y requested early), bit for bit
-    # against the fp32 h / late y, the op's hybrid paths under EPILORA_HYBRID_H=bf16 bit for bit the
-    # fp32 ones, racecheck of the three new builds, then hybrid_stages (its *_hb / *_hb_ye columns
-    # beside the fp32 ones) at HB_TOKENS x HB_ADAPTERS.
+    # perf.md v0.71 (carry the cache with K1's and the expand-add's builds (--families
+    # k1_quant_shrink,expand_add,fp8_quant), .devvllm/2 after call A for vLLM's columns; ~9 min):
+    # K1 storing h as bf16 and the expand-add reading it, bit for bit against the fp32 h, the op's
+    # hybrid paths under EPILORA_HYBRID_H=bf16 bit for bit the fp32 ones, racecheck of both new
+    # builds, then hybrid_stages (its *_hb columns beside the fp32 ones) at HB_TOKENS x HB_ADAPTERS.
     unpack_vllm
     timeout -s KILL 130 python3 -m pytest -q -m gpu tests/test_k1_shrink.py tests/test_expand_add.py \
-      -k "bf16_h or h_bf16 or y_early or matches_reference or bitwise" 2>&1 | tail -4 | tee "$OUT/h_bf16_tests.log"
+      -k "bf16_h or h_bf16 or matches_reference or bitwise" 2>&1 | tail -4 | tee "$OUT/h_bf16_tests.log"
     timeout -s KILL 80 python3 -m pytest -q -m gpu tests/test_lora_linear_gpu.py -k hybrid 2>&1 | tail -3 \
       | tee -a "$OUT/h_bf16_tests.log"
-    for c in k1_hb expand_hb expand_ye; do
+    for c in k1_hb expand_hb; do
       echo "== racecheck kernel_diag $c" | tee -a "$OUT/h_bf16_tests.log"
       timeout -s KILL 40 compute-sanitizer --tool racecheck --report-api-errors no \
         python3 tools/kernel_diag.py $c 2>&1 | tail -4 | tee -a "$OUT/h_bf16_tests.log"

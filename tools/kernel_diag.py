@@ -131,14 +131,6 @@ def expand_hb(_split: int) -> float:
     return 0.0
 
 
-def expand_ye(_split: int) -> float:
-    """The expand-add with y requested early (v0.72) against the late-y build, bit for bit."""
-    from tests import test_expand_add as T
-
-    T.test_gpu_y_early_is_bitwise_the_late_y(100, 32, 64, (264, 8))
-    return 0.0
-
-
 def k1_hb(_split: int) -> float:
     """K1 storing h as bf16 (v0.71) against its fp32 h, bit for bit."""
     from tests import test_k1_shrink as T
@@ -164,7 +156,7 @@ def prefill_pers(ctas: int) -> float:
 
 
 CASES = {f.__name__: f for f in (k2_nolora, shrink, decode, decode_xq, decode_split2, decode_wide, expand, k1,
-                                 expand_hb, expand_ye, k1_hb, prefill_pers)}
+                                 expand_hb, k1_hb, prefill_pers)}
 
 if __name__ == "__main__":
     case = sys.argv[1]
