@@ -10,6 +10,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import pytest  # noqa: E402
+
 from tools import carry_cache as cc  # noqa: E402
 
 
@@ -91,3 +93,17 @@ def test_families_subset_holds_those_families_at_every_rank(tmp_path):
         _fake_entry(*b, src)
     assert cc.slim(src, dest, with_prefill=False, only=only) == 1
     assert cc.missing(dest, k1_off_rank) == [] and len(cc.missing(dest, other)) == 1
+
+
+@pytest.mark.parametrize("argv", [["slim", "--with-prefill", "--families", "expand_add"],
+                                  ["check", "x", "--full", "--families", "expand_add"],
+                                  ["check", "x", "--with-prefill", "--families", "k1_quant_shrink"],
+                                  ["check", "x", "--families", "expand_add,no_such_family"]])
+def test_families_is_its_own_rule(argv, capsys):
+    """--families replaces the slim rule: combined with --with-prefill / --full, or naming a family
+    that does not exist, the command stops with a usage error instead of silently picking one."""
+    with pytest.raises(SystemExit) as e:
+        cc.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "not allowed with" in err or "unknown families" in err

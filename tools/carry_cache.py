@@ -98,16 +98,26 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("slim", help="make .gpu_carry/slim/.epilora_cache from .gpu_carry/.epilora_cache, then check it")
-    s.add_argument("--with-prefill", action="store_true")
     c = sub.add_parser("check", help="every build the cache should carry is there")
     c.add_argument("cache_dir", type=Path)
-    c.add_argument("--with-prefill", action="store_true")
-    c.add_argument("--full", action="store_true")
-    for p in (s, c):
-        p.add_argument("--families", default="",
+    # One rule per call: --families replaces the slim rule, so it cannot be combined with the
+    # slim rule's options (it used to win silently).
+    sg, cg = s.add_mutually_exclusive_group(), c.add_mutually_exclusive_group()
+    sg.add_argument("--with-prefill", action="store_true")
+    cg.add_argument("--with-prefill", action="store_true")
+    cg.add_argument("--full", action="store_true")
+    for g in (sg, cg):
+        g.add_argument("--families", default="",
                        help="comma-separated families: their whole prebuild sets instead of the slim rule")
     args = ap.parse_args(argv)
     only = tuple(f for f in args.families.split(",") if f) or None
+    if only:
+        from epilora_cute.kernels import families
+
+        known = {mod.FAMILY for mod in families()}
+        unknown = sorted(set(only) - known)
+        if unknown:
+            ap.error(f"unknown families {unknown}; known: {sorted(known)}")
     if args.cmd == "slim":
         src, dest = ROOT / ".gpu_carry" / ".epilora_cache", ROOT / ".gpu_carry" / "slim" / ".epilora_cache"
         if not src.is_dir():
