@@ -271,10 +271,7 @@ if cute is not None:
                 cute.arch.cp_async_commit_group()
 
                 if n_groups > 0:  # a z-CTA without groups only passes the barriers
-                    if cutlass.const_expr(cfg.h_bf16):
-                        self._stage_h_bf16(mH, mTok, sA, sl, r0, rows, tidx)
-                    else:
-                        self._stage_h(mH, mTok, sA, sl, r0, rows, tidx)
+                    self._stage_h(mH, mTok, sA, sl, r0, rows, tidx)
 
                 # ---- MMA fragments -------------------------------------------------------------
                 thr_mma = tiled_mma.get_slice(tidx)
@@ -416,9 +413,13 @@ if cute is not None:
         @cute.jit
         def _stage_h(self, mH, mTok, sA, sl, r0, rows, tidx):
             """sA[r, :] = bf16(h[sl, tok[r0 + r], :]) (zeros for rows past the batch and for the
-            rank padding). 16-byte fp32 loads; the row order is the sorted one."""
+            rank padding), the row order the sorted one; 16-byte loads: 4 fp32 converted element
+            by element, or (h_bf16) 8 bf16 stored as they are with one 16-byte smem store (the
+            swizzle moves whole 16-byte chunks, so a chunk stays contiguous)."""
             R, RP, BM, NT = self.R, self.RP, self.BM, self.threads
-            VPR = RP // 4  # 4-float vectors per row
+            hb = self.cfg.h_bf16
+            VEC = 8 if hb else 4  # elements per 16-byte vector of h
+            VPR = RP // VEC
             NIT = (BM * VPR + NT - 1) // NT
             # Two passes (every chunk's token index and h load in flight together, then the
             # stores), so that the round trips overlap instead of queueing chunk after chunk.
@@ -426,48 +427,23 @@ if cute is not None:
             for it in cutlass.range_constexpr(NIT):
                 v = it * NT + tidx
                 r = v // VPR
-                c4 = v - r * VPR
-                r_h = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
+                cv = v - r * VPR
+                r_h = cute.make_rmem_tensor(cute.make_layout(VEC), cutlass.BFloat16 if hb else cutlass.Float32)
                 r_h.fill(0.0)
-                if v < BM * VPR and r < rows and c4 * 4 < R:
+                if v < BM * VPR and r < rows and cv * VEC < R:
                     t = mTok[r0 + r]
-                    cute.autovec_copy(cute.zipped_divide(mH[sl, t, None], (4,))[None, c4], r_h)
+                    cute.autovec_copy(cute.zipped_divide(mH[sl, t, None], (VEC,))[None, cv], r_h)
                 hs.append(r_h)
             for it in cutlass.range_constexpr(NIT):
                 v = it * NT + tidx
                 if v < BM * VPR:
                     r = v // VPR
-                    c4 = v - r * VPR
-                    for j in cutlass.range_constexpr(4):
-                        sA[r, c4 * 4 + j] = hs[it][j].to(cutlass.BFloat16)
-
-        @cute.jit
-        def _stage_h_bf16(self, mH, mTok, sA, sl, r0, rows, tidx):
-            """sA[r, :] = h[sl, tok[r0 + r], :] for a bf16 h: 16-byte loads of 8 elements and
-            16-byte smem stores (the swizzle moves whole 16-byte chunks, so a chunk stays
-            contiguous), zeros for rows past the batch and the rank padding. Two passes as the fp32
-            staging: every load in flight before the first store."""
-            R, RP, BM, NT = self.R, self.RP, self.BM, self.threads
-            VPR = RP // 8  # 8-element vectors per row
-            NIT = (BM * VPR + NT - 1) // NT
-            hs = []
-            for it in cutlass.range_constexpr(NIT):
-                v = it * NT + tidx
-                r = v // VPR
-                c8 = v - r * VPR
-                r_h = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
-                r_h.fill(0.0)
-                if v < BM * VPR and r < rows and c8 * 8 < R:
-                    t = mTok[r0 + r]
-                    cute.autovec_copy(cute.zipped_divide(mH[sl, t, None], (8,))[None, c8], r_h)
-                hs.append(r_h)
-            for it in cutlass.range_constexpr(NIT):
-                v = it * NT + tidx
-                if v < BM * VPR:
-                    r = v // VPR
-                    c8 = v - r * VPR
-                    cute.autovec_copy(hs[it], cute.zipped_divide(sA[r, None], (8,))[None, c8])
-
+                    cv = v - r * VPR
+                    if cutlass.const_expr(hb):
+                        cute.autovec_copy(hs[it], cute.zipped_divide(sA[r, None], (VEC,))[None, cv])
+                    else:
+                        for j in cutlass.range_constexpr(VEC):
+                            sA[r, cv * VEC + j] = hs[it][j].to(cutlass.BFloat16)
 
 def _fake_args(cfg: Config):
     from cutlass.cute.runtime import make_fake_compact_tensor
