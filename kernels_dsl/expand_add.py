@@ -492,6 +492,12 @@ def select(num_slices: int, m: int, rank: int) -> Config:
     return Config(rank=rank, num_slices=num_slices, bm=64, bn=bn)
 
 
+@functools.lru_cache(maxsize=8192)  # asked on every launch (dataclasses.replace costs ~5 us)
+def select_for_h(num_slices: int, m: int, rank: int, h_bf16: bool) -> Config:
+    """select()'s tile reading h as bf16 (h_bf16) or fp32."""
+    return dataclasses.replace(select(num_slices, m, rank), h_bf16=h_bf16)
+
+
 def prebuild_configs() -> list[Config]:
     cfgs = {select(s, m, r) for s in SLICE_COUNTS for r in RANKS for m in (64, WIDE_M)}
     # The former prefill choice (bm 128 from 2048 tokens; rank 64, the bench's rank), not selected
@@ -646,7 +652,7 @@ def expand_add(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks
     _check_meta(meta, M, y.device)
     check_slot_ranks(slot_ranks, L, y.device)
     h_bf16 = h.dtype == torch.bfloat16
-    cfg = config or dataclasses.replace(select(S, max(M, 1), R), h_bf16=h_bf16)
+    cfg = config or select_for_h(S, max(M, 1), R, h_bf16)
     if cfg.rank != R or cfg.num_slices != S:
         raise ValueError(f"config {cfg.name()} does not match rank {R} / {S} slices")
     if cfg.h_bf16 != h_bf16:

@@ -660,6 +660,12 @@ def select(num_slices: int, k: int, rank: int, m: int | None = None) -> Config:
     return base
 
 
+@functools.lru_cache(maxsize=8192)  # asked on every launch (dataclasses.replace costs ~5 us)
+def select_for_h(num_slices: int, k: int, rank: int, m: int, h_bf16: bool) -> Config:
+    """select()'s configuration writing h as bf16 (h_bf16) or fp32."""
+    return dataclasses.replace(select(num_slices, k, rank, m), h_bf16=h_bf16)
+
+
 @functools.lru_cache(maxsize=None)
 def _select_resident(num_slices: int, k: int, rank: int) -> Config:
     """The smallest resident chunk that covers K with <= 8 splits; then a deep A ring (v0.10: the
@@ -859,7 +865,7 @@ def k1_quant_shrink(x: torch.Tensor, lora_a_slices, meta, codes: torch.Tensor | 
     _check_meta(meta, M, x.device)
     check_slot_ranks(slot_ranks, L, x.device)
     h_bf16 = h.dtype == torch.bfloat16
-    cfg = config or dataclasses.replace(select(S, K, R, max(M, 1)), h_bf16=h_bf16)
+    cfg = config or select_for_h(S, K, R, max(M, 1), h_bf16)
     if cfg.rank != R or cfg.num_slices != S:
         raise ValueError(f"config {cfg.name()} does not match rank {R} / {S} slices")
     if cfg.h_bf16 != h_bf16:

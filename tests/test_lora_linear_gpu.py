@@ -240,12 +240,17 @@ def test_hybrid_paths_with_bf16_h_are_bit_for_bit_fp32_h(proj, m, path, monkeypa
     widths, k = QWEN3_8B[proj]
     x, wq, ws, a, b, mapping = _case(widths, k, m, seed=m + 23)
     meta = build_meta(mapping, 4)
-    monkeypatch.setenv(ops.HYBRID_H_ENV, "fp32")
-    want = ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path)
-    monkeypatch.setenv(ops.HYBRID_H_ENV, "bf16")
-    out = torch.full((m, sum(widths)), float("nan"), dtype=torch.bfloat16, device="cuda")
-    y = ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path=path)
-    torch.cuda.synchronize()
+    try:
+        monkeypatch.setenv(ops.HYBRID_H_ENV, "fp32")
+        ops.hybrid_h_dtype.cache_clear()
+        want = ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path)
+        monkeypatch.setenv(ops.HYBRID_H_ENV, "bf16")
+        ops.hybrid_h_dtype.cache_clear()
+        out = torch.full((m, sum(widths)), float("nan"), dtype=torch.bfloat16, device="cuda")
+        y = ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path=path)
+        torch.cuda.synchronize()
+    finally:
+        ops.hybrid_h_dtype.cache_clear()
     assert y.data_ptr() == out.data_ptr() and torch.equal(y.view(torch.int16), want.view(torch.int16))
 
 

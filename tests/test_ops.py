@@ -122,6 +122,15 @@ def test_hybrid_path_without_adapters_is_quantization_plus_the_vendor_gemm(monke
     assert torch.equal(y, reference.fp8_scaled_mm(codes, scales, wq, ws).bfloat16())
 
 
+@pytest.fixture(autouse=True)
+def _fresh_hybrid_h_reading():
+    """ops.hybrid_h_dtype reads EPILORA_HYBRID_H once per process: each test starts and ends
+    with that reading cleared, so a test's environment never leaks into another's."""
+    ops.hybrid_h_dtype.cache_clear()
+    yield
+    ops.hybrid_h_dtype.cache_clear()
+
+
 @pytest.mark.parametrize("env,want", [(None, ops.HYBRID_H_DEFAULT), ("bf16", "bf16"), ("fp32", "fp32"),
                                       (" BF16 ", "bf16"), ("half", ops.HYBRID_H_DEFAULT)])
 def test_hybrid_h_dtype_from_the_environment(monkeypatch, env, want):
@@ -131,7 +140,13 @@ def test_hybrid_h_dtype_from_the_environment(monkeypatch, env, want):
         monkeypatch.delenv(ops.HYBRID_H_ENV, raising=False)
     else:
         monkeypatch.setenv(ops.HYBRID_H_ENV, env)
-    assert ops.hybrid_h_dtype() == {"fp32": torch.float32, "bf16": torch.bfloat16}[want]
+    ops.hybrid_h_dtype.cache_clear()
+    try:
+        assert ops.hybrid_h_dtype() == {"fp32": torch.float32, "bf16": torch.bfloat16}[want]
+        monkeypatch.setenv(ops.HYBRID_H_ENV, "fp32" if want == "bf16" else "bf16")
+        assert ops.hybrid_h_dtype() == {"fp32": torch.float32, "bf16": torch.bfloat16}[want]  # read once
+    finally:
+        ops.hybrid_h_dtype.cache_clear()
 
 
 @pytest.mark.parametrize("path", ["hybrid", "hybrid_par"])
@@ -143,6 +158,7 @@ def test_hybrid_paths_hand_h_of_the_chosen_dtype_to_the_expand_add(monkeypatch, 
     from kernels_dsl import expand_add, k1_shrink
 
     monkeypatch.setenv(ops.HYBRID_H_ENV, env)
+    ops.hybrid_h_dtype.cache_clear()
     seen = {}
 
     def fake_k1(x, a, meta, codes=None, scales=None, h=None, slot_ranks=None, h_dtype=torch.float32):

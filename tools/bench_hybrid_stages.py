@@ -194,10 +194,14 @@ class HybridStages:
 
 def _with_env(name: str, value: str, fn: Callable[[], object]) -> Callable[[], object]:
     """fn run with os.environ[name] = value (restored after): the op reads it on the host, so a
-    CUDA graph captured from this call keeps the launches it chose."""
+    CUDA graph captured from this call keeps the launches it chose. The op caches its reading of
+    EPILORA_HYBRID_H, so the cache is cleared on the way in and out."""
+    from epilora_cute import ops
+
     def run():
         old = os.environ.get(name)
         os.environ[name] = value
+        ops.hybrid_h_dtype.cache_clear()
         try:
             return fn()
         finally:
@@ -205,6 +209,7 @@ def _with_env(name: str, value: str, fn: Callable[[], object]) -> Callable[[], o
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = old
+            ops.hybrid_h_dtype.cache_clear()
     return run
 
 
