@@ -25,6 +25,10 @@ timed at its next call outside capture. Per process, a key is timed at most once
 state is a dict lookup (no host sync, no timing). In a serving engine (the vLLM plugin) the first
 call of a projection outside capture also settles every other token bucket up to the batch
 capacity on synthetic inputs (``bucket_warmup.py``), so no timing falls into a request's path.
+Each stored decision carries the fingerprint of the code and settings it was timed with
+(``code_fingerprint``: the kernel and runtime sources, the DSL and vLLM versions, the switches
+that change what a path launches); a decision of another fingerprint is not reused, so a new
+release or a changed switch re-times its keys instead of keeping the old winners.
 ``EPILORA_FORCE_PATH`` forces one path
 everywhere (debugging, benchmarks; any applicable path, opted in or not, or "reference"). Each
 decision is logged in one line (logger ``epilora_cute.dispatch``, INFO; defaults at WARNING), and
@@ -46,6 +50,12 @@ from typing import Callable, Iterator, Mapping, NamedTuple
 from .compile_cache import cache_root
 
 log = logging.getLogger("epilora_cute.dispatch")
+
+# Environment switches that change the kernels a path launches (and so its time): part of the
+# fingerprint a stored decision must match. (Opt-ins that change the candidate set need not be:
+# an entry is reused only if it covered every current candidate.)
+FINGERPRINT_ENV = ("EPILORA_HYBRID_H", "EPILORA_K2_PUSH", "EPILORA_K2_SQ_WIDE", "EPILORA_META_KERNEL",
+                   "EPILORA_L2_FLUSH")
 
 FORCE_ENV = "EPILORA_FORCE_PATH"
 TOKEN_BUCKETS = tuple(2 ** i for i in range(14))  # 1 .. 8192
@@ -109,6 +119,32 @@ def adapter_key(host_adapters: int | None, max_loras: int) -> str:
     return "<=" + adapter_bucket(max(max_loras, 1))
 
 
+@functools.lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """What a timing depends on besides the key: the sources of the kernels and of the runtime
+    that launches them (kernels_dsl, epilora_cute, the Triton path), the nvidia-cutlass-dsl and
+    vLLM versions (their builds and GEMMs), and FINGERPRINT_ENV's values. 16 hex digits; computed
+    once per process (~1 ms of file reads)."""
+    import hashlib
+    from importlib import metadata
+
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    files = sorted([*root.glob("kernels_dsl/*.py"), *root.glob("epilora_cute/*.py"),
+                    *root.glob("vllm_adapter/triton_*.py")])
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    for dist in ("nvidia-cutlass-dsl", "vllm"):
+        try:
+            h.update(f"{dist}={metadata.version(dist)}".encode())
+        except metadata.PackageNotFoundError:
+            h.update(f"{dist}=none".encode())
+    for name in FINGERPRINT_ENV:
+        h.update(f"{name}={os.environ.get(name, '')}".encode())
+    return h.hexdigest()[:16]
+
+
 class DispatchKey(NamedTuple):  # a NamedTuple: made and hashed on every "auto" call, cheaply
     device: str
     k: int
@@ -125,10 +161,13 @@ class DispatchKey(NamedTuple):  # a NamedTuple: made and hashed on every "auto" 
 
 class DispatchTable:
     """Decisions in memory, mirrored to a JSON file; safe to share between threads and between
-    processes (a save merges with what other processes wrote, under a file lock)."""
+    processes (a save merges with what other processes wrote, under a file lock). An entry counts
+    only under the fingerprint it was timed with (``fingerprint``, default ``code_fingerprint()``);
+    others stay in the file but are neither used nor reported as decisions."""
 
-    def __init__(self, path: Path | None = None):
+    def __init__(self, path: Path | None = None, fingerprint: str | None = None):
         self.path = Path(path) if path is not None else cache_root() / "dispatch.json"
+        self.fingerprint = fingerprint or code_fingerprint()
         self._lock = threading.Lock()
         self._mine: set[str] = set()  # keys recorded by this process: they win a merge
         self._table: dict[str, dict] = self._read()
@@ -140,26 +179,37 @@ class DispatchTable:
         except (OSError, ValueError):
             return {}
 
+    def _current(self, key_text: str) -> dict | None:
+        """The stored entry for a key if it was timed under this table's fingerprint."""
+        e = self._table.get(key_text)
+        return e if isinstance(e, dict) and e.get("code") == self.fingerprint else None
+
     def get(self, key: DispatchKey) -> str | None:
-        e = self._table.get(key.text())
+        e = self._current(key.text())
         return e["path"] if e else None
 
     def lookup(self, key: DispatchKey, candidates) -> str | None:
         """The remembered path for ``key`` if that decision covered every one of ``candidates``
-        (each was timed or failed then), so opting a path in later makes the key be timed again."""
-        e = self._table.get(key.text())
+        (each was timed or failed then), so opting a path in later makes the key be timed again,
+        and was timed with this code (fingerprint)."""
+        e = self._current(key.text())
         if not e or e.get("path") not in candidates:
             return None
         covered = set(e.get("times_us", {})) | set(e.get("failed", {}))
         return e["path"] if set(candidates) <= covered else None
 
     def entries(self) -> dict[str, dict]:
-        return dict(self._table)
+        """The decisions timed under this fingerprint."""
+        return {k: e for k in self._table if (e := self._current(k)) is not None}
+
+    def stale_entries(self) -> dict[str, dict]:
+        """Entries in the file timed with other code or settings (or before fingerprints)."""
+        return {k: e for k, e in self._table.items() if self._current(k) is None}
 
     def record(self, key: DispatchKey, times_us: Mapping[str, float],
                failed: Mapping[str, str] | None = None) -> str:
         best = min(times_us, key=times_us.get)
-        entry = {"path": best, "times_us": {k: round(v, 2) for k, v in times_us.items()}}
+        entry = {"path": best, "times_us": {k: round(v, 2) for k, v in times_us.items()}, "code": self.fingerprint}
         if failed:
             entry["failed"] = {k: str(v)[:200] for k, v in failed.items()}
         with self._lock:
@@ -591,8 +641,10 @@ def main(argv=None) -> int:
     t = DispatchTable(args.path)
     opted = ", ".join(f"{p} ({env}=1)" for p, env in sorted(OPT_IN_ENV.items()))
     print(f"# table: {t.path}\n# auto candidates: {', '.join(sorted(VERIFIED_PATHS))}; opt-in: {opted}")
+    print(f"# code fingerprint {t.fingerprint}; {len(t.stale_entries())} entries timed with other code or "
+          "settings are not used")
     if not t.entries():
-        print(f"no decisions recorded yet at {t.path}")
+        print(f"no decisions recorded yet at {t.path} for this code")
         return 0
     for key, e in sorted(t.entries().items()):
         times = "  ".join(f"{p}={v}" for p, v in sorted(e["times_us"].items(), key=lambda kv: kv[1]))

@@ -385,6 +385,44 @@ def test_call_mode():
             pass
 
 
+def test_decisions_of_other_code_are_not_reused(tmp_path, capsys):
+    """An entry timed with another fingerprint (other kernels, DSL / vLLM version or switches) or
+    written before fingerprints existed is neither reused nor listed as a decision: the key is
+    timed again, and the new decision is stored beside the stale one."""
+    path = tmp_path / "t.json"
+    old = d.DispatchTable(path, fingerprint="aaaa")
+    old.record(key(), {"decode": 1.0, "hybrid": 2.0})
+    raw = json.loads(path.read_text())
+    raw[key(tokens=2).text()] = {"path": "decode", "times_us": {"decode": 1.0, "hybrid": 2.0}}  # pre-fingerprint
+    path.write_text(json.dumps(raw))
+
+    new = d.DispatchTable(path, fingerprint="bbbb")
+    assert new.get(key()) is None and new.get(key(tokens=2)) is None and new.entries() == {}
+    assert set(new.stale_entries()) == {key().text(), key(tokens=2).text()}
+    calls = []
+    timer = lambda fn, mode: calls.append(fn()) or {"decode": 5.0, "hybrid": 3.0}[fn()]
+    cands = {"decode": lambda: "decode", "hybrid": lambda: "hybrid"}
+    assert d.choose(new, key(), cands, timer) == "hybrid" and len(calls) == 2  # timed again
+    assert d.DispatchTable(path, fingerprint="bbbb").get(key()) == "hybrid"
+    assert d.DispatchTable(path, fingerprint="aaaa").get(key()) is None  # one entry per key: the latest
+    d.main(["--path", str(path)])
+    assert "not used" in capsys.readouterr().out
+
+
+def test_code_fingerprint_follows_the_switches(monkeypatch):
+    """The switches that change what a path launches are part of the fingerprint."""
+    d.code_fingerprint.cache_clear()
+    try:
+        monkeypatch.setenv("EPILORA_HYBRID_H", "fp32")
+        a = d.code_fingerprint()
+        assert a == d.code_fingerprint() and len(a) == 16
+        d.code_fingerprint.cache_clear()
+        monkeypatch.setenv("EPILORA_HYBRID_H", "bf16")
+        assert d.code_fingerprint() != a
+    finally:
+        d.code_fingerprint.cache_clear()
+
+
 def test_concurrent_writers_merge(tmp_path):
     a, b = d.DispatchTable(tmp_path / "t.json"), d.DispatchTable(tmp_path / "t.json")
     a.record(key(tokens=1), {"x": 1.0, "y": 2.0})
