@@ -730,12 +730,15 @@ def sweep_configs(num_slices: int, k: int, rank: int) -> dict[str, Config]:
     """name -> an alternative to select()'s configuration for the bench's sweep (same capacity)."""
     base = select(num_slices, k, rank)
     out = {}
-    for bm, stages in ((base.bm, 4), (16, 4), (16, 8), (base.bm, 3), (16, 2)):
+    # (64, 3) / (64, 2), session 28: 64 rows per CTA halve the A blocks each row tile reads from L2
+    # (at 2048 tokens qkv's 1536 CTAs each read 64 KB of A for 32 rows), at two CTAs per SM.
+    for bm, stages in ((base.bm, 4), (16, 4), (16, 8), (base.bm, 3), (16, 2), (64, 3), (64, 2)):
         try:
             cfg = Config(rank=rank, num_slices=num_slices, bm=bm, kc=base.kc, stages=stages)
         except ValueError:
             continue
-        if cfg != base and cfg.smem_bytes <= SMEM_LIMIT:
+        limit = SMEM_TWO_PER_SM if bm == 64 else SMEM_LIMIT  # bm 64 only where two CTAs share an SM
+        if cfg != base and cfg.smem_bytes <= limit:
             out[f"bm{bm}_st{stages}"] = cfg
     return out
 
