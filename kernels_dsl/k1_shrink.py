@@ -156,7 +156,7 @@ def params(config: Config) -> list:
         TensorParam("x", bf16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16),  # [M, K]
         TensorParam("codes16", i16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16),  # [M, K/2]
         TensorParam("scales", f32, 1, dynamic_shape=(0,), align=4),  # [M]
-        TensorParam("h", h_dtype(config), 3, dynamic_shape=(1,), dynamic_stride=(0,), align=16),  # [S, M, R]
+        TensorParam("h", h_dtype_of(config), 3, dynamic_shape=(1,), dynamic_stride=(0,), align=16),  # [S, M, R]
         TensorParam("token_indices_sorted", i32, 1, dynamic_shape=(0,), align=4),
         TensorParam("row_group", i32, 1, dynamic_shape=(0,), align=4),
         TensorParam("active_lora_ids", i32, 1, dynamic_shape=(0,), align=4),
@@ -170,7 +170,7 @@ def params(config: Config) -> list:
     return p
 
 
-def h_dtype(config: Config) -> torch.dtype:
+def h_dtype_of(config: Config) -> torch.dtype:
     """The dtype of the h the configuration writes."""
     return torch.bfloat16 if config.h_bf16 else torch.float32
 
