@@ -2,7 +2,8 @@
 
 y already holds the base GEMM's bf16 output (e.g. vLLM's CUTLASS FP8 GEMM); h is the shrink's fp32
 [num_slices, M, R] (or K1's bf16 h, v0.71: the same bf16 operand without the conversion); B_s are
-vLLM's per-slice buffers [max_loras, 1, n_s, R] bf16. The result is bf16(fp32(y) + sum_k bf16(h)[m, k] * B[n, k]) (fp32 accumulation, one rounding), rows of tokens
+vLLM's per-slice buffers [max_loras, 1, n_s, R] bf16. The result is
+bf16(fp32(y) + sum_k bf16(h)[m, k] * B[n, k]) (fp32 accumulation, one rounding), rows of tokens
 without an adapter (slot -1) are neither read nor written.
 
 Tiling: the CONCATENATED output. blockIdx.x enumerates column tiles of BN columns slice by slice
@@ -445,6 +446,7 @@ if cute is not None:
                         for j in cutlass.range_constexpr(VEC):
                             sA[r, cv * VEC + j] = hs[it][j].to(cutlass.BFloat16)
 
+
 def _fake_args(cfg: Config):
     from cutlass.cute.runtime import make_fake_compact_tensor
 
@@ -499,14 +501,13 @@ def select_for_h(num_slices: int, m: int, rank: int, h_bf16: bool) -> Config:
 
 
 def prebuild_configs() -> list[Config]:
-    cfgs = {select(s, m, r) for s in SLICE_COUNTS for r in RANKS for m in (64, WIDE_M)}
+    selected = {select(s, m, r) for s in SLICE_COUNTS for r in RANKS for m in (64, WIDE_M)}
+    # select()'s tiles also for K1's bf16 h (the hybrid path's, v0.71).
+    cfgs = selected | {dataclasses.replace(c, h_bf16=True) for c in selected}
     # The former prefill choice (bm 128 from 2048 tokens; rank 64, the bench's rank), not selected
     # since v0.13: tests/test_expand_add.py's GPU check compares against it, and the GPU machine
     # (no DSL) runs only prebuilt configurations.
     cfgs |= {Config(rank=64, num_slices=s, bm=128, bn=128) for s in SLICE_COUNTS}
-    # select()'s tiles also for K1's bf16 h (the hybrid path's, v0.71).
-    cfgs |= {dataclasses.replace(select(s, m, r), h_bf16=True) for s in SLICE_COUNTS for r in RANKS
-             for m in (64, WIDE_M)}
     for s in SWEEP_SLICES:
         cfgs.update(sweep_configs(s, 64).values())
     return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.bn, c.h_bf16))

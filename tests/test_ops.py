@@ -140,13 +140,9 @@ def test_hybrid_h_dtype_from_the_environment(monkeypatch, env, want):
         monkeypatch.delenv(ops.HYBRID_H_ENV, raising=False)
     else:
         monkeypatch.setenv(ops.HYBRID_H_ENV, env)
-    ops.hybrid_h_dtype.cache_clear()
-    try:
-        assert ops.hybrid_h_dtype() == {"fp32": torch.float32, "bf16": torch.bfloat16}[want]
-        monkeypatch.setenv(ops.HYBRID_H_ENV, "fp32" if want == "bf16" else "bf16")
-        assert ops.hybrid_h_dtype() == {"fp32": torch.float32, "bf16": torch.bfloat16}[want]  # read once
-    finally:
-        ops.hybrid_h_dtype.cache_clear()
+    assert ops.hybrid_h_dtype() == {"fp32": torch.float32, "bf16": torch.bfloat16}[want]
+    monkeypatch.setenv(ops.HYBRID_H_ENV, "fp32" if want == "bf16" else "bf16")
+    assert ops.hybrid_h_dtype() == {"fp32": torch.float32, "bf16": torch.bfloat16}[want]  # read once
 
 
 @pytest.mark.parametrize("path", ["hybrid", "hybrid_par"])
@@ -157,8 +153,7 @@ def test_hybrid_paths_hand_h_of_the_chosen_dtype_to_the_expand_add(monkeypatch, 
 
     from kernels_dsl import expand_add, k1_shrink
 
-    monkeypatch.setenv(ops.HYBRID_H_ENV, env)
-    ops.hybrid_h_dtype.cache_clear()
+    monkeypatch.setenv(ops.HYBRID_H_ENV, env)  # read fresh: the autouse fixture cleared the reading
     seen = {}
 
     def fake_k1(x, a, meta, codes=None, scales=None, h=None, slot_ranks=None, h_dtype=torch.float32):
