@@ -65,6 +65,7 @@ RUNTIME_CONTRACT = True
 
 RANKS = (8, 16, 32, 64, 128, 256)
 C_PAD = 4  # fp32 words of padding per row of the epilogue staging tile (16-byte rows, fewer conflicts)
+COLUMN_TILES_PER_CTA = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -72,13 +73,17 @@ class Config:
     """rank: the buffers' rank R (vLLM's max_lora_rank). num_slices: 1..4 B buffers.
     bm: token rows per CTA (16 per warp). bn: output columns per CTA (multiple of 16).
     h_bf16: h arrives as bf16 (K1's h_bf16 store): staged into smem as it is, half the bytes and
-    no conversion; the MMA operand is the same bf16 value either way (v0.71)."""
+    no conversion; the MMA operand is the same bf16 value either way (v0.71).
+    ct: column tiles per CTA (v0.72). A CTA stages its rows' h once and sweeps ct consecutive
+    column tiles of one slice; the B tile of the next (tile, group) is in flight during the
+    current MMAs and epilogue, and the epilogue tile has its own smem. 1: one tile per CTA."""
 
     rank: int = 64
     num_slices: int = 1
     bm: int = 64
     bn: int = 128
     h_bf16: bool = False
+    ct: int = 1
 
     def __post_init__(self):
         if self.rank not in RANKS:
@@ -91,6 +96,8 @@ class Config:
             raise ValueError("bn must be 64, 128 or 256")
         if self.threads // (self.rank_pad // 8) > self.bn:
             raise ValueError("the B tile copy needs threads / (rank_pad / 8) <= bn")
+        if self.ct not in COLUMN_TILES_PER_CTA:
+            raise ValueError(f"ct must be one of {COLUMN_TILES_PER_CTA}")
 
     @property
     def rank_pad(self) -> int:
@@ -103,7 +110,8 @@ class Config:
 
     def name(self) -> str:
         hb = "_hb" if self.h_bf16 else ""
-        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}{hb}"
+        ct = f"_ct{self.ct}" if self.ct > 1 else ""
+        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}{hb}{ct}"
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -112,10 +120,14 @@ class Config:
     @functools.cached_property  # launches ask for it on every call
     def smem_bytes(self) -> int:
         """Dynamic smem, the kernel's struct field by field: sA (bf16 [bm, Rp]) then the B double
-        buffer, which the fp32 epilogue tile [bm, bn + C_PAD] reuses (the larger of the two)."""
+        buffer, which the fp32 epilogue tile [bm, bn + C_PAD] reuses (the larger of the two) — or,
+        sweeping columns (ct > 1), follows: the next tile's B flies while the epilogue runs."""
         a = self.bm * self.rank_pad * 2
-        b = max(2 * self.bn * self.rank_pad * 2, self.bm * (self.bn + C_PAD) * 4)
-        return _align(_align(a, 1024) + b, 1024)
+        b = 2 * self.bn * self.rank_pad * 2
+        c = self.bm * (self.bn + C_PAD) * 4
+        if self.ct == 1:
+            return _align(_align(a, 1024) + max(b, c), 1024)
+        return _align(_align(_align(a, 1024) + b, 1024) + c, 1024)
 
 
 def _align(x: int, a: int) -> int:
@@ -195,11 +207,18 @@ if cute is not None:
                 g2s, cute.make_layout((self.threads // cpr, cpr), stride=(cpr, 1)), cute.make_layout((1, 8)))
             c_elems = cute.cosize(sC_layout) * 2  # fp32 epilogue tile in bf16 units (it reuses sB)
 
-            @cute.struct
-            class Storage:
-                sA: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sA_layout)], 1024]
-                sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, max(cute.cosize(sB_layout), c_elems)],
-                                      1024]
+            if cutlass.const_expr(cfg.ct == 1):
+                @cute.struct
+                class Storage:
+                    sA: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sA_layout)], 1024]
+                    sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, max(cute.cosize(sB_layout), c_elems)],
+                                          1024]
+            else:  # sweeping columns: the epilogue tile beside the B buffers (the next tile's B flies)
+                @cute.struct
+                class Storage:
+                    sA: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sA_layout)], 1024]
+                    sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sB_layout)], 1024]
+                    sC: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(sC_layout)], 1024]
 
             self.storage = Storage
             self.smem_size = Storage.size_in_bytes()
@@ -224,21 +243,34 @@ if cute is not None:
             M = cute.size(mY, mode=[0])
 
             # ---- which slice / columns: tiles of each slice are consecutive in blockIdx.x --------
+            # (ct > 1: blockIdx.x enumerates chunks of ct consecutive tiles of one slice)
+            CT = cfg.ct
             sl = cutlass.Int32(-1)
-            c0 = cutlass.Int32(0)  # first column of the tile inside its slice
+            c0 = cutlass.Int32(0)  # first column of the (first) tile inside its slice
             col_base = cutlass.Int32(0)  # first column of the slice in y
             n_s = cutlass.Int32(0)
+            n_tiles = cutlass.Int32(1)  # tiles of this CTA (ct > 1)
             t_start = cutlass.Int32(0)
             c_start = cutlass.Int32(0)
             for i in cutlass.range_constexpr(S):
                 w_i = n_widths[i]
                 nt = (w_i + BN - 1) // BN
-                if bx >= t_start and bx < t_start + nt:
-                    sl = cutlass.Int32(i)
-                    c0 = (bx - t_start) * BN
-                    col_base = c_start
-                    n_s = w_i
-                t_start = t_start + nt
+                if cutlass.const_expr(CT == 1):
+                    if bx >= t_start and bx < t_start + nt:
+                        sl = cutlass.Int32(i)
+                        c0 = (bx - t_start) * BN
+                        col_base = c_start
+                        n_s = w_i
+                    t_start = t_start + nt
+                else:
+                    nch = (nt + CT - 1) // CT
+                    if bx >= t_start and bx < t_start + nch:
+                        sl = cutlass.Int32(i)
+                        c0 = (bx - t_start) * (CT * BN)
+                        col_base = c_start
+                        n_s = w_i
+                        n_tiles = cutlass.min(nt - (bx - t_start) * CT, CT)
+                    t_start = t_start + nch
                 c_start = c_start + w_i
             r0 = by * BM
             rows = cutlass.min(M - r0, BM)
@@ -259,8 +291,11 @@ if cute is not None:
                 st = _smem_allocator().allocate(self.storage)
                 sA = st.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
                 sB = st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
-                # The epilogue tile reuses the B buffers (both are dead by then).
-                sC = cute.make_tensor(cute.recast_ptr(st.sB.data_ptr(), dtype=cutlass.Float32), sC_layout)
+                if cutlass.const_expr(CT == 1):
+                    # The epilogue tile reuses the B buffers (both are dead by then).
+                    sC = cute.make_tensor(cute.recast_ptr(st.sB.data_ptr(), dtype=cutlass.Float32), sC_layout)
+                else:
+                    sC = st.sC.get_tensor(sC_layout)
 
                 # ---- group 0's B is requested first, then h is staged while it flies ------------
                 thr_cb = tiled_copy_b.get_slice(tidx)
@@ -287,89 +322,129 @@ if cute is not None:
                                                                    cutlass.BFloat16), tiled_mma)
                 thr_a = s2r_a.get_slice(tidx)
                 thr_b = s2r_b.get_slice(tidx)
-                tXsA = thr_a.partition_S(sA)
-                tXrA = thr_a.retile(tCrA)
-                tXsB = thr_b.partition_S(sB)
-                tXrB = thr_b.retile(tCrB)
-                NK = RP // 16
+                frags = (s2r_a, s2r_b, thr_a.partition_S(sA), thr_a.retile(tCrA), thr_b.partition_S(sB),
+                         thr_b.retile(tCrB), tCrA, tCrB, tCcA, tiled_mma, acc)
 
                 w_lo = warp_i * 16  # this warp's rows in the tile
-                for gi in cutlass.range(n_groups, unroll=1):
-                    buf = gi % 2
-                    # Prefetch the next group's B into the other buffer (always commit a group so
-                    # that "all but the newest" below is always this group's B).
-                    if gi + 1 < n_groups:
-                        self._load_b(g_first + gi + 1, 1 - buf, mActive, mRanks, has_ranks, mBs, sl, n_s, c0,
-                                     ncols, tiled_copy_b, tBsB, tBcB)
-                    cute.arch.cp_async_commit_group()
-                    cute.arch.cp_async_wait_group(1)
+                if cutlass.const_expr(CT == 1):
+                    for gi in cutlass.range(n_groups, unroll=1):
+                        buf = gi % 2
+                        # Prefetch the next group's B into the other buffer (always commit a group so
+                        # that "all but the newest" below is always this group's B).
+                        if gi + 1 < n_groups:
+                            self._load_b(g_first + gi + 1, 1 - buf, mActive, mRanks, has_ranks, mBs, sl, n_s, c0,
+                                         ncols, tiled_copy_b, tBsB, tBcB)
+                        cute.arch.cp_async_commit_group()
+                        cute.arch.cp_async_wait_group(1)
+                        cute.arch.barrier()
+                        self._mma_group(g_first + gi, buf, mActive, mRanks, has_ranks, mStart, r0, rows, w_lo, frags)
+                        cute.arch.barrier()  # buffer `buf` is refilled two iterations later
+
+                    # ---- epilogue: acc -> smem (fp32) -> y += tile, one rounding, 16-byte accesses
+                    cute.arch.cp_async_wait_group(0)
                     cute.arch.barrier()
+                    self._epilogue(mY, mTok, mSorted, sC, acc, thr_mma, r0, row_lo, row_hi, ncols, col_base, c0, tidx)
+                else:
+                    # (tile j, group gi) pairs in order, one B buffer each, alternating: the next
+                    # pair's B (the next tile's first group after a tile's last) is requested before
+                    # this pair's MMAs, so it flies during them and during the tile's epilogue.
+                    n_pairs = n_groups * n_tiles
+                    for p in cutlass.range(n_pairs, unroll=1):
+                        buf = p % 2
+                        j = p // n_groups
+                        gi = p - j * n_groups
+                        if p + 1 < n_pairs:
+                            gn = gi + 1
+                            jn = j
+                            if gn == n_groups:
+                                gn = cutlass.Int32(0)
+                                jn = j + 1
+                            c0n = c0 + jn * BN
+                            self._load_b(g_first + gn, 1 - buf, mActive, mRanks, has_ranks, mBs, sl, n_s, c0n,
+                                         cutlass.min(n_s - c0n, BN), tiled_copy_b, tBsB, tBcB)
+                        cute.arch.cp_async_commit_group()
+                        cute.arch.cp_async_wait_group(1)
+                        cute.arch.barrier()
+                        self._mma_group(g_first + gi, buf, mActive, mRanks, has_ranks, mStart, r0, rows, w_lo, frags)
+                        cute.arch.barrier()  # buffer `buf` is refilled by the next pair
+                        if gi == n_groups - 1:  # tile j is complete: its epilogue, then a fresh acc
+                            cj = c0 + j * BN
+                            # sC's last readers (tile j - 1) passed this pair's barriers already.
+                            self._epilogue(mY, mTok, mSorted, sC, acc, thr_mma, r0, row_lo, row_hi,
+                                           cutlass.min(n_s - cj, BN), col_base, cj, tidx)
+                            acc.fill(0.0)
+                    cute.arch.cp_async_wait_group(0)
 
-                    g = g_first + gi
-                    lid = mActive[g]
-                    keff = self._k_eff(lid, mRanks, has_ranks)
-                    lo = cutlass.max(mStart[g] - r0, 0)
-                    hi = cutlass.min(mStart[g + 1] - r0, rows)
-                    # Warp-uniform: does this warp's 16-row block meet the group?
-                    if keff > 0 and lo < w_lo + 16 and hi > w_lo:
-                        for kk in cutlass.range_constexpr(NK):
-                            if kk * 16 < keff:
-                                cute.copy(s2r_a, tXsA[None, None, kk], tXrA[None, None, kk])
-                                cute.copy(s2r_b, tXsB[None, None, kk, buf], tXrB[None, None, kk])
-                                # Rows of other groups (or none) contribute exactly zero.
-                                for i in cutlass.range_constexpr(cute.size(tCrA[None, None, kk])):
-                                    r = tCcA[None, None, kk][i][0]
-                                    if r < lo or r >= hi:
-                                        tCrA[None, None, kk][i] = cutlass.BFloat16(0.0)
-                                cute.gemm(tiled_mma, acc, tCrA[None, None, kk], tCrB[None, None, kk], acc)
-                    cute.arch.barrier()  # buffer `buf` is refilled two iterations later
+        @cute.jit
+        def _mma_group(self, g, buf, mActive, mRanks, has_ranks, mStart, r0, rows, w_lo, frags):
+            """One adapter group's k16 steps into the warp's accumulator, B from buffer buf; a warp
+            whose 16 rows miss the group issues nothing, rows of other groups are zeroed in A."""
+            s2r_a, s2r_b, tXsA, tXrA, tXsB, tXrB, tCrA, tCrB, tCcA, tiled_mma, acc = frags
+            lid = mActive[g]
+            keff = self._k_eff(lid, mRanks, has_ranks)
+            lo = cutlass.max(mStart[g] - r0, 0)
+            hi = cutlass.min(mStart[g + 1] - r0, rows)
+            # Warp-uniform: does this warp's 16-row block meet the group?
+            if keff > 0 and lo < w_lo + 16 and hi > w_lo:
+                for kk in cutlass.range_constexpr(self.RP // 16):
+                    if kk * 16 < keff:
+                        cute.copy(s2r_a, tXsA[None, None, kk], tXrA[None, None, kk])
+                        cute.copy(s2r_b, tXsB[None, None, kk, buf], tXrB[None, None, kk])
+                        # Rows of other groups (or none) contribute exactly zero.
+                        for i in cutlass.range_constexpr(cute.size(tCrA[None, None, kk])):
+                            r = tCcA[None, None, kk][i][0]
+                            if r < lo or r >= hi:
+                                tCrA[None, None, kk][i] = cutlass.BFloat16(0.0)
+                        cute.gemm(tiled_mma, acc, tCrA[None, None, kk], tCrB[None, None, kk], acc)
 
-                # ---- epilogue: acc -> smem (fp32) -> y += tile, one rounding, 16-byte accesses --
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.barrier()
-                tCcC = thr_mma.partition_C(cute.make_identity_tensor((BM, BN)))
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    rc = tCcC[i]
-                    sC[rc[0], rc[1]] = acc[i]
-                cute.arch.barrier()
+        @cute.jit
+        def _epilogue(self, mY, mTok, mSorted, sC, acc, thr_mma, r0, row_lo, row_hi, ncols, col_base, c0, tidx):
+            """acc -> sC (fp32) -> y += tile for the rows [row_lo, row_hi) with an adapter and the
+            tile's ncols columns from y's column col_base + c0: one rounding, 16-byte accesses."""
+            BM, BN, NT = self.BM, self.BN, self.threads
+            tCcC = thr_mma.partition_C(cute.make_identity_tensor((BM, BN)))
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                rc = tCcC[i]
+                sC[rc[0], rc[1]] = acc[i]
+            cute.arch.barrier()
 
-                # Three passes over this thread's NIT chunks so that the memory round trips overlap
-                # instead of queueing chunk after chunk: (1) every chunk's sorted slot and token
-                # index, (2) every chunk's 16-byte y load, (3) add, round once, store. Same
-                # arithmetic per element as one pass; rows of slot -1 neither read nor written.
-                CPR = BN // 8
-                NIT = BM * CPR // NT
-                j0 = (col_base + c0) // 8
-                toks = []
-                for it in cutlass.range_constexpr(NIT):
-                    v = it * NT + tidx
-                    r = v // CPR
-                    cc = v - r * CPR
-                    t = cutlass.Int32(-1)
-                    if r >= row_lo and r < row_hi and cc * 8 < ncols:
-                        srt = mSorted[r0 + r]
-                        tk = mTok[r0 + r]
-                        if srt >= 0:
-                            t = tk
-                    toks.append(t)
-                ys = []
-                for it in cutlass.range_constexpr(NIT):
-                    v = it * NT + tidx
-                    cc = v - (v // CPR) * CPR
-                    r_y = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
-                    if toks[it] >= 0:
-                        cute.autovec_copy(cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc], r_y)
-                    ys.append(r_y)
-                for it in cutlass.range_constexpr(NIT):
-                    v = it * NT + tidx
-                    r = v // CPR
-                    cc = v - r * CPR
-                    if toks[it] >= 0:
-                        r_c = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-                        cute.autovec_copy(cute.zipped_divide(sC[r, None], (8,))[None, cc], r_c)
-                        r_o = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
-                        r_o.store((ys[it].load().to(cutlass.Float32) + r_c.load()).to(cutlass.BFloat16))
-                        cute.autovec_copy(r_o, cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc])
+            # Three passes over this thread's NIT chunks so that the memory round trips overlap
+            # instead of queueing chunk after chunk: (1) every chunk's sorted slot and token
+            # index, (2) every chunk's 16-byte y load, (3) add, round once, store. Same
+            # arithmetic per element as one pass; rows of slot -1 neither read nor written.
+            CPR = BN // 8
+            NIT = BM * CPR // NT
+            j0 = (col_base + c0) // 8
+            toks = []
+            for it in cutlass.range_constexpr(NIT):
+                v = it * NT + tidx
+                r = v // CPR
+                cc = v - r * CPR
+                t = cutlass.Int32(-1)
+                if r >= row_lo and r < row_hi and cc * 8 < ncols:
+                    srt = mSorted[r0 + r]
+                    tk = mTok[r0 + r]
+                    if srt >= 0:
+                        t = tk
+                toks.append(t)
+            ys = []
+            for it in cutlass.range_constexpr(NIT):
+                v = it * NT + tidx
+                cc = v - (v // CPR) * CPR
+                r_y = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
+                if toks[it] >= 0:
+                    cute.autovec_copy(cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc], r_y)
+                ys.append(r_y)
+            for it in cutlass.range_constexpr(NIT):
+                v = it * NT + tidx
+                r = v // CPR
+                cc = v - r * CPR
+                if toks[it] >= 0:
+                    r_c = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+                    cute.autovec_copy(cute.zipped_divide(sC[r, None], (8,))[None, cc], r_c)
+                    r_o = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
+                    r_o.store((ys[it].load().to(cutlass.Float32) + r_c.load()).to(cutlass.BFloat16))
+                    cute.autovec_copy(r_o, cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc])
 
         @cute.jit
         def _k_eff(self, lid, mRanks, has_ranks):
@@ -510,7 +585,8 @@ def prebuild_configs() -> list[Config]:
     cfgs |= {Config(rank=64, num_slices=s, bm=128, bn=128) for s in SLICE_COUNTS}
     for s in SWEEP_SLICES:
         cfgs.update(sweep_configs(s, 64).values())
-    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.bn, c.h_bf16))
+    cfgs.update(CT_TEST_CONFIGS)
+    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.bn, c.h_bf16, c.ct))
 
 
 # The bench's expand-add sweep (`hybrid_stages` with EPILORA_BENCH_K1SWEEP=1), rank 64, Qwen3-8B's
@@ -531,18 +607,45 @@ def sweep_configs(num_slices: int, rank: int) -> dict[str, Config]:
             continue
         if cfg != base:
             out[f"bm{bm}_bn{bn}"] = cfg
+    # v0.72: the selected tiles sweeping ct column tiles per CTA, one also with v0.71's bf16 h
+    for bn, cts in ((64, (2, 4, 8)), (128, (2, 4))):
+        for ct in cts:
+            out[f"bm64_bn{bn}_ct{ct}"] = Config(rank=rank, num_slices=num_slices, bm=64, bn=bn, ct=ct)
+    out["bm64_bn64_hb_ct4"] = Config(rank=rank, num_slices=num_slices, bm=64, bn=64, h_bf16=True, ct=4)
     return out
 
 
+# v0.72's GPU tests beyond the sweep's rank 64: rank 8 (its zero-filled rank padding) and rank 256
+# with four slices, sweeping columns.
+CT_TEST_CONFIGS = (Config(rank=8, num_slices=1, bm=64, bn=128, ct=2), Config(rank=256, num_slices=4, bm=64, bn=64, ct=4))
+
+
 def column_tiles(widths, bn: int) -> list[tuple[int, int, int]]:
-    """(slice, first column inside the slice, first column of the slice in y) for every
-    blockIdx.x, exactly as the kernel derives them from the width scalars."""
+    """(slice, first column inside the slice, first column of the slice in y) for every column
+    tile in blockIdx.x order (ct = 1: one per CTA), as the kernel derives them from the widths."""
     out, base = [], 0
     for s, w in enumerate(widths):
         for c0 in range(0, w, bn):
             out.append((s, c0, base))
         base += w
     return out
+
+
+def column_chunks(widths, bn: int, ct: int) -> list[list[tuple[int, int, int]]]:
+    """The column tiles of each blockIdx.x when a CTA sweeps ct of them (Config.ct): ct
+    consecutive tiles of one slice, the slice's last chunk possibly shorter; the kernel derives
+    the same from the width scalars. ct = 1 is one tile per CTA (column_tiles)."""
+    out, base = [], 0
+    for s, w in enumerate(widths):
+        tiles = [(s, c0, base) for c0 in range(0, w, bn)]
+        out += [tiles[i:i + ct] for i in range(0, len(tiles), ct)]
+        base += w
+    return out
+
+
+def _column_ctas(widths, cfg: Config) -> int:
+    """blockIdx.x's extent: ceil(ceil(n_s / bn) / ct) summed over the slices."""
+    return sum(-(-(-(-w // cfg.bn)) // cfg.ct) for w in widths)
 
 
 # ~2 CTAs per SM (v0.20, run10's sweep: at 32 tokens x 32 adapters qkv / o / down ran 16 / 13 / 13 us
@@ -560,7 +663,7 @@ def choose_zsplit(widths, m: int, cfg: Config, max_loras: int | None, target_cta
 
     if max_loras is None:
         return 1
-    ctas = sum(-(-w // cfg.bn) for w in widths) * -(-m // cfg.bm)
+    ctas = _column_ctas(widths, cfg) * -(-m // cfg.bm)
     want = pow2_ceil(-(-target_ctas // max(ctas, 1)))
     return max(1, min(want, cfg.bm, m, max_loras + 1, 65535))
 
@@ -569,7 +672,7 @@ def grid(widths, m: int, cfg: Config, max_loras: int | None = None, zsplit: int 
     """The launch grid; max_loras (the B buffers' slot count) lets the group split (grid z) apply,
     zsplit forces it."""
     z = zsplit or choose_zsplit(widths, m, cfg, max_loras)
-    return (sum(-(-w // cfg.bn) for w in widths), -(-m // cfg.bm), z)
+    return (_column_ctas(widths, cfg), -(-m // cfg.bm), z)
 
 
 def _as_3d(b: torch.Tensor, name: str) -> torch.Tensor:
@@ -699,7 +802,7 @@ def emulate(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks=No
     act, start = meta.active_lora_ids, meta.lora_token_start_loc
     hb = torch.zeros(h.shape[0], h.shape[1], RP)
     hb[:, :, :R] = h.float().to(torch.bfloat16).float()
-    for (s, c0, base) in column_tiles(widths, cfg.bn):
+    for (s, c0, base) in (t for chunk in column_chunks(widths, cfg.bn, cfg.ct) for t in chunk):
         ncols = min(widths[s] - c0, cfg.bn)
         bmat = torch.zeros(bs[0].shape[0], widths[s], RP)
         bmat[:, :, :R] = bs[s].float()

@@ -158,3 +158,18 @@ def test_with_env_sets_the_variable_only_during_the_call(monkeypatch):
     with pytest.raises(RuntimeError):
         _with_env(ops.HYBRID_H_ENV, "bf16", boom)()
     assert ops.HYBRID_H_ENV not in os.environ
+
+
+def test_sweep_switches(monkeypatch):
+    """EPILORA_BENCH_K1SWEEP=1 sweeps K1 and the expand-add, EPILORA_BENCH_EASWEEP=1 the expand-add
+    alone (v0.72's column-sweeping builds without K1's columns)."""
+    from tools.bench_hybrid_stages import EASWEEP_ENV, K1SWEEP_ENV, _sweeps
+
+    monkeypatch.delenv(K1SWEEP_ENV, raising=False)
+    monkeypatch.delenv(EASWEEP_ENV, raising=False)
+    assert _sweeps() == (False, False)
+    monkeypatch.setenv(EASWEEP_ENV, "1")
+    assert _sweeps() == (False, True)
+    monkeypatch.setenv(K1SWEEP_ENV, "1")
+    monkeypatch.delenv(EASWEEP_ENV)
+    assert _sweeps() == (True, True)

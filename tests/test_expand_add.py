@@ -37,7 +37,8 @@ from tests.ptxas import spill_problems  # noqa: E402
 needs_dsl = pytest.mark.skipif(dsl_version() is None, reason="nvidia-cutlass-dsl is not installed")
 
 FAST = [E.Config(rank=64, num_slices=3), E.Config(rank=8, num_slices=1, bm=128), E.Config(rank=256, num_slices=2, bn=64),
-        E.Config(rank=64, num_slices=2, bn=64, h_bf16=True), E.Config(rank=8, num_slices=1, h_bf16=True)]
+        E.Config(rank=64, num_slices=2, bn=64, h_bf16=True), E.Config(rank=8, num_slices=1, h_bf16=True),
+        E.Config(rank=64, num_slices=2, bn=64, ct=4), E.Config(rank=8, num_slices=1, bn=128, ct=2)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,6 +157,69 @@ def test_column_tiles_stay_inside_slices():
         assert 0 <= c0 < widths[s] and base == sum(widths[:s])
     t2 = E.column_tiles((136, 64, 72), 128)
     assert t2 == [(0, 0, 0), (0, 128, 0), (1, 0, 136), (2, 0, 200)]
+
+
+def _kernel_column_chunk(widths, bn, ct, bx):
+    """The kernel's derivation of blockIdx.x's tiles from the width scalars, step by step (ct > 1:
+    chunks of ct tiles; slice, first column, slice base, tile count), or None past the grid."""
+    t_start = c_start = 0
+    found = None
+    for i, w in enumerate(widths):
+        nt = (w + bn - 1) // bn
+        nch = (nt + ct - 1) // ct
+        if t_start <= bx < t_start + nch:
+            c0 = (bx - t_start) * ct * bn
+            found = [(i, c0 + j * bn, c_start) for j in range(min(nt - (bx - t_start) * ct, ct))]
+        t_start += nch
+        c_start += w
+    return found
+
+
+@pytest.mark.parametrize("widths", [(4096, 1024, 1024), (136, 64, 72), (1096, 136, 72, 8), (12288, 12288)])
+@pytest.mark.parametrize("ct", E.COLUMN_TILES_PER_CTA)
+@pytest.mark.parametrize("bn", (64, 128))
+def test_column_chunks_cover_every_tile_once(widths, ct, bn):
+    """v0.72: blockIdx.x's chunks are ct consecutive tiles of one slice (the last one of a slice
+    shorter), together every column tile once in order, as many as the grid's x; the kernel's
+    own derivation from the widths gives the same chunks."""
+    chunks = E.column_chunks(widths, bn, ct)
+    assert [t for c in chunks for t in c] == E.column_tiles(widths, bn)
+    assert all(1 <= len(c) <= ct and len({t[0] for t in c}) == 1 for c in chunks)
+    cfg = E.Config(rank=64, num_slices=len(widths), bm=64, bn=bn, ct=ct)
+    assert E.grid(widths, 100, cfg, zsplit=1)[0] == len(chunks)
+    assert [_kernel_column_chunk(widths, bn, ct, bx) for bx in range(len(chunks))] == chunks
+    assert _kernel_column_chunk(widths, bn, ct, len(chunks)) is None
+
+
+def test_emulation_column_sweep_is_bitwise_one_tile():
+    """Sweeping ct tiles per CTA regroups whole tiles: the same sums, the same bits (mixed ranks,
+    partial last tiles, tokens without an adapter)."""
+    ranks = torch.tensor([64, 16, 0, 8] * 2, dtype=torch.int32)
+    case = make_case(150, 8, 64, (1096, 136, 72), seed=11, slot_ranks=ranks)
+    outs = [E.emulate(case["y"], case["h"], case["bs"], case["meta"], ranks,
+                      config=E.Config(rank=64, num_slices=3, bm=64, bn=64, ct=ct)) for ct in E.COLUMN_TILES_PER_CTA]
+    for o in outs[1:]:
+        assert torch.equal(o.view(torch.int16), outs[0].view(torch.int16))
+    assert_close_bf16(outs[-1], expected(case, bf16_h=True), True)
+
+
+def test_column_sweep_configs():
+    """v0.72's builds: their own smem for the epilogue tile (the next B flies beside it), a name
+    suffix only when ct > 1 (ct = 1 names, and so cache entries, unchanged), ct validated; the
+    sweep's and the GPU tests' builds are prebuilt; select() does not take them (opt-in until the
+    H200 has measured them)."""
+    one, four = E.Config(rank=64, num_slices=2, bn=64), E.Config(rank=64, num_slices=2, bn=64, ct=4)
+    assert one.name() == "r64_s2_bm64_bn64" and four.name() == "r64_s2_bm64_bn64_ct4"
+    assert four.smem_bytes == one.smem_bytes + 2 * 64 * 64 * 2  # sA + B double buffer + sC, not max(B, sC)
+    with pytest.raises(ValueError, match="ct"):
+        E.Config(ct=3)
+    pre = set(E.prebuild_configs())
+    assert set(E.CT_TEST_CONFIGS) <= pre
+    assert all(E.select(s, m, r).ct == 1 for s in E.SLICE_COUNTS for r in E.RANKS for m in (1, 2048, 8192))
+    for s in E.SWEEP_SLICES:
+        sweep = E.sweep_configs(s, 64)
+        assert {c.ct for c in sweep.values()} == set(E.COLUMN_TILES_PER_CTA)
+        assert sweep["bm64_bn64_hb_ct4"].h_bf16
 
 
 def test_select_and_prebuild_set():
@@ -505,6 +569,61 @@ def test_gpu_bn64_is_bitwise_bn128(M, L, widths):
     _hopper()
     case = make_case(M, L, 64, widths, seed=M + L, device="cuda")
     _assert_configs_bitwise_equal(case, [E.Config(rank=64, num_slices=len(widths), bn=bn) for bn in (128, 64)])
+
+
+CT_GPU_CASES = [  # (M, adapters, rank, widths, the column-sweeping build)
+    (33, 8, 64, (4096, 1024, 1024), E.Config(rank=64, num_slices=3, bm=64, bn=128, ct=2)),
+    (256, 32, 64, (4096, 1024, 1024), E.Config(rank=64, num_slices=3, bm=64, bn=128, ct=4)),
+    (2048, 1, 64, (12288, 12288), E.Config(rank=64, num_slices=2, bm=64, bn=64, ct=8)),
+    (2500, 8, 64, (1096, 136, 72), E.Config(rank=64, num_slices=3, bm=64, bn=64, ct=4)),  # partial chunks / tiles
+    (511, 32, 64, (4096,), E.Config(rank=64, num_slices=1, bm=64, bn=64, ct=2)),
+    (300, 4, 8, (4096,), E.CT_TEST_CONFIGS[0]),
+    (777, 8, 256, (1024, 512, 512, 256), E.CT_TEST_CONFIGS[1]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,L,R,widths,cfg", CT_GPU_CASES, ids=lambda v: getattr(v, "name", lambda: str(v))())
+def test_gpu_column_sweep_is_bitwise_one_tile(M, L, R, widths, cfg):
+    """v0.72: a CTA sweeping cfg.ct column tiles (h staged once, the next B in flight during the
+    epilogue) writes the y of the one-tile build of the same tile, bit for bit: mixed effective
+    ranks, tokens without an adapter (their y and h rows poisoned, left untouched), the default
+    and forced group splits; and that y within the reference's tolerance."""
+    import dataclasses
+
+    _hopper()
+    ranks = torch.tensor([(R, R // 2, 0, 8)[i % 4] for i in range(L)], dtype=torch.int32).cuda()
+    case = make_case(M, L, R, widths, seed=M + R + cfg.ct, slot_ranks=ranks.cpu(), device="cuda")
+    neg = case["ids"] < 0
+    case["h"][:, neg] = float("nan")
+    y0 = case["y"].clone()
+    y0[neg] = float("nan")
+    one = dataclasses.replace(cfg, ct=1)
+    ref = y0.clone()
+    E.expand_add(ref, case["h"], case["bs"], case["meta"], ranks, config=one)
+    for z in (None, 1, 5):
+        y = y0.clone()
+        out = E.expand_add(y, case["h"], case["bs"], case["meta"], ranks, config=cfg, zsplit=z)
+        assert out is y
+        torch.cuda.synchronize()
+        assert torch.equal(y.view(torch.int16), ref.view(torch.int16)), z
+    keep = ~neg
+    assert torch.equal(ref[neg].view(torch.int16), y0[neg].view(torch.int16))
+    assert_close_bf16(ref[keep], expected(dict(case, y=y0), bf16_h=True)[keep], True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S,widths", [(1, (4096,)), (2, (12288, 12288)), (3, (4096, 1024, 1024))])
+def test_gpu_column_sweep_on_bf16_h_is_bitwise_fp32_h(S, widths):
+    """The sweep's bf16-h column-sweeping build (v0.71 + v0.72) against the one-tile fp32-h build."""
+    _hopper()
+    case = make_case(2048, 8, 64, widths, seed=S + 60, device="cuda")
+    y0 = case["y"].clone()
+    y32, y16 = y0.clone(), y0.clone()
+    E.expand_add(y32, case["h"], case["bs"], case["meta"], config=E.Config(rank=64, num_slices=S, bm=64, bn=64))
+    E.expand_add(y16, case["h"].bfloat16(), case["bs"], case["meta"], config=E.sweep_configs(S, 64)["bm64_bn64_hb_ct4"])
+    torch.cuda.synchronize()
+    assert torch.equal(y16.view(torch.int16), y32.view(torch.int16))
 
 
 def test_select_takes_the_narrow_tile_from_wide_m():

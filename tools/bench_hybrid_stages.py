@@ -27,7 +27,9 @@ replays with the L2 flushed before each (median, tools/gpu_timing):
                  same projection (when vLLM imports), so vllm_lora - vllm_fp8 is vLLM's adapter cost
   k1_bm<B>_st<S>_us, expand_add_bm<B>_bn<N>_us   with EPILORA_BENCH_K1SWEEP=1, K1 and expand-add
                  under the alternative configurations of k1_shrink.sweep_configs (rows per CTA,
-                 ring depth) and expand_add.sweep_configs (tile shape): CTAs per SM;
+                 ring depth) and expand_add.sweep_configs (tile shape; `_ct<C>`: C column
+                 tiles per CTA, v0.72; `_hb`: on the bf16 h): CTAs per SM; EPILORA_BENCH_EASWEEP=1:
+                 the expand-add's sweep alone;
                  expand_add_again_us, the selected expand-add timed again after every other column
   k1_floor_us / expand_floor_us   least DRAM traffic at the measured read bandwidth: x read +
                  codes written + the active adapters' A / y read and written + their B
@@ -65,6 +67,13 @@ HYBRID_PATHS = ("hybrid", "hybrid_par", "hybrid_par_q")
 ZSWEEP = (2, 4, 8, 16, 32, 64)
 ZSWEEP_ENV = "EPILORA_BENCH_ZSWEEP"
 K1SWEEP_ENV = "EPILORA_BENCH_K1SWEEP"  # "1": also K1 / expand-add under their sweep_configs
+EASWEEP_ENV = "EPILORA_BENCH_EASWEEP"  # "1": the expand-add's sweep_configs only
+
+
+def _sweeps() -> tuple[bool, bool]:
+    """(K1's sweep, the expand-add's sweep) as the environment asks for them."""
+    k1 = os.environ.get(K1SWEEP_ENV) == "1"
+    return k1, k1 or os.environ.get(EASWEEP_ENV) == "1"
 
 
 def settings(env: Mapping[str, str] | None = None) -> tuple[list[int], list[int]]:
@@ -177,13 +186,15 @@ class HybridStages:
                "k1_hb": k1(h=self.h_bf16),
                "expand_add_hb": ex(h=self.h_bf16),
                **{f"{path}_hb": op(path, "bf16") for path in HYBRID_PATHS}}
-        if os.environ.get(K1SWEEP_ENV) == "1":
+        k1_sweep, ea_sweep = _sweeps()
+        if k1_sweep:
             from kernels_dsl import k1_shrink as k1mod
             for name, cfg in k1mod.sweep_configs(len(c.proj.slices), c.proj.k, c.rank).items():
                 fns[f"k1_{name}"] = k1(config=cfg)
+        if ea_sweep:
             from kernels_dsl import expand_add as eamod
             for name, cfg in eamod.sweep_configs(len(c.proj.slices), c.rank).items():
-                fns[f"expand_add_{name}"] = ex(config=cfg)
+                fns[f"expand_add_{name}"] = ex(h=self.h_bf16 if cfg.h_bf16 else self.h, config=cfg)
         for name, (k1_kw, ex_kw) in launch_variants(c, zsweep=os.environ.get(ZSWEEP_ENV) == "1").items():
             if k1_kw is not None:
                 fns[f"k1_{name}"] = k1(**k1_kw)
@@ -267,7 +278,7 @@ def bench_hybrid_stages(quick: bool) -> list[dict]:
                         vllm_note = vllm_note or vl["_vllm_error"]
                     else:
                         fns.update(vl)
-                    if os.environ.get(K1SWEEP_ENV) == "1":
+                    if _sweeps()[1]:
                         # the selected expand-add once more, timed last: v0.37 found the first
                         # expand-add column ~18 % slower than an identical later one at 8192 tokens
                         fns["expand_add_again"] = fns["expand_add"]

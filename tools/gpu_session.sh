@@ -152,27 +152,29 @@ case $mode in
     timeout -s KILL 150 python3 -m pytest -q -m gpu tests/test_k1_shrink.py 2>&1 | tail -4 | tee "$OUT/k1_tests.log"
     timeout -s KILL 60 python3 -m pytest -q -m gpu tests/test_lora_linear_gpu.py -k hybrid 2>&1 | tail -3 | tee -a "$OUT/k1_tests.log"
     EPILORA_BENCH_K1SWEEP=1 EPILORA_BENCH_TOKENS=${K1_TOKENS:-64,256,2048} EPILORA_BENCH_ADAPTERS=${K1_ADAPTERS:-1,8,32} \
-      timeout -s KILL 200 python3 tools/bench.py --quick --sections hybrid_stages --out "$OUT/hs" 2>&1 | tail -45
+      timeout -s KILL 180 python3 tools/bench.py --quick --sections hybrid_stages --out "$OUT/hs" 2>&1 | tail -45
     (cd "$OUT" && [[ -d hs ]] && tar czf hs.tgz hs && rm -rf hs)
     ;;
   h-bf16)
-    # perf.md v0.71 (carry the cache with K1's and the expand-add's builds (--families
+    # perf.md v0.71 + v0.72 (carry the cache with K1's and the expand-add's builds (--families
     # k1_quant_shrink,expand_add,fp8_quant), .devvllm/2 after call A for vLLM's columns; ~9 min):
     # K1 storing h as bf16 and the expand-add reading it, bit for bit against the fp32 h, the op's
-    # hybrid paths under EPILORA_HYBRID_H=bf16 bit for bit the fp32 ones, racecheck of both new
-    # builds, then hybrid_stages (its *_hb columns beside the fp32 ones) at HB_TOKENS x HB_ADAPTERS.
+    # hybrid paths under EPILORA_HYBRID_H=bf16 bit for bit the fp32 ones, the expand-add sweeping
+    # column tiles bit for bit its one-tile build, racecheck of the new builds, then hybrid_stages
+    # (its *_hb columns beside the fp32 ones, and the expand-add's sweep with its _ct builds) at
+    # HB_TOKENS x HB_ADAPTERS.
     unpack_vllm
-    timeout -s KILL 130 python3 -m pytest -q -m gpu tests/test_k1_shrink.py tests/test_expand_add.py \
+    timeout -s KILL 150 python3 -m pytest -q -m gpu tests/test_k1_shrink.py tests/test_expand_add.py \
       -k "bf16_h or h_bf16 or matches_reference or bitwise" 2>&1 | tail -4 | tee "$OUT/h_bf16_tests.log"
     timeout -s KILL 80 python3 -m pytest -q -m gpu tests/test_lora_linear_gpu.py -k hybrid 2>&1 | tail -3 \
       | tee -a "$OUT/h_bf16_tests.log"
-    for c in k1_hb expand_hb; do
+    for c in k1_hb expand_hb expand_ct; do
       echo "== racecheck kernel_diag $c" | tee -a "$OUT/h_bf16_tests.log"
       timeout -s KILL 40 compute-sanitizer --tool racecheck --report-api-errors no \
         python3 tools/kernel_diag.py $c 2>&1 | tail -4 | tee -a "$OUT/h_bf16_tests.log"
     done
-    EPILORA_BENCH_TOKENS=${HB_TOKENS:-64,256,2048} EPILORA_BENCH_ADAPTERS=${HB_ADAPTERS:-1,32} \
-      timeout -s KILL 170 python3 tools/bench.py --quick --sections hybrid_stages --out "$OUT/hs" 2>&1 | tail -45
+    EPILORA_BENCH_EASWEEP=1 EPILORA_BENCH_TOKENS=${HB_TOKENS:-256,2048} EPILORA_BENCH_ADAPTERS=${HB_ADAPTERS:-1,32} \
+      timeout -s KILL 180 python3 tools/bench.py --quick --sections hybrid_stages --out "$OUT/hs" 2>&1 | tail -45
     (cd "$OUT" && [[ -d hs ]] && tar czf hs.tgz hs && rm -rf hs)
     ;;
   prefill-k2)

@@ -5,7 +5,8 @@ or cuda-gdb (a hang or a fault then costs one small process, not a test file).
 
 CASE: k2_nolora (K2 alone, x_q given, no adapter, n_quant 0), shrink (the shrink+quant kernel
 alone), decode (shrink then the self-quantizing K2 with PDL, 3 tokens), decode_xq (shrink+quant
-then the x_q K2), decode_split2 (decode with the shrink split as K2), decode_wide (decode with the wide self-quantizing K2, K = 2176), expand (expand_add), k1 (K1 quant+shrink),
+then the x_q K2), decode_split2 (decode with the shrink split as K2), decode_wide (decode with the wide self-quantizing K2, K = 2176), expand (expand_add), expand_hb /
+expand_ct (its bf16-h and column-sweeping builds against the default, bit for bit), k1 (K1 quant+shrink),
 prefill_pers (K1 then the persistent prefill K2; SPLIT = its CTA count).
 Prints "CASE ok" with the maximum error against the reference, after a device synchronize.
 The K2 builds follow EPILORA_K2_PUSH (k2_gemm.push_variant: `maxima`, `partials`, both by default, `none`) like
@@ -131,6 +132,15 @@ def expand_hb(_split: int) -> float:
     return 0.0
 
 
+def expand_ct(_split: int) -> float:
+    """The expand-add sweeping four column tiles per CTA (v0.72) against its one-tile build, bit
+    for bit: the B ring across tiles and the epilogue tile beside it (racecheck's case)."""
+    from tests import test_expand_add as T
+
+    T.test_gpu_column_sweep_is_bitwise_one_tile(*T.CT_GPU_CASES[3])
+    return 0.0
+
+
 def k1_hb(_split: int) -> float:
     """K1 storing h as bf16 (v0.71) against its fp32 h, bit for bit."""
     from tests import test_k1_shrink as T
@@ -156,7 +166,7 @@ def prefill_pers(ctas: int) -> float:
 
 
 CASES = {f.__name__: f for f in (k2_nolora, shrink, decode, decode_xq, decode_split2, decode_wide, expand, k1,
-                                 expand_hb, k1_hb, prefill_pers)}
+                                 expand_hb, expand_ct, k1_hb, prefill_pers)}
 
 if __name__ == "__main__":
     case = sys.argv[1]
