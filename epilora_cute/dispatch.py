@@ -140,9 +140,30 @@ def code_fingerprint() -> str:
             h.update(f"{dist}={metadata.version(dist)}".encode())
         except metadata.PackageNotFoundError:
             h.update(f"{dist}=none".encode())
-    for name in FINGERPRINT_ENV:
-        h.update(f"{name}={os.environ.get(name, '')}".encode())
+    for name, value in effective_switches().items():
+        h.update(f"{name}={value}".encode())
     return h.hexdigest()[:16]
+
+
+def effective_switches() -> dict[str, str]:
+    """FINGERPRINT_ENV's switches as the code reads them, not as typed: " BF16 " and "bf16" are
+    one setting (they launch the same kernels), so they share stored decisions. A value its
+    parser rejects keeps its raw text (the op raises on it when it runs)."""
+    from kernels_dsl import k2_gemm
+    from . import metadata, ops, timing
+
+    readers = {"EPILORA_HYBRID_H": lambda: str(ops.hybrid_h_dtype()),
+               "EPILORA_K2_PUSH": lambda: ",".join(k2_gemm.push_flags()),
+               "EPILORA_K2_SQ_WIDE": lambda: str(k2_gemm.sq_wide_enabled()),
+               "EPILORA_META_KERNEL": lambda: str(metadata.meta_kernel_enabled()),
+               "EPILORA_L2_FLUSH": timing.flush_mode}
+    out = {}
+    for name in FINGERPRINT_ENV:
+        try:
+            out[name] = readers[name]()
+        except ValueError:
+            out[name] = "raw:" + os.environ.get(name, "")
+    return out
 
 
 class DispatchKey(NamedTuple):  # a NamedTuple: made and hashed on every "auto" call, cheaply

@@ -409,18 +409,41 @@ def test_decisions_of_other_code_are_not_reused(tmp_path, capsys):
     assert "not used" in capsys.readouterr().out
 
 
-def test_code_fingerprint_follows_the_switches(monkeypatch):
-    """The switches that change what a path launches are part of the fingerprint."""
+def _fingerprint_with(monkeypatch, **env) -> str:
+    from epilora_cute import ops
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     d.code_fingerprint.cache_clear()
+    ops.hybrid_h_dtype.cache_clear()
     try:
-        monkeypatch.setenv("EPILORA_HYBRID_H", "fp32")
-        a = d.code_fingerprint()
-        assert a == d.code_fingerprint() and len(a) == 16
-        d.code_fingerprint.cache_clear()
-        monkeypatch.setenv("EPILORA_HYBRID_H", "bf16")
-        assert d.code_fingerprint() != a
+        return d.code_fingerprint()
     finally:
         d.code_fingerprint.cache_clear()
+        ops.hybrid_h_dtype.cache_clear()
+
+
+def test_code_fingerprint_follows_the_switches(monkeypatch):
+    """The switches that change what a path launches are part of the fingerprint."""
+    a = _fingerprint_with(monkeypatch, EPILORA_HYBRID_H="fp32")
+    assert len(a) == 16 and a == _fingerprint_with(monkeypatch, EPILORA_HYBRID_H="fp32")
+    assert _fingerprint_with(monkeypatch, EPILORA_HYBRID_H="bf16") != a
+    assert _fingerprint_with(monkeypatch, EPILORA_HYBRID_H="fp32", EPILORA_K2_PUSH="none") != a
+
+
+def test_code_fingerprint_hashes_the_effective_settings(monkeypatch):
+    """Spellings the parsers read alike share stored decisions; a value a parser rejects still
+    gives a fingerprint (its raw text), so the dispatch never fails before the op's own error."""
+    base = _fingerprint_with(monkeypatch, EPILORA_HYBRID_H="bf16", EPILORA_K2_PUSH="maxima,partials",
+                             EPILORA_K2_SQ_WIDE="1")
+    assert _fingerprint_with(monkeypatch, EPILORA_HYBRID_H=" BF16 ", EPILORA_K2_PUSH="partials, maxima",
+                             EPILORA_K2_SQ_WIDE="on") == base
+    monkeypatch.delenv("EPILORA_HYBRID_H")
+    fp32 = _fingerprint_with(monkeypatch)
+    assert _fingerprint_with(monkeypatch, EPILORA_HYBRID_H="fp32") == fp32  # the default, spelled out
+    bad = _fingerprint_with(monkeypatch, EPILORA_K2_PUSH="bogus")
+    assert len(bad) == 16 and bad != fp32
+    assert d.effective_switches()["EPILORA_K2_PUSH"] == "raw:bogus"
 
 
 def test_concurrent_writers_merge(tmp_path):
