@@ -75,7 +75,9 @@ class Config:
     """rank: buffer rank R. num_slices: A buffers (1..4). bm: sorted rows per CTA (16/32/64).
     kc: resident K capacity per CTA (multiple of 64). stages: depth of the A-block ring.
     h_bf16: store h as bf16 (RN of the same fp32 sum) instead of fp32 — what the expand-add and
-    the prefill K2 feed their MMA anyway, so their outputs are bit for bit the same (v0.71)."""
+    the prefill K2 feed their MMA anyway, so their outputs are bit for bit the same (v0.71).
+    wn_x: 2 doubles the warps across the rank (v0.73: 8 warps instead of 4 at bm 32 / 64, each
+    with half the rank columns), for twice the warps per SM to hide the chain's latencies."""
 
     rank: int = 64
     num_slices: int = 1
@@ -83,6 +85,7 @@ class Config:
     kc: int = 512
     stages: int = 3
     h_bf16: bool = False
+    wn_x: int = 1
 
     def __post_init__(self):
         if self.rank not in RANKS:
@@ -95,6 +98,10 @@ class Config:
             raise ValueError("kc must be a multiple of 64 in 64..4096")
         if not 2 <= self.stages <= MAX_STAGES:
             raise ValueError(f"stages must be 2..{MAX_STAGES}")
+        if self.wn_x not in (1, 2):
+            raise ValueError("wn_x must be 1 or 2")
+        if self.wn * 16 > self.rank_pad or self.threads > 256:
+            raise ValueError("wn_x = 2 needs >= 16 rank columns per warp and <= 8 warps")
         if self.threads // (BK // 8) > min(self.bm, self.rank_pad):
             raise ValueError("the tile copies need threads / 8 <= min(bm, rank_pad) rows")
 
@@ -111,7 +118,7 @@ class Config:
         """Warps across the rank: fill 4 warps when the rows are few, keep <= 64 accumulators
         per thread, and never split below 16 columns per warp."""
         rp = self.rank_pad
-        return max(min(max(4 // self.wm, 1), rp // 16), rp // 128, 1)
+        return max(min(max(4 // self.wm, 1), rp // 16), rp // 128, 1) * self.wn_x
 
     @property
     def threads(self) -> int:
@@ -127,7 +134,8 @@ class Config:
 
     def name(self) -> str:
         hb = "_hb" if self.h_bf16 else ""
-        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_kc{self.kc}_st{self.stages}{hb}"
+        wx = "_wn2" if self.wn_x == 2 else ""
+        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_kc{self.kc}_st{self.stages}{hb}{wx}"
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -717,7 +725,7 @@ def prebuild_configs() -> list[Config]:
     cfgs.add(Config(rank=64, num_slices=1, bm=32, kc=2048, stages=8))
     for s, k in SWEEP_SHAPES:
         cfgs.update(sweep_configs(s, k, 64).values())
-    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.kc, c.bm, c.stages, c.h_bf16))
+    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.kc, c.bm, c.stages, c.h_bf16, c.wn_x))
 
 
 # The bench's K1 sweep (`hybrid_stages` with EPILORA_BENCH_K1SWEEP=1): Qwen3-8B's (slices, K) at
@@ -740,6 +748,16 @@ def sweep_configs(num_slices: int, k: int, rank: int) -> dict[str, Config]:
         limit = SMEM_TWO_PER_SM if bm == 64 else SMEM_LIMIT  # bm 64 only where two CTAs share an SM
         if cfg != base and cfg.smem_bytes <= limit:
             out[f"bm{bm}_st{stages}"] = cfg
+    # v0.73: 8 warps instead of 4 (wn_x = 2: half the rank columns per warp) at the by-size rule's
+    # rows and 4 stages, and at 64 rows / 3 stages: the same smem, twice the warps per SM.
+    for bm, stages in ((base.bm, 4), (64, 3)):
+        try:
+            cfg = Config(rank=rank, num_slices=num_slices, bm=bm, kc=base.kc, stages=stages, wn_x=2)
+        except ValueError:
+            continue
+        limit = SMEM_TWO_PER_SM if bm == 64 else SMEM_LIMIT
+        if cfg.smem_bytes <= limit:
+            out[f"bm{bm}_st{stages}_wn2"] = cfg
     return out
 
 

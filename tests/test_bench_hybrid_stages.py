@@ -161,8 +161,8 @@ def test_with_env_sets_the_variable_only_during_the_call(monkeypatch):
 
 
 def test_sweep_switches(monkeypatch):
-    """EPILORA_BENCH_K1SWEEP=1 sweeps K1 and the expand-add, EPILORA_BENCH_EASWEEP=1 the expand-add
-    alone (v0.72's column-sweeping builds without K1's columns)."""
+    """EPILORA_BENCH_K1SWEEP=1 sweeps K1 and the expand-add (EPILORA_BENCH_EASWEEP=0: K1 alone),
+    EPILORA_BENCH_EASWEEP=1 the expand-add alone (v0.72's column-sweeping builds without K1's)."""
     from tools.bench_hybrid_stages import EASWEEP_ENV, K1SWEEP_ENV, _sweeps
 
     monkeypatch.delenv(K1SWEEP_ENV, raising=False)
@@ -173,3 +173,5 @@ def test_sweep_switches(monkeypatch):
     monkeypatch.setenv(K1SWEEP_ENV, "1")
     monkeypatch.delenv(EASWEEP_ENV)
     assert _sweeps() == (True, True)
+    monkeypatch.setenv(EASWEEP_ENV, "0")
+    assert _sweeps() == (True, False)

@@ -43,6 +43,7 @@ FAST = [
     K1.Config(rank=16, num_slices=1, bm=16, kc=1536, stages=2),
     K1.Config(rank=64, num_slices=3, bm=32, kc=512, stages=4, h_bf16=True),  # qkv's, h stored as bf16
     K1.Config(rank=8, num_slices=1, bm=16, kc=1536, stages=2, h_bf16=True),  # 16-byte bf16 rows of h
+    K1.Config(rank=64, num_slices=3, bm=32, kc=512, stages=4, wn_x=2),  # v0.73: 8 warps
 ]
 
 
@@ -288,6 +289,24 @@ def test_config_shapes():
         assert c.rank_pad % (c.wn * 16) == 0 and c.threads <= 256
         assert c.threads // 8 <= min(c.bm, c.rank_pad)
         assert c.rank_pad // c.wn // 2 <= 64  # fp32 accumulators per thread
+
+
+def test_wn2_configs():
+    """v0.73: wn_x = 2 doubles the warps across the rank where each keeps >= 16 rank columns and the
+    CTA <= 8 warps; name suffix only then (wn_x = 1 names and cache entries unchanged); select()
+    never takes it (the bench's sweep only, until the H200 has timed it)."""
+    c = K1.Config(rank=64, num_slices=3, bm=32, kc=512, stages=4, wn_x=2)
+    one = K1.Config(rank=64, num_slices=3, bm=32, kc=512, stages=4)
+    assert (c.wn, c.threads, c.name()) == (4, 256, "r64_s3_bm32_kc512_st4_wn2") and one.name() == "r64_s3_bm32_kc512_st4"
+    assert c.smem_bytes == one.smem_bytes
+    assert K1.Config(rank=64, bm=64, kc=512, wn_x=2).threads == 256
+    for bad in (dict(bm=16, wn_x=2), dict(rank=16, bm=32, wn_x=2), dict(wn_x=3)):
+        with pytest.raises(ValueError):
+            K1.Config(**{"rank": 64, "kc": 512, **bad})
+    assert all(K1.select(s, k, r, m).wn_x == 1 for s, ks in K1.projection_ks().items() for k in ks
+               for r in K1.RANKS for m in (None, 64, 2048))
+    for s, k in K1.SWEEP_SHAPES[:3]:
+        assert {"bm32_st4_wn2", "bm64_st3_wn2"} <= set(K1.sweep_configs(s, k, 64))
 
 
 def test_params_declaration():
@@ -648,6 +667,32 @@ def test_gpu_bench_shapes(M, L, K, S):
     assert torch.equal(outs[0][0].view(torch.uint8), outs[1][0].view(torch.uint8))
     assert torch.equal(outs[0][1].view(torch.int32), outs[1][1].view(torch.int32))
     assert torch.equal(outs[0][2].view(torch.int32), outs[1][2].view(torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S", (3, 1, 2))
+@pytest.mark.parametrize("M,L", [(2048, 1), (300, 8), (256, 32), (33, 4)])
+def test_gpu_wn2_is_bitwise_the_selection(M, L, S):
+    """v0.73: the sweep's 8-warp builds (wn_x = 2: half the rank columns per warp; the quantization
+    and the reduction spread over twice the threads) write the codes, scales and h of the selected
+    4-warp build bit for bit (each element is the same thread-local sum of the same k16 steps, the
+    same fixed-order cluster sum); mixed effective ranks, tokens without an adapter, special
+    values, outputs poisoned first; and against the reference."""
+    _hopper()
+    K, R = 4096, 64
+    ranks = torch.tensor([(64, 16, 0, 32)[i % 4] for i in range(L)], dtype=torch.int32) if L > 1 else None
+    case = make_case(M, L, R, K, S, seed=M + L + S, slot_ranks=ranks, device="cuda", spread=True, specials=L > 1)
+    cfgs = [K1.select(S, K, R, M)] + [c for n, c in K1.sweep_configs(S, K, R).items() if n.endswith("_wn2")]
+    assert len(cfgs) == 3
+    outs = []
+    for cfg in cfgs:
+        codes, scales, h = _poisoned(M, K, S, R)
+        K1.k1_quant_shrink(case["x"], case["As"], case["meta"], codes, scales, h, case["slot_ranks"], config=cfg)
+        outs.append((codes.view(torch.uint8), scales.view(torch.int32), h.view(torch.int32)))
+    torch.cuda.synchronize()
+    for cfg, o in zip(cfgs[1:], outs[1:]):
+        assert all(torch.equal(a, b) for a, b in zip(o, outs[0])), cfg.name()
+    _check(case, outs[1][0].view(torch.float8_e4m3fn), outs[1][1].view(torch.float32), outs[1][2].view(torch.float32), K)
 
 
 @pytest.mark.gpu

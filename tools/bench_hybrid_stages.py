@@ -29,7 +29,7 @@ replays with the L2 flushed before each (median, tools/gpu_timing):
                  under the alternative configurations of k1_shrink.sweep_configs (rows per CTA,
                  ring depth) and expand_add.sweep_configs (tile shape; `_ct<C>`: C column
                  tiles per CTA, v0.72; `_hb`: on the bf16 h): CTAs per SM; EPILORA_BENCH_EASWEEP=1:
-                 the expand-add's sweep alone;
+                 the expand-add's sweep alone (=0: K1's without it);
                  expand_add_again_us, the selected expand-add timed again after every other column
   k1_floor_us / expand_floor_us   least DRAM traffic at the measured read bandwidth: x read +
                  codes written + the active adapters' A / y read and written + their B
@@ -67,13 +67,15 @@ HYBRID_PATHS = ("hybrid", "hybrid_par", "hybrid_par_q")
 ZSWEEP = (2, 4, 8, 16, 32, 64)
 ZSWEEP_ENV = "EPILORA_BENCH_ZSWEEP"
 K1SWEEP_ENV = "EPILORA_BENCH_K1SWEEP"  # "1": also K1 / expand-add under their sweep_configs
-EASWEEP_ENV = "EPILORA_BENCH_EASWEEP"  # "1": the expand-add's sweep_configs only
+EASWEEP_ENV = "EPILORA_BENCH_EASWEEP"  # "1": the expand-add's sweep_configs; "0": not with K1's
 
 
 def _sweeps() -> tuple[bool, bool]:
-    """(K1's sweep, the expand-add's sweep) as the environment asks for them."""
+    """(K1's sweep, the expand-add's sweep) as the environment asks for them: K1SWEEP=1 brings
+    the expand-add's along unless EASWEEP=0; EASWEEP=1 alone sweeps the expand-add only."""
     k1 = os.environ.get(K1SWEEP_ENV) == "1"
-    return k1, k1 or os.environ.get(EASWEEP_ENV) == "1"
+    ea = os.environ.get(EASWEEP_ENV)
+    return k1, ea == "1" or (k1 and ea != "0")
 
 
 def settings(env: Mapping[str, str] | None = None) -> tuple[list[int], list[int]]:
