@@ -54,6 +54,7 @@ try:  # the DSL is needed to compile, not to launch a cached build
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
     from cutlass.cute.nvgpu import cpasync, warp
 
     from . import _dsl as D
@@ -68,6 +69,7 @@ P_PAD = 4  # fp32 words of padding per row of the partial tile
 MAX_SPLITS = 8  # portable cluster size
 MAX_STAGES = 8  # depth of the A-block ring
 RANKS = (8, 16, 32, 64, 128, 256)
+WGMMA_RANKS = (64, 128)  # Config.wgmma: whole 64-row M tiles of A's rank rows, <= 2 warpgroups
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,10 @@ class Config:
     h_bf16: store h as bf16 (RN of the same fp32 sum) instead of fp32 — what the expand-add and
     the prefill K2 feed their MMA anyway, so their outputs are bit for bit the same (v0.71).
     wn_x: 2 doubles the warps across the rank (v0.73: 8 warps instead of 4 at bm 32 / 64, each
-    with half the rank columns), for twice the warps per SM to hide the chain's latencies."""
+    with half the rank columns), for twice the warps per SM to hide the chain's latencies.
+    wgmma: the shrink on WGMMA (v0.74, ranks 64 / 128): swap-AB, the A block's rank rows on M (one
+    warpgroup per 64), the tile's tokens on N; every group's product covers the whole tile and only
+    the group's token columns are kept (stored into the partial tile after the group)."""
 
     rank: int = 64
     num_slices: int = 1
@@ -86,6 +91,7 @@ class Config:
     stages: int = 3
     h_bf16: bool = False
     wn_x: int = 1
+    wgmma: bool = False
 
     def __post_init__(self):
         if self.rank not in RANKS:
@@ -100,6 +106,8 @@ class Config:
             raise ValueError(f"stages must be 2..{MAX_STAGES}")
         if self.wn_x not in (1, 2):
             raise ValueError("wn_x must be 1 or 2")
+        if self.wgmma and (self.rank not in WGMMA_RANKS or self.wn_x != 1):
+            raise ValueError(f"wgmma builds take ranks {WGMMA_RANKS} and wn_x = 1")
         if self.wn * 16 > self.rank_pad or self.threads > 256:
             raise ValueError("wn_x = 2 needs >= 16 rank columns per warp and <= 8 warps")
         if self.threads // (BK // 8) > min(self.bm, self.rank_pad):
@@ -122,6 +130,8 @@ class Config:
 
     @property
     def threads(self) -> int:
+        if self.wgmma:
+            return 128 * (self.rank_pad // 64)  # a warpgroup per 64 rank rows
         return self.wm * self.wn * 32
 
     @property
@@ -135,7 +145,8 @@ class Config:
     def name(self) -> str:
         hb = "_hb" if self.h_bf16 else ""
         wx = "_wn2" if self.wn_x == 2 else ""
-        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_kc{self.kc}_st{self.stages}{hb}{wx}"
+        wg = "_wg" if self.wgmma else ""
+        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_kc{self.kc}_st{self.stages}{hb}{wx}{wg}"
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -223,6 +234,8 @@ if cute is not None:
             sX_layout = _kmajor_layout(self.BM, self.NKB)
             sW_layout = _kmajor_layout(self.RP, self.ST)
             sP_layout = cute.make_layout((self.BM, self.RP), stride=(self.RP + P_PAD, 1))
+            # (the WGMMA build makes its own inside the kernel: a tiled MMA passed in carries its
+            # ACCUMULATE field as a kernel parameter)
             tiled_mma = cute.make_tiled_mma(
                 warp.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, (16, 8, 16)), (self.WM, self.WN, 1),
                 permutation_mnk=(self.WM * 16, self.WN * 16, 16))
@@ -306,26 +319,44 @@ if cute is not None:
             tWcW = thr_cp.partition_D(cute.make_identity_tensor((RP, BK)))
 
             # ---- MMA fragments ---------------------------------------------------------------------
-            thr_mma = tiled_mma.get_slice(tidx)
-            tCrX = tiled_mma.make_fragment_A(thr_mma.partition_A(sX[None, None, 0]))
-            tCrW = tiled_mma.make_fragment_B(thr_mma.partition_B(sW[None, None, 0]))
-            tCcX = thr_mma.partition_A(cute.make_identity_tensor((BM, BK)))
-            tCcW = thr_mma.partition_B(cute.make_identity_tensor((RP, BK)))
-            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, RP)), cutlass.Float32)
-            acc.fill(0.0)
-            s2r_x = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4),
-                                                               cutlass.BFloat16), tiled_mma)
-            s2r_w = cute.make_tiled_copy_B(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4),
-                                                               cutlass.BFloat16), tiled_mma)
-            thr_x = s2r_x.get_slice(tidx)
-            thr_w = s2r_w.get_slice(tidx)
-            tLsX = thr_x.partition_S(sX)  # (cpy, M, K16, NKB)
-            tLrX = thr_x.retile(tCrX)
-            tLsW = thr_w.partition_S(sW)  # (cpy, N, K16, ST)
-            tLrW = thr_w.retile(tCrW)
-            NK16 = BK // 16
-            wm = warp_i % self.WM
-            w_lo = wm * 16
+            if cutlass.const_expr(cfg.wgmma):
+                # (v0.74) A's ring stage on M, x's resident k-block on N; the accumulator holds
+                # [rank rows, tile tokens] of one group at a time
+                NK16 = BK // 16
+                # swap-AB: M = A's rank rows (a warpgroup per 64), N = the tile's BM tokens
+                kmaj = cute.nvgpu.warpgroup.OperandMajorMode.K
+                tiled_mma = sm90_utils.make_trivial_tiled_mma(
+                    cutlass.BFloat16, cutlass.BFloat16, kmaj, kmaj, cutlass.Float32, (RP // 64, 1, 1),
+                    tiler_mn=(64, BM))
+                thr_mma = tiled_mma.get_slice(tidx)
+                tGrW = tiled_mma.make_fragment_A(thr_mma.partition_A(sW))  # (MMA, M, K16, ST)
+                tGrX = tiled_mma.make_fragment_B(thr_mma.partition_B(sX))  # (MMA, N, K16, NKB)
+                tGcC = thr_mma.partition_C(cute.make_identity_tensor((RP, BM)))
+                acc = cute.make_rmem_tensor(tGcC.shape, cutlass.Float32)
+                acc.fill(0.0)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                w_lo = cutlass.Int32(0)
+            else:
+                thr_mma = tiled_mma.get_slice(tidx)
+                tCrX = tiled_mma.make_fragment_A(thr_mma.partition_A(sX[None, None, 0]))
+                tCrW = tiled_mma.make_fragment_B(thr_mma.partition_B(sW[None, None, 0]))
+                tCcX = thr_mma.partition_A(cute.make_identity_tensor((BM, BK)))
+                tCcW = thr_mma.partition_B(cute.make_identity_tensor((RP, BK)))
+                acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, RP)), cutlass.Float32)
+                acc.fill(0.0)
+                s2r_x = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4),
+                                                                   cutlass.BFloat16), tiled_mma)
+                s2r_w = cute.make_tiled_copy_B(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4),
+                                                                   cutlass.BFloat16), tiled_mma)
+                thr_x = s2r_x.get_slice(tidx)
+                thr_w = s2r_w.get_slice(tidx)
+                tLsX = thr_x.partition_S(sX)  # (cpy, M, K16, NKB)
+                tLrX = thr_x.retile(tCrX)
+                tLsW = thr_w.partition_S(sW)  # (cpy, N, K16, ST)
+                tLrW = thr_w.retile(tCrW)
+                NK16 = BK // 16
+                wm = warp_i % self.WM
+                w_lo = wm * 16
 
             # ---- what every issue needs, loaded once (profile, run13: the prologue's issues each
             # re-loaded the rows' token indices and the group's slot and rank, a chain of dependent
@@ -366,6 +397,9 @@ if cute is not None:
                 for j in cutlass.range(nkb, unroll=1):
                     i = gi * nkb + j
                     cute.arch.cp_async_wait_group(ST - 2)
+                    if cutlass.const_expr(cfg.wgmma):
+                        # cp.async wrote the stage (generic proxy); WGMMA reads it (async proxy)
+                        cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.barrier()
                     # The stage consumed in the previous iteration is free for everyone now.
                     g_n = gi + ahead_g
@@ -377,35 +411,54 @@ if cute is not None:
                                 keff0, mActive, mRanks, has_ranks, mAs, tXsX, tXcX, tWsW, tWcW, smem_bases)
                     cute.arch.cp_async_commit_group()
                     st = i % ST
-                    if whole:
-                        # the warp's 16 rows all in the group, every rank column live: no masks
-                        for kk in cutlass.range_constexpr(NK16):
-                            cute.copy(s2r_x, tLsX[None, None, kk, j], tLrX[None, None, kk])
-                            cute.copy(s2r_w, tLsW[None, None, kk, st], tLrW[None, None, kk])
-                            cute.gemm(tiled_mma, acc, tCrX[None, None, kk], tCrW[None, None, kk], acc)
-                    elif keff > 0 and lo < w_lo + 16 and hi > w_lo:
-                        for kk in cutlass.range_constexpr(NK16):
-                            cute.copy(s2r_x, tLsX[None, None, kk, j], tLrX[None, None, kk])
-                            cute.copy(s2r_w, tLsW[None, None, kk, st], tLrW[None, None, kk])
-                            for e in cutlass.range_constexpr(cute.size(tCrX[None, None, kk])):
-                                r = tCcX[None, None, kk][e][0]
-                                if r < lo or r >= hi:
-                                    tCrX[None, None, kk][e] = cutlass.BFloat16(0.0)
-                            for n in cutlass.range_constexpr(cute.size(tCrW, mode=[1])):
-                                # the 8 rank rows of an MMA n-tile: lane-dependent row, uniform base
-                                # (keff is a multiple of 16, so testing the base is the same test)
-                                if cute.arch.make_warp_uniform(tCcW[0, n, 0][0] // 8 * 8) < keff:
-                                    acc_n = _unit_modes(acc[None, 0, n], 2)
-                                    cute.gemm(tiled_mma, acc_n, tCrX[None, None, kk], _unit_modes(tCrW[None, n, kk], 1),
-                                              acc_n)
+                    if cutlass.const_expr(cfg.wgmma):
+                        # the whole tile's tokens (other groups' columns are dropped at the store);
+                        # ranks past keff multiply the ring's zero-filled rows. Done before the
+                        # next iteration's barrier, so the stage can be refilled after it.
+                        if keff > 0:
+                            cute.nvgpu.warpgroup.fence()
+                            for kk in cutlass.range_constexpr(NK16):
+                                cute.gemm(tiled_mma, acc, tGrW[(None, None, kk, st)], tGrX[(None, None, kk, j)], acc)
+                            cute.nvgpu.warpgroup.commit_group()
+                            cute.nvgpu.warpgroup.wait_group(0)
+                    else:
+                        if whole:
+                            # the warp's 16 rows all in the group, every rank column live: no masks
+                            for kk in cutlass.range_constexpr(NK16):
+                                cute.copy(s2r_x, tLsX[None, None, kk, j], tLrX[None, None, kk])
+                                cute.copy(s2r_w, tLsW[None, None, kk, st], tLrW[None, None, kk])
+                                cute.gemm(tiled_mma, acc, tCrX[None, None, kk], tCrW[None, None, kk], acc)
+                        elif keff > 0 and lo < w_lo + 16 and hi > w_lo:
+                            for kk in cutlass.range_constexpr(NK16):
+                                cute.copy(s2r_x, tLsX[None, None, kk, j], tLrX[None, None, kk])
+                                cute.copy(s2r_w, tLsW[None, None, kk, st], tLrW[None, None, kk])
+                                for e in cutlass.range_constexpr(cute.size(tCrX[None, None, kk])):
+                                    r = tCcX[None, None, kk][e][0]
+                                    if r < lo or r >= hi:
+                                        tCrX[None, None, kk][e] = cutlass.BFloat16(0.0)
+                                for n in cutlass.range_constexpr(cute.size(tCrW, mode=[1])):
+                                    # the 8 rank rows of an MMA n-tile: lane-dependent row, uniform base
+                                    # (keff is a multiple of 16, so testing the base is the same test)
+                                    if cute.arch.make_warp_uniform(tCcW[0, n, 0][0] // 8 * 8) < keff:
+                                        acc_n = _unit_modes(acc[None, 0, n], 2)
+                                        cute.gemm(tiled_mma, acc_n, tCrX[None, None, kk],
+                                                  _unit_modes(tCrW[None, n, kk], 1), acc_n)
+                if cutlass.const_expr(cfg.wgmma):
+                    # the group's token columns -> the partial tile (rows of a -1 group or rank 0: zeros)
+                    for e in cutlass.range_constexpr(cute.size(acc)):
+                        rc = tGcC[e]
+                        if rc[1] >= lo and rc[1] < hi:
+                            sP[rc[1], rc[0]] = acc[e]
+                    acc.fill(0.0)
 
             # ---- slice done: partial -> smem, cluster exchange, fixed-order sum -> h ---------------
             # (slice 0's CTAs of group chunk 0 also quantize the tile)
             cute.arch.barrier()
-            tCcP = thr_mma.partition_C(cute.make_identity_tensor((BM, RP)))
-            for e in cutlass.range_constexpr(cute.size(acc)):
-                rc = tCcP[e]
-                sP[rc[0], rc[1]] = acc[e]
+            if cutlass.const_expr(not cfg.wgmma):  # (the WGMMA build stored each group's rows)
+                tCcP = thr_mma.partition_C(cute.make_identity_tensor((BM, RP)))
+                for e in cutlass.range_constexpr(cute.size(acc)):
+                    rc = tCcP[e]
+                    sP[rc[0], rc[1]] = acc[e]
             if sl == 0 and bz == 0:
                 self._row_amax(sX, sAmax, rows, nkb, k0, K, tidx)
             cute.arch.cluster_arrive()
@@ -725,7 +778,8 @@ def prebuild_configs() -> list[Config]:
     cfgs.add(Config(rank=64, num_slices=1, bm=32, kc=2048, stages=8))
     for s, k in SWEEP_SHAPES:
         cfgs.update(sweep_configs(s, k, 64).values())
-    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.kc, c.bm, c.stages, c.h_bf16, c.wn_x))
+    cfgs.update(WGMMA_TEST_CONFIGS)
+    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.kc, c.bm, c.stages, c.h_bf16, c.wn_x, c.wgmma))
 
 
 # The bench's K1 sweep (`hybrid_stages` with EPILORA_BENCH_K1SWEEP=1): Qwen3-8B's (slices, K) at
@@ -758,7 +812,23 @@ def sweep_configs(num_slices: int, k: int, rank: int) -> dict[str, Config]:
         limit = SMEM_TWO_PER_SM if bm == 64 else SMEM_LIMIT
         if cfg.smem_bytes <= limit:
             out[f"bm{bm}_st{stages}_wn2"] = cfg
+    # v0.74: the shrink on WGMMA at the by-size rule's tiles (above and up to SHALLOW_SMALL_M) and
+    # at 64 rows
+    big, small = select(num_slices, k, rank, SHALLOW_SMALL_M + 1), select(num_slices, k, rank, SHALLOW_SMALL_M)
+    for bm, stages in dict.fromkeys(((big.bm, big.stages), (small.bm, small.stages), (64, 3))):
+        try:
+            cfg = Config(rank=rank, num_slices=num_slices, bm=bm, kc=base.kc, stages=stages, wgmma=True)
+        except ValueError:
+            continue
+        limit = SMEM_TWO_PER_SM if bm == 64 else SMEM_LIMIT
+        if cfg.smem_bytes <= limit:
+            out[f"bm{bm}_st{stages}_wg"] = cfg
     return out
+
+
+# v0.74's GPU tests beyond the sweep's rank 64: rank 128 (two warpgroups), K 4096 and 12288.
+WGMMA_TEST_CONFIGS = (Config(rank=128, num_slices=2, bm=32, kc=512, stages=4, wgmma=True),
+                      Config(rank=128, num_slices=1, bm=32, kc=1536, stages=2, wgmma=True))
 
 
 def choose_splits(k: int, m: int, cfg: Config, target_ctas: int = TARGET_CTAS) -> int:

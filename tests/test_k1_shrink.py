@@ -44,6 +44,8 @@ FAST = [
     K1.Config(rank=64, num_slices=3, bm=32, kc=512, stages=4, h_bf16=True),  # qkv's, h stored as bf16
     K1.Config(rank=8, num_slices=1, bm=16, kc=1536, stages=2, h_bf16=True),  # 16-byte bf16 rows of h
     K1.Config(rank=64, num_slices=3, bm=32, kc=512, stages=4, wn_x=2),  # v0.73: 8 warps
+    K1.Config(rank=64, num_slices=3, bm=32, kc=512, stages=4, wgmma=True),  # v0.74: WGMMA, one warpgroup
+    K1.Config(rank=128, num_slices=1, bm=32, kc=1536, stages=2, wgmma=True),  # two warpgroups
 ]
 
 
@@ -297,7 +299,8 @@ def test_wn2_configs():
     never takes it (the bench's sweep only, until the H200 has timed it)."""
     c = K1.Config(rank=64, num_slices=3, bm=32, kc=512, stages=4, wn_x=2)
     one = K1.Config(rank=64, num_slices=3, bm=32, kc=512, stages=4)
-    assert (c.wn, c.threads, c.name()) == (4, 256, "r64_s3_bm32_kc512_st4_wn2") and one.name() == "r64_s3_bm32_kc512_st4"
+    assert (c.wn, c.threads, c.name()) == (4, 256, "r64_s3_bm32_kc512_st4_wn2")
+    assert one.name() == "r64_s3_bm32_kc512_st4"
     assert c.smem_bytes == one.smem_bytes
     assert K1.Config(rank=64, bm=64, kc=512, wn_x=2).threads == 256
     for bad in (dict(bm=16, wn_x=2), dict(rank=16, bm=32, wn_x=2), dict(wn_x=3)):
@@ -307,6 +310,27 @@ def test_wn2_configs():
                for r in K1.RANKS for m in (None, 64, 2048))
     for s, k in K1.SWEEP_SHAPES[:3]:
         assert {"bm32_st4_wn2", "bm64_st3_wn2"} <= set(K1.sweep_configs(s, k, 64))
+
+
+def test_wgmma_configs():
+    """v0.74: WGMMA builds at ranks 64 / 128 only (whole 64-row M tiles, a warpgroup each), one
+    warpgroup per 64 rank rows whatever the tile's rows; the name suffix only then; never with
+    wn_x = 2; select() does not take them (the bench's sweep and the GPU tests only)."""
+    c = K1.Config(rank=64, num_slices=3, bm=32, kc=512, stages=4, wgmma=True)
+    assert (c.threads, c.name()) == (128, "r64_s3_bm32_kc512_st4_wg")
+    assert K1.Config(rank=128, bm=32, kc=512, wgmma=True).threads == 256
+    assert c.smem_bytes == K1.Config(rank=64, num_slices=3, bm=32, kc=512, stages=4).smem_bytes
+    for bad in (dict(rank=32), dict(rank=256), dict(rank=64, wn_x=2), dict(rank=128, bm=16)):
+        with pytest.raises(ValueError):
+            K1.Config(**{"bm": 32, "kc": 512, "wgmma": True, **bad})
+    assert not any(K1.select(s, k, r, m).wgmma for s, ks in K1.projection_ks().items() for k in ks
+                   for r in K1.RANKS for m in (None, 64, 2048))
+    pre = set(K1.prebuild_configs())
+    assert set(K1.WGMMA_TEST_CONFIGS) <= pre
+    for s, k in K1.SWEEP_SHAPES:
+        wg = [c for n, c in K1.sweep_configs(s, k, 64).items() if n.endswith("_wg")]
+        assert wg and all(c.wgmma and c in pre for c in wg)
+        assert any((c.bm, c.stages) == (K1.select(s, k, 64, 2048).bm, K1.select(s, k, 64, 2048).stages) for c in wg)
 
 
 def test_params_declaration():
@@ -384,7 +408,13 @@ def ptx_problems(ptx: str, cfg: K1.Config | None = None) -> list[str]:
     bad = []
     if cfg is not None and cfg.h_bf16:  # h rounded to nearest even, 2-byte stores
         bad += [f"h_bf16: missing {ins}" for ins in ("cvt.rn.bf16.f32", "st.global.b16") if ins not in ptx]
-    for ins in ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+    if cfg is not None and cfg.wgmma:  # v0.74: swap-AB WGMMA on smem operands after the cp.async fence
+        mma = (f"wgmma.mma_async.sync.aligned.m64n{cfg.bm}k16.f32.bf16.bf16", "wgmma.fence.sync.aligned",
+               "wgmma.commit_group.sync.aligned", "wgmma.wait_group.sync.aligned", "fence.proxy.async.shared::cta")
+        bad += [f"unexpected {ins}" for ins in ("mma.sync", "ldmatrix") if ins in ptx]
+    else:
+        mma = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16")
+    for ins in (*mma,
                 "cp.async.cg.shared.global", "barrier.cluster.arrive", "barrier.cluster.wait",
                 "mapa.shared::cluster.u32", "ld.shared::cluster.f32",  # DSMEM split-K reduction
                 "div.rn.f32", "cvt.rn.satfinite.e4m3x2.f32", "max.f32", "min.f32", "abs.f32"):  # exact quant
@@ -692,7 +722,49 @@ def test_gpu_wn2_is_bitwise_the_selection(M, L, S):
     torch.cuda.synchronize()
     for cfg, o in zip(cfgs[1:], outs[1:]):
         assert all(torch.equal(a, b) for a, b in zip(o, outs[0])), cfg.name()
-    _check(case, outs[1][0].view(torch.float8_e4m3fn), outs[1][1].view(torch.float32), outs[1][2].view(torch.float32), K)
+    codes, scales, h = outs[1]
+    _check(case, codes.view(torch.float8_e4m3fn), scales.view(torch.float32), h.view(torch.float32), K)
+
+
+def _wgmma_cases():
+    """(M, adapters, K, slices, the WGMMA build) for v0.74's GPU test: every sweep build at the
+    sweep's shapes, one size per build, and the rank-128 builds."""
+    out = []
+    sizes = ((2048, 1), (300, 8), (256, 32), (33, 4))
+    for s, k in K1.SWEEP_SHAPES:
+        for i, cfg in enumerate(c for n, c in K1.sweep_configs(s, k, 64).items() if n.endswith("_wg")):
+            out.append((*sizes[(i + s) % len(sizes)], k, s, cfg))
+    out += [(300, 8, 4096, 2, K1.WGMMA_TEST_CONFIGS[0]), (2048, 1, 12288, 1, K1.WGMMA_TEST_CONFIGS[1])]
+    return out
+
+
+WGMMA_CASES = _wgmma_cases()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,L,K,S,cfg", WGMMA_CASES, ids=lambda v: getattr(v, "name", lambda: str(v))())
+def test_gpu_wgmma_matches_the_selection(M, L, K, S, cfg):
+    """v0.74: the shrink on WGMMA. Codes and scales bit for bit the selected mma.sync build's (the
+    quantization is the same code), h within the reference's tolerance and within fp32 rounding of
+    the mma.sync build's h (the same bf16 products summed per k16 step in the tensor cores' own
+    order), the same bits on a second run; mixed effective ranks, tokens without an adapter (h
+    rows zero), special values, outputs poisoned first."""
+    _hopper()
+    R = cfg.rank
+    ranks = torch.tensor([(R, R // 4, 0, 16)[i % 4] for i in range(L)], dtype=torch.int32) if L > 1 else None
+    case = make_case(M, L, R, K, S, seed=M + L + K + S, slot_ranks=ranks, device="cuda", spread=True,
+                     specials=L > 1)
+    runs = []
+    for c in (K1.select(S, K, R, M), cfg, cfg):
+        codes, scales, h = _poisoned(M, K, S, R)
+        K1.k1_quant_shrink(case["x"], case["As"], case["meta"], codes, scales, h, case["slot_ranks"], config=c)
+        runs.append((codes.view(torch.uint8), scales.view(torch.int32), h))
+    torch.cuda.synchronize()
+    (c0, s0, h0), (c1, s1, h1), (c2, s2, h2) = runs
+    assert torch.equal(c1, c0) and torch.equal(s1, s0)
+    assert torch.equal(c2, c1) and torch.equal(s2, s1) and torch.equal(h2.view(torch.int32), h1.view(torch.int32))
+    _check(case, c1.view(torch.float8_e4m3fn), s1.view(torch.float32), h1, K)
+    assert_h_close(h1, h0, K)
 
 
 @pytest.mark.gpu

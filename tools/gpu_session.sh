@@ -146,12 +146,15 @@ case $mode in
   k1)
     # After K1 / expand-add changes (carry the cache, and .devvllm/2 after call A for vLLM's columns;
     # ~2-4 min): K1's GPU test file and the hybrid op tests, hybrid_stages at 64 / 256 / 2048 tokens
-    # x 1 / 8 / 32 adapters with K1's configuration sweep (bm 64 tiles, v0.73's 8-warp builds;
-    # K1_TOKENS / K1_ADAPTERS override; K1_EASWEEP=1 adds the expand-add's sweep). The profile is a
-    # call of its own (`profile`, on the warm machine).
+    # x 1 / 8 / 32 adapters with K1's configuration sweep (bm 64 tiles, v0.73's 8-warp builds, v0.74's
+    # WGMMA builds, after a racecheck of one of them; K1_TOKENS / K1_ADAPTERS override; K1_EASWEEP=1
+    # adds the expand-add's sweep). The profile is a call of its own (`profile`, on the warm machine).
     unpack_vllm  # when .devvllm/2 was carried: vLLM's columns (vendor GEMM = vLLM's CUTLASS)
     timeout -s KILL 150 python3 -m pytest -q -m gpu tests/test_k1_shrink.py 2>&1 | tail -4 | tee "$OUT/k1_tests.log"
     timeout -s KILL 60 python3 -m pytest -q -m gpu tests/test_lora_linear_gpu.py -k hybrid 2>&1 | tail -3 | tee -a "$OUT/k1_tests.log"
+    echo "== racecheck kernel_diag k1_wg" | tee -a "$OUT/k1_tests.log"
+    timeout -s KILL 40 compute-sanitizer --tool racecheck --report-api-errors no \
+      python3 tools/kernel_diag.py k1_wg 2>&1 | tail -4 | tee -a "$OUT/k1_tests.log"
     EPILORA_BENCH_K1SWEEP=1 EPILORA_BENCH_EASWEEP=${K1_EASWEEP:-0} EPILORA_BENCH_TOKENS=${K1_TOKENS:-64,256,2048} EPILORA_BENCH_ADAPTERS=${K1_ADAPTERS:-1,8,32} \
       timeout -s KILL 180 python3 tools/bench.py --quick --sections hybrid_stages --out "$OUT/hs" 2>&1 | tail -45
     (cd "$OUT" && [[ -d hs ]] && tar czf hs.tgz hs && rm -rf hs)
