@@ -66,6 +66,7 @@ RUNTIME_CONTRACT = True
 RANKS = (8, 16, 32, 64, 128, 256)
 C_PAD = 4  # fp32 words of padding per row of the epilogue staging tile (16-byte rows, fewer conflicts)
 COLUMN_TILES_PER_CTA = (1, 2, 4, 8)
+B_RING_DEPTHS = (2, 3, 4)
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,9 @@ class Config:
     no conversion; the MMA operand is the same bf16 value either way (v0.71).
     ct: column tiles per CTA (v0.72). A CTA stages its rows' h once and sweeps ct consecutive
     column tiles of one slice; the B tile of the next (tile, group) is in flight during the
-    current MMAs and epilogue, and the epilogue tile has its own smem. 1: one tile per CTA."""
+    current MMAs and epilogue, and the epilogue tile has its own smem. 1: one tile per CTA.
+    nb: depth of the B ring (v0.75): nb - 1 (tile, group) B tiles in flight ahead of the MMAs
+    (2: the double buffer); with ct = 1 the epilogue tile still reuses the ring."""
 
     rank: int = 64
     num_slices: int = 1
@@ -84,6 +87,7 @@ class Config:
     bn: int = 128
     h_bf16: bool = False
     ct: int = 1
+    nb: int = 2
 
     def __post_init__(self):
         if self.rank not in RANKS:
@@ -98,6 +102,8 @@ class Config:
             raise ValueError("the B tile copy needs threads / (rank_pad / 8) <= bn")
         if self.ct not in COLUMN_TILES_PER_CTA:
             raise ValueError(f"ct must be one of {COLUMN_TILES_PER_CTA}")
+        if self.nb not in B_RING_DEPTHS:
+            raise ValueError(f"nb must be one of {B_RING_DEPTHS}")
 
     @property
     def rank_pad(self) -> int:
@@ -111,7 +117,8 @@ class Config:
     def name(self) -> str:
         hb = "_hb" if self.h_bf16 else ""
         ct = f"_ct{self.ct}" if self.ct > 1 else ""
-        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}{hb}{ct}"
+        nb = f"_nb{self.nb}" if self.nb != 2 else ""
+        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}{hb}{ct}{nb}"
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -119,11 +126,11 @@ class Config:
 
     @functools.cached_property  # launches ask for it on every call
     def smem_bytes(self) -> int:
-        """Dynamic smem, the kernel's struct field by field: sA (bf16 [bm, Rp]) then the B double
-        buffer, which the fp32 epilogue tile [bm, bn + C_PAD] reuses (the larger of the two) — or,
-        sweeping columns (ct > 1), follows: the next tile's B flies while the epilogue runs."""
+        """Dynamic smem, the kernel's struct field by field: sA (bf16 [bm, Rp]) then the B ring
+        (nb tiles), which the fp32 epilogue tile [bm, bn + C_PAD] reuses (the larger of the two) —
+        or, sweeping columns (ct > 1), follows: the next tile's B flies while the epilogue runs."""
         a = self.bm * self.rank_pad * 2
-        b = 2 * self.bn * self.rank_pad * 2
+        b = self.nb * self.bn * self.rank_pad * 2
         c = self.bm * (self.bn + C_PAD) * 4
         if self.ct == 1:
             return _align(_align(a, 1024) + max(b, c), 1024)
@@ -193,7 +200,7 @@ if cute is not None:
                      stream: cuda.CUstream, b_bufs: tuple):
             cfg = self.cfg
             sA_layout = self._smem_ab_layout(self.BM)
-            sB_layout = self._smem_ab_layout(self.BN, 2)
+            sB_layout = self._smem_ab_layout(self.BN, cfg.nb)
             sC_layout = cute.make_layout((self.BM, self.BN), stride=(self.BN + C_PAD, 1))
             WM = self.BM // 16
             tiled_mma = cute.make_tiled_mma(
@@ -326,7 +333,8 @@ if cute is not None:
                          thr_b.retile(tCrB), tCrA, tCrB, tCcA, tiled_mma, acc)
 
                 w_lo = warp_i * 16  # this warp's rows in the tile
-                if cutlass.const_expr(CT == 1):
+                NB = cfg.nb
+                if cutlass.const_expr(CT == 1 and NB == 2):
                     for gi in cutlass.range(n_groups, unroll=1):
                         buf = gi % 2
                         # Prefetch the next group's B into the other buffer (always commit a group so
@@ -345,35 +353,53 @@ if cute is not None:
                     cute.arch.barrier()
                     self._epilogue(mY, mTok, mSorted, sC, acc, thr_mma, r0, row_lo, row_hi, ncols, col_base, c0, tidx)
                 else:
-                    # (tile j, group gi) pairs in order, one B buffer each, alternating: the next
-                    # pair's B (the next tile's first group after a tile's last) is requested before
-                    # this pair's MMAs, so it flies during them and during the tile's epilogue.
+                    # (tile j, group gi) pairs in order through the ring of NB B tiles: pair p + NB - 1's
+                    # B (across tiles: the next tile's first groups after a tile's last) is requested
+                    # before pair p's MMAs, so it flies during them and during the tile's epilogue.
+                    # Pairs 1 .. NB - 2 go out now, after pair 0 (requested above). Nested loops, the
+                    # epilogue after each tile's groups: a flat pair loop with the epilogue inside
+                    # compiled to 242 registers at bn 128 / nb 3 (nested: 168; ct = 1, nb = 2: 154).
                     n_pairs = n_groups * n_tiles
-                    for p in cutlass.range(n_pairs, unroll=1):
-                        buf = p % 2
-                        j = p // n_groups
-                        gi = p - j * n_groups
-                        if p + 1 < n_pairs:
-                            gn = gi + 1
-                            jn = j
-                            if gn == n_groups:
-                                gn = cutlass.Int32(0)
-                                jn = j + 1
-                            c0n = c0 + jn * BN
-                            self._load_b(g_first + gn, 1 - buf, mActive, mRanks, has_ranks, mBs, sl, n_s, c0n,
-                                         cutlass.min(n_s - c0n, BN), tiled_copy_b, tBsB, tBcB)
+                    for q0 in cutlass.range_constexpr(1, NB - 1):
+                        if q0 < n_pairs:
+                            self._load_pair(q0, q0, n_groups, g_first, c0, mActive, mRanks, has_ranks, mBs, sl, n_s,
+                                            tiled_copy_b, tBsB, tBcB)
                         cute.arch.cp_async_commit_group()
-                        cute.arch.cp_async_wait_group(1)
-                        cute.arch.barrier()
-                        self._mma_group(g_first + gi, buf, mActive, mRanks, has_ranks, mStart, r0, rows, w_lo, frags)
-                        cute.arch.barrier()  # buffer `buf` is refilled by the next pair
-                        if gi == n_groups - 1:  # tile j is complete: its epilogue, then a fresh acc
-                            cj = c0 + j * BN
-                            # sC's last readers (tile j - 1) passed this pair's barriers already.
-                            self._epilogue(mY, mTok, mSorted, sC, acc, thr_mma, r0, row_lo, row_hi,
-                                           cutlass.min(n_s - cj, BN), col_base, cj, tidx)
-                            acc.fill(0.0)
+                    p = cutlass.Int32(0)
+                    n_tiles_live = cutlass.Int32(cutlass.select_(n_groups > 0, n_tiles, 0))  # none: nothing to add
+                    for j in cutlass.range(n_tiles_live, unroll=1):
+                        for gi in cutlass.range(n_groups, unroll=1):
+                            buf = p % NB
+                            qn = p + NB - 1
+                            if qn < n_pairs:
+                                self._load_pair(qn, qn % NB, n_groups, g_first, c0, mActive, mRanks, has_ranks, mBs,
+                                                sl, n_s, tiled_copy_b, tBsB, tBcB)
+                            cute.arch.cp_async_commit_group()
+                            cute.arch.cp_async_wait_group(NB - 1)  # pair p's B (all but the NB - 1 newest)
+                            cute.arch.barrier()
+                            self._mma_group(g_first + gi, buf, mActive, mRanks, has_ranks, mStart, r0, rows, w_lo,
+                                            frags)
+                            cute.arch.barrier()  # buffer `buf` is refilled by a later request
+                            p = p + 1
+                        # tile j is complete: its epilogue, then a fresh acc. sC's last readers (tile
+                        # j - 1) passed this tile's barriers already.
+                        cj = c0 + j * BN
+                        if cutlass.const_expr(CT == 1):
+                            cute.arch.cp_async_wait_group(0)  # sC is the ring: no B request left
+                        self._epilogue(mY, mTok, mSorted, sC, acc, thr_mma, r0, row_lo, row_hi,
+                                       cutlass.min(n_s - cj, BN), col_base, cj, tidx)
+                        acc.fill(0.0)
                     cute.arch.cp_async_wait_group(0)
+
+        @cute.jit
+        def _load_pair(self, q, buf, n_groups, g_first, c0, mActive, mRanks, has_ranks, mBs, sl, n_s, tiled_copy_b,
+                       tBsB, tBcB):
+            """The B tile of (tile, group) pair q (tile q // n_groups of this CTA, its group
+            q % n_groups) into ring buffer buf."""
+            jq = q // n_groups
+            c0q = c0 + jq * self.BN
+            self._load_b(g_first + q - jq * n_groups, buf, mActive, mRanks, has_ranks, mBs, sl, n_s, c0q,
+                         cutlass.min(n_s - c0q, self.BN), tiled_copy_b, tBsB, tBcB)
 
         @cute.jit
         def _mma_group(self, g, buf, mActive, mRanks, has_ranks, mStart, r0, rows, w_lo, frags):
@@ -586,7 +612,7 @@ def prebuild_configs() -> list[Config]:
     for s in SWEEP_SLICES:
         cfgs.update(sweep_configs(s, 64).values())
     cfgs.update(CT_TEST_CONFIGS)
-    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.bn, c.h_bf16, c.ct))
+    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.bn, c.h_bf16, c.ct, c.nb))
 
 
 # The bench's expand-add sweep (`hybrid_stages` with EPILORA_BENCH_K1SWEEP=1), rank 64, Qwen3-8B's
@@ -607,17 +633,25 @@ def sweep_configs(num_slices: int, rank: int) -> dict[str, Config]:
             continue
         if cfg != base:
             out[f"bm{bm}_bn{bn}"] = cfg
-    # v0.72: the selected tiles sweeping ct column tiles per CTA, one also with v0.71's bf16 h
-    for bn, cts in ((64, (2, 4, 8)), (128, (2, 4))):
-        for ct in cts:
-            out[f"bm64_bn{bn}_ct{ct}"] = Config(rank=rank, num_slices=num_slices, bm=64, bn=bn, ct=ct)
-    out["bm64_bn64_hb_ct4"] = Config(rank=rank, num_slices=num_slices, bm=64, bn=64, h_bf16=True, ct=4)
+    # v0.72: the narrow tile sweeping ct column tiles per CTA, one also with v0.71's bf16 h (not the
+    # bn 128 tile: its sweep builds compile to ~240 registers, two CTAs per SM instead of three)
+    def tile(bn, **kw):
+        return Config(rank=rank, num_slices=num_slices, bm=64, bn=bn, **kw)
+
+    for ct in (2, 4, 8):
+        out[f"bm64_bn64_ct{ct}"] = tile(64, ct=ct)
+    out["bm64_bn64_hb_ct4"] = tile(64, h_bf16=True, ct=4)
+    # v0.75: deeper B rings (many adapter groups per row tile: 256 x 32, 64 x 8), also with ct 4
+    for bn, nb in ((128, 3), (128, 4), (64, 3)):
+        out[f"bm64_bn{bn}_nb{nb}"] = tile(bn, nb=nb)
+    out["bm64_bn64_ct4_nb3"] = tile(64, ct=4, nb=3)
     return out
 
 
-# v0.72's GPU tests beyond the sweep's rank 64: rank 8 (its zero-filled rank padding) and rank 256
-# with four slices, sweeping columns.
-CT_TEST_CONFIGS = (Config(rank=8, num_slices=1, bm=64, bn=128, ct=2), Config(rank=256, num_slices=4, bm=64, bn=64, ct=4))
+# v0.72 / v0.75's GPU tests beyond the sweep's rank 64: rank 8 (its zero-filled rank padding) with
+# a 3-deep ring and rank 256 with four slices, sweeping columns.
+CT_TEST_CONFIGS = (Config(rank=8, num_slices=1, bm=64, bn=128, nb=3),
+                   Config(rank=256, num_slices=4, bm=64, bn=64, ct=4))
 
 
 def column_tiles(widths, bn: int) -> list[tuple[int, int, int]]:

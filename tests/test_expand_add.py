@@ -38,7 +38,8 @@ needs_dsl = pytest.mark.skipif(dsl_version() is None, reason="nvidia-cutlass-dsl
 
 FAST = [E.Config(rank=64, num_slices=3), E.Config(rank=8, num_slices=1, bm=128), E.Config(rank=256, num_slices=2, bn=64),
         E.Config(rank=64, num_slices=2, bn=64, h_bf16=True), E.Config(rank=8, num_slices=1, h_bf16=True),
-        E.Config(rank=64, num_slices=2, bn=64, ct=4), E.Config(rank=8, num_slices=1, bn=128, ct=2)]
+        E.Config(rank=64, num_slices=2, bn=64, ct=4), E.Config(rank=8, num_slices=1, bn=128, nb=3),
+        E.Config(rank=64, num_slices=3, bn=64, ct=4, nb=3)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,23 +204,31 @@ def test_emulation_column_sweep_is_bitwise_one_tile():
     assert_close_bf16(outs[-1], expected(case, bf16_h=True), True)
 
 
-def test_column_sweep_configs():
-    """v0.72's builds: their own smem for the epilogue tile (the next B flies beside it), a name
-    suffix only when ct > 1 (ct = 1 names, and so cache entries, unchanged), ct validated; the
+def test_column_sweep_and_ring_configs():
+    """v0.72 / v0.75's builds: sweeping columns, the epilogue tile has its own smem (the next B
+    flies beside it); with one tile it still reuses the ring, however deep; name suffixes only
+    off the defaults (ct = 1, nb = 2 names, and so cache entries, unchanged), both validated; the
     sweep's and the GPU tests' builds are prebuilt; select() does not take them (opt-in until the
     H200 has measured them)."""
     one, four = E.Config(rank=64, num_slices=2, bn=64), E.Config(rank=64, num_slices=2, bn=64, ct=4)
     assert one.name() == "r64_s2_bm64_bn64" and four.name() == "r64_s2_bm64_bn64_ct4"
     assert four.smem_bytes == one.smem_bytes + 2 * 64 * 64 * 2  # sA + B double buffer + sC, not max(B, sC)
+    deep = E.Config(rank=64, num_slices=3, bn=128, nb=4)
+    assert deep.name() == "r64_s3_bm64_bn128_nb4"
+    assert deep.smem_bytes == 8 * 1024 + 4 * 128 * 64 * 2  # sA + the ring, which sC (33 KiB) reuses
+    assert E.Config(rank=64, bn=64, ct=4, nb=3).name() == "r64_s1_bm64_bn64_ct4_nb3"
     with pytest.raises(ValueError, match="ct"):
         E.Config(ct=3)
+    with pytest.raises(ValueError, match="nb"):
+        E.Config(nb=5)
     pre = set(E.prebuild_configs())
     assert set(E.CT_TEST_CONFIGS) <= pre
     assert all(E.select(s, m, r).ct == 1 for s in E.SLICE_COUNTS for r in E.RANKS for m in (1, 2048, 8192))
     for s in E.SWEEP_SLICES:
         sweep = E.sweep_configs(s, 64)
         assert {c.ct for c in sweep.values()} == set(E.COLUMN_TILES_PER_CTA)
-        assert sweep["bm64_bn64_hb_ct4"].h_bf16
+        assert {c.nb for c in sweep.values()} == set(E.B_RING_DEPTHS)
+        assert sweep["bm64_bn64_hb_ct4"].h_bf16 and all(c.bn == 64 for c in sweep.values() if c.ct > 1)
 
 
 def test_select_and_prebuild_set():
@@ -571,12 +580,13 @@ def test_gpu_bn64_is_bitwise_bn128(M, L, widths):
     _assert_configs_bitwise_equal(case, [E.Config(rank=64, num_slices=len(widths), bn=bn) for bn in (128, 64)])
 
 
-CT_GPU_CASES = [  # (M, adapters, rank, widths, the column-sweeping build)
-    (33, 8, 64, (4096, 1024, 1024), E.Config(rank=64, num_slices=3, bm=64, bn=128, ct=2)),
-    (256, 32, 64, (4096, 1024, 1024), E.Config(rank=64, num_slices=3, bm=64, bn=128, ct=4)),
+CT_GPU_CASES = [  # (M, adapters, rank, widths, the column-sweeping / deep-ring build)
+    (33, 8, 64, (4096, 1024, 1024), E.Config(rank=64, num_slices=3, bm=64, bn=128, nb=3)),
+    (256, 32, 64, (4096, 1024, 1024), E.Config(rank=64, num_slices=3, bm=64, bn=128, nb=4)),
     (2048, 1, 64, (12288, 12288), E.Config(rank=64, num_slices=2, bm=64, bn=64, ct=8)),
     (2500, 8, 64, (1096, 136, 72), E.Config(rank=64, num_slices=3, bm=64, bn=64, ct=4)),  # partial chunks / tiles
-    (511, 32, 64, (4096,), E.Config(rank=64, num_slices=1, bm=64, bn=64, ct=2)),
+    (511, 32, 64, (4096,), E.Config(rank=64, num_slices=1, bm=64, bn=64, ct=4, nb=3)),
+    (64, 8, 64, (12288, 12288), E.Config(rank=64, num_slices=2, bm=64, bn=64, nb=3)),
     (300, 4, 8, (4096,), E.CT_TEST_CONFIGS[0]),
     (777, 8, 256, (1024, 512, 512, 256), E.CT_TEST_CONFIGS[1]),
 ]
@@ -584,11 +594,12 @@ CT_GPU_CASES = [  # (M, adapters, rank, widths, the column-sweeping build)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,L,R,widths,cfg", CT_GPU_CASES, ids=lambda v: getattr(v, "name", lambda: str(v))())
-def test_gpu_column_sweep_is_bitwise_one_tile(M, L, R, widths, cfg):
-    """v0.72: a CTA sweeping cfg.ct column tiles (h staged once, the next B in flight during the
-    epilogue) writes the y of the one-tile build of the same tile, bit for bit: mixed effective
-    ranks, tokens without an adapter (their y and h rows poisoned, left untouched), the default
-    and forced group splits; and that y within the reference's tolerance."""
+def test_gpu_sweep_and_ring_builds_are_bitwise_one_tile(M, L, R, widths, cfg):
+    """v0.72 / v0.75: a CTA sweeping cfg.ct column tiles (h staged once, the next B in flight
+    during the epilogue) or running a cfg.nb-deep B ring writes the y of the default build of the
+    same tile, bit for bit: mixed effective ranks, tokens without an adapter (their y and h rows
+    poisoned, left untouched), the default and forced group splits; and that y within the
+    reference's tolerance."""
     import dataclasses
 
     _hopper()
@@ -598,7 +609,7 @@ def test_gpu_column_sweep_is_bitwise_one_tile(M, L, R, widths, cfg):
     case["h"][:, neg] = float("nan")
     y0 = case["y"].clone()
     y0[neg] = float("nan")
-    one = dataclasses.replace(cfg, ct=1)
+    one = dataclasses.replace(cfg, ct=1, nb=2)
     ref = y0.clone()
     E.expand_add(ref, case["h"], case["bs"], case["meta"], ranks, config=one)
     for z in (None, 1, 5):

@@ -5,9 +5,10 @@ or cuda-gdb (a hang or a fault then costs one small process, not a test file).
 
 CASE: k2_nolora (K2 alone, x_q given, no adapter, n_quant 0), shrink (the shrink+quant kernel
 alone), decode (shrink then the self-quantizing K2 with PDL, 3 tokens), decode_xq (shrink+quant
-then the x_q K2), decode_split2 (decode with the shrink split as K2), decode_wide (decode with the wide self-quantizing K2, K = 2176), expand (expand_add), expand_hb /
-expand_ct (its bf16-h and column-sweeping builds against the default, bit for bit), k1 (K1 quant+shrink),
-prefill_pers (K1 then the persistent prefill K2; SPLIT = its CTA count).
+then the x_q K2), decode_split2 (decode with the shrink split as K2), decode_wide (decode with the
+wide self-quantizing K2, K = 2176), expand (expand_add), expand_hb / expand_ct (its bf16-h and
+column-sweeping builds against the default, bit for bit), k1 (K1 quant+shrink), k1_hb / k1_wg (its
+bf16-h build; its WGMMA build against the selection), prefill_pers (K1 then the persistent prefill K2; SPLIT = its CTA count).
 Prints "CASE ok" with the maximum error against the reference, after a device synchronize.
 The K2 builds follow EPILORA_K2_PUSH (k2_gemm.push_variant: `maxima`, `partials`, both by default, `none`) like
 the ops do; the K2 build launched is printed.
@@ -137,7 +138,7 @@ def expand_ct(_split: int) -> float:
     for bit: the B ring across tiles and the epilogue tile beside it (racecheck's case)."""
     from tests import test_expand_add as T
 
-    T.test_gpu_column_sweep_is_bitwise_one_tile(*T.CT_GPU_CASES[3])
+    T.test_gpu_sweep_and_ring_builds_are_bitwise_one_tile(*T.CT_GPU_CASES[3])
     return 0.0
 
 
@@ -146,6 +147,17 @@ def k1_hb(_split: int) -> float:
     from tests import test_k1_shrink as T
 
     T.test_gpu_h_bf16_is_the_rounded_fp32_h(33, 1, 64, 4096, 3)
+    return 0.0
+
+
+def k1_wg(_split: int) -> float:
+    """K1 with its shrink on WGMMA (v0.74): several adapter groups per tile, the cp.async ring read
+    by WGMMA after the proxy fence, each group's columns stored after it (racecheck's case)."""
+    from tests import test_k1_shrink as T
+
+    case = next(c for c in T.WGMMA_CASES if c[1] > 1)
+    print("k1 build", case[-1].name(), flush=True)
+    T.test_gpu_wgmma_matches_the_selection(*case)
     return 0.0
 
 
@@ -166,7 +178,7 @@ def prefill_pers(ctas: int) -> float:
 
 
 CASES = {f.__name__: f for f in (k2_nolora, shrink, decode, decode_xq, decode_split2, decode_wide, expand, k1,
-                                 expand_hb, expand_ct, k1_hb, prefill_pers)}
+                                 expand_hb, expand_ct, k1_hb, k1_wg, prefill_pers)}
 
 if __name__ == "__main__":
     case = sys.argv[1]
