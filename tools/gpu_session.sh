@@ -174,11 +174,11 @@ case $mode in
       | tee -a "$OUT/h_bf16_tests.log"
     for c in k1_hb expand_hb expand_ct; do
       echo "== racecheck kernel_diag $c" | tee -a "$OUT/h_bf16_tests.log"
-      timeout -s KILL 40 compute-sanitizer --tool racecheck --report-api-errors no \
+      timeout -s KILL 35 compute-sanitizer --tool racecheck --report-api-errors no \
         python3 tools/kernel_diag.py $c 2>&1 | tail -4 | tee -a "$OUT/h_bf16_tests.log"
     done
     EPILORA_BENCH_EASWEEP=1 EPILORA_BENCH_TOKENS=${HB_TOKENS:-256,2048} EPILORA_BENCH_ADAPTERS=${HB_ADAPTERS:-1,32} \
-      timeout -s KILL 180 python3 tools/bench.py --quick --sections hybrid_stages --out "$OUT/hs" 2>&1 | tail -45
+      timeout -s KILL 175 python3 tools/bench.py --quick --sections hybrid_stages --out "$OUT/hs" 2>&1 | tail -45
     (cd "$OUT" && [[ -d hs ]] && tar czf hs.tgz hs && rm -rf hs)
     ;;
   prefill-k2)
