@@ -510,3 +510,24 @@ def test_k_sweep_fit_separates_fixed_and_per_k_cost():
     assert abs(fit["k2"]["fixed_us"] - 100) < 1e-9 and abs(fit["k2"]["us_per_1k_K"] - 51.2) < 1e-9
     assert abs(fit["k2_pers"]["fixed_us"] - 60) < 1e-9
     assert abs(fit["scaled_mm"]["fixed_us"] - 20) < 1e-9
+
+
+def test_kernel_diag_cases_named_by_gpu_session_exist():
+    """Every kernel_diag case a gpu_session.sh mode runs (directly or through a `for c in ...`
+    loop) exists, and the tool names its cases when called without one, instead of a traceback
+    inside a device call."""
+    import re
+    import shlex
+    import subprocess
+
+    from tools import kernel_diag
+
+    text = (ROOT / "tools" / "gpu_session.sh").read_text()
+    named = set(re.findall(r"kernel_diag\.py (\w+)", text))
+    for items, body in re.findall(r"for c in (.*?); do\n(.*?)\n\s*done", text, re.S):
+        if "kernel_diag.py $c" in body:
+            named |= {shlex.split(item)[0] for item in shlex.split(items)}
+    assert {"k1_wg", "expand_ct", "decode"} <= named
+    assert named <= set(kernel_diag.CASES), named - set(kernel_diag.CASES)
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_diag.py")], capture_output=True, text=True)
+    assert r.returncode == 1 and "usage" in r.stderr and "k1_wg" in r.stderr

@@ -181,6 +181,8 @@ CASES = {f.__name__: f for f in (k2_nolora, shrink, decode, decode_xq, decode_sp
                                  expand_hb, expand_ct, k1_hb, k1_wg, prefill_pers)}
 
 if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1] not in CASES:
+        sys.exit(f"usage: python tools/kernel_diag.py CASE [SPLIT]; CASE one of {', '.join(CASES)}")
     case = sys.argv[1]
     split = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     extra = [int(a) for a in sys.argv[3:]]  # k2_nolora: M N K
