@@ -588,11 +588,22 @@ def select(num_slices: int, m: int, rank: int) -> Config:
     expand-add ran at 3-4.5x its y floor; bm 64 is ~154 x 128, three CTAs per SM). bn 128 below
     WIDE_M tokens, 64 from there (v0.37, run14's sweep: bn 64 is 1.25-1.5x faster on gate_up at
     8192 tokens and 4 % on the layer at 2048, but 3-9 % slower at 64-256 tokens) and at rank 256
-    (the B double buffer stays at 64 KiB)."""
+    (the B double buffer stays at 64 KiB). From WIDE_M tokens, ranks <= 128, a CTA sweeps
+    column_tiles_per_cta(num_slices) of those narrow tiles (v0.76)."""
     if rank not in RANKS:
         raise ValueError(f"adapter rank {rank} is not one of the compiled ranks {RANKS}")
-    bn = 64 if rank >= 256 or m >= WIDE_M else 128
-    return Config(rank=rank, num_slices=num_slices, bm=64, bn=bn)
+    if m >= WIDE_M:
+        ct = column_tiles_per_cta(num_slices) if rank <= 128 else 1
+        return Config(rank=rank, num_slices=num_slices, bm=64, bn=64, ct=ct)
+    return Config(rank=rank, num_slices=num_slices, bm=64, bn=64 if rank >= 256 else 128)
+
+
+def column_tiles_per_cta(num_slices: int) -> int:
+    """Config.ct from WIDE_M tokens (v0.76, run30's sweep at rank 64, 2048 tokens x 1 / 32
+    adapters): one-slice projections (o, down: 64 column tiles) 4 (-13..-15 %; 8 leaves half the
+    SMs idle, +11 %), merged ones 8 (gate_up -8 / -12 %, qkv -4 / -5 %, where 4 makes 1.5 waves
+    of CTAs, +4 %)."""
+    return 4 if num_slices == 1 else 8
 
 
 @functools.lru_cache(maxsize=8192)  # asked on every launch (dataclasses.replace costs ~5 us)

@@ -696,17 +696,22 @@ Z_TARGET_CTAS = 3 * 132
 
 @functools.lru_cache(maxsize=8192)  # a pure function of its arguments, asked on every launch
 def select(num_slices: int, k: int, rank: int, m: int | None = None) -> Config:
-    """The configuration for K1 at m tokens (None: the resident rule alone, _select_resident).
-
-    v0.30 (run13's sweep, rank 64, K 4096): once the issue chain was short, a 4-stage ring that
-    lets three or four CTAs share an SM beat the deep ring of two CTAs per SM at every size —
-    16 rows per CTA up to SHALLOW_SMALL_M tokens (twice the CTAs: qkv 21.4 -> 18.8 us at 256
-    tokens, 43.6 -> 28.0 with 32 adapters), the resident rule's rows above (qkv 101 -> 78 us at
-    2048). Taken where it fits three CTAs per SM: down (K = 12288) only with a 2-stage ring, above
-    SHALLOW_SMALL_M tokens (v0.32)."""
+    """The configuration for K1 at m tokens (None: the resident rule alone, _select_resident):
+    the by-size tile (_select_by_size) on the machinery that measured fastest for it (_retune)."""
     base = _select_resident(num_slices, k, rank)
     if m is None:
         return base
+    return _retune(_select_by_size(num_slices, k, rank, m), base, m)
+
+
+def _select_by_size(num_slices: int, k: int, rank: int, m: int) -> Config:
+    """The mma.sync tile by token count (v0.30, run13's sweep, rank 64, K 4096): once the issue
+    chain was short, a 4-stage ring that lets three or four CTAs share an SM beat the deep ring of
+    two CTAs per SM at every size — 16 rows per CTA up to SHALLOW_SMALL_M tokens (twice the CTAs:
+    qkv 21.4 -> 18.8 us at 256 tokens, 43.6 -> 28.0 with 32 adapters), the resident rule's rows
+    above (qkv 101 -> 78 us at 2048). Taken where it fits three CTAs per SM: down (K = 12288) only
+    with a 2-stage ring, above SHALLOW_SMALL_M tokens (v0.32)."""
+    base = _select_resident(num_slices, k, rank)
     # Above SHALLOW_SMALL_M the ring may go down to 2 stages for the third CTA (v0.32: down at
     # K = 12288, 48 KiB of x per CTA, 133 -> 108 us at 2048 tokens); below, a 2-stage ring lost
     # (down at 256 tokens 30.0 -> 36.5 us: one wave, nothing else to hide its round trips).
@@ -719,6 +724,37 @@ def select(num_slices: int, k: int, rank: int, m: int | None = None) -> Config:
         if cfg.smem_bytes <= SMEM_THREE_PER_SM:
             return cfg
     return base
+
+
+# v0.76 (run30's sweep, rank 64, Qwen3-8B at 256 / 2048 / 8192 tokens x 1 / 32 adapters): the
+# by-size tile on WGMMA up to SHALLOW_SMALL_M (qkv -8 / -13 %, gate_up -7 / -17 %, o -5 / -6 %,
+# down at 16 rows / 7 stages -10 / -15 % at 256 tokens); above it 64 rows on 8 warps where two such
+# CTAs share an SM and there are enough rows (qkv / gate_up -10..-18 % at 2048 and 8192; o -10 % at
+# 8192 but +6 % at 2048, where the by-size tile on 8 warps is -6 / -13 %), and where K is deep
+# (down: the by-size 2-stage ring) the resident ring on WGMMA (-0 / -11 % at 2048, -8 / -14 % at 8192).
+WIDE_ROWS_M = 4096  # from here one-slice projections take the 64-row 8-warp tile too
+
+
+def _retune(cfg: Config, resident: Config, m: int) -> Config:
+    """cfg (the by-size mma.sync tile) on WGMMA or 8 warps where run30 measured that faster;
+    cfg itself where the rank or the shared memory rules the faster machinery out."""
+    if m <= SHALLOW_SMALL_M:
+        return _or(cfg, lambda: dataclasses.replace(cfg, wgmma=True))
+    if cfg.bm == 16:  # deep K on a 2-stage ring: the resident ring on WGMMA
+        return _or(cfg, lambda: dataclasses.replace(resident, wgmma=True))
+    if cfg.num_slices >= 2 or m >= WIDE_ROWS_M:
+        wide = _or(None, lambda: Config(rank=cfg.rank, num_slices=cfg.num_slices, bm=64, kc=cfg.kc, stages=3, wn_x=2))
+        if wide is not None and wide.smem_bytes <= SMEM_TWO_PER_SM:
+            return wide
+    return _or(cfg, lambda: dataclasses.replace(cfg, wn_x=2))
+
+
+def _or(fallback, make):
+    """make()'s configuration, or fallback where Config rejects it (rank, warps)."""
+    try:
+        return make()
+    except ValueError:
+        return fallback
 
 
 @functools.lru_cache(maxsize=8192)  # asked on every launch (dataclasses.replace costs ~5 us)
@@ -768,9 +804,13 @@ def projection_ks() -> dict[int, set[int]]:
 
 
 def prebuild_configs() -> list[Config]:
-    by_size = {select(s, k, r, m) for s, ks in projection_ks().items() for k in ks for r in RANKS
-               for m in (SHALLOW_SMALL_M, SHALLOW_SMALL_M + 1)}  # what a launch at m tokens selects
-    cfgs = by_size | {select(s, k, r) for s, ks in projection_ks().items() for k in ks for r in RANKS}
+    shapes = [(s, k, r) for s, ks in projection_ks().items() for k in ks for r in RANKS]
+    # what a launch at m tokens selects: below / above SHALLOW_SMALL_M, from WIDE_ROWS_M
+    by_size = {select(s, k, r, m) for s, k, r in shapes for m in (SHALLOW_SMALL_M, SHALLOW_SMALL_M + 1, WIDE_ROWS_M)}
+    cfgs = by_size | {select(s, k, r) for s, k, r in shapes}
+    # The mma.sync tiles by size (selected before v0.76): the GPU tests hold the WGMMA / 8-warp
+    # selections against them, bit for bit or within fp32 rounding.
+    cfgs |= {_select_by_size(s, k, r, m) for s, k, r in shapes for m in (SHALLOW_SMALL_M, SHALLOW_SMALL_M + 1)}
     # The selections by size also with h stored as bf16 (the hybrid paths' h, v0.71).
     cfgs |= {dataclasses.replace(c, h_bf16=True) for c in by_size}
     # down's configuration before v0.13 (K 12288 / 14336, rank 64), which tests/test_k1_shrink.py's
@@ -814,7 +854,7 @@ def sweep_configs(num_slices: int, k: int, rank: int) -> dict[str, Config]:
             out[f"bm{bm}_st{stages}_wn2"] = cfg
     # v0.74: the shrink on WGMMA at the by-size rule's tiles (above and up to SHALLOW_SMALL_M) and
     # at 64 rows
-    big, small = select(num_slices, k, rank, SHALLOW_SMALL_M + 1), select(num_slices, k, rank, SHALLOW_SMALL_M)
+    big, small = (_select_by_size(num_slices, k, rank, m) for m in (SHALLOW_SMALL_M + 1, SHALLOW_SMALL_M))
     for bm, stages in dict.fromkeys(((big.bm, big.stages), (small.bm, small.stages), (64, 3))):
         try:
             cfg = Config(rank=rank, num_slices=num_slices, bm=bm, kc=base.kc, stages=stages, wgmma=True)

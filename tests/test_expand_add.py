@@ -223,10 +223,17 @@ def test_column_sweep_and_ring_configs():
         E.Config(nb=5)
     pre = set(E.prebuild_configs())
     assert set(E.CT_TEST_CONFIGS) <= pre
-    assert all(E.select(s, m, r).ct == 1 for s in E.SLICE_COUNTS for r in E.RANKS for m in (1, 2048, 8192))
+    # v0.76: from WIDE_M tokens a CTA sweeps 4 (one slice) or 8 (merged) narrow tiles, ranks <= 128
+    assert all(E.select(s, m, r).ct == 1 for s in E.SLICE_COUNTS for r in E.RANKS for m in (1, E.WIDE_M - 1))
+    assert all(E.select(s, m, 256).ct == 1 for s in E.SLICE_COUNTS for m in (E.WIDE_M, 8192))
+    for m in (E.WIDE_M, 8192):
+        assert [E.select(s, m, 64).ct for s in E.SLICE_COUNTS] == [4, 8, 8, 8]
+        assert all(E.select(s, m, r).ct == E.column_tiles_per_cta(s) and E.select(s, m, r).bn == 64
+                   for s in E.SLICE_COUNTS for r in E.RANKS if r <= 128)
     for s in E.SWEEP_SLICES:
         sweep = E.sweep_configs(s, 64)
-        assert {c.ct for c in sweep.values()} == set(E.COLUMN_TILES_PER_CTA)
+        assert {c.ct for c in sweep.values()} | {E.select(s, E.WIDE_M, 64).ct} == set(E.COLUMN_TILES_PER_CTA)
+        assert sweep["bm64_bn64"] == E.Config(rank=64, num_slices=s, bm=64, bn=64)  # the one-tile build
         assert {c.nb for c in sweep.values()} == set(E.B_RING_DEPTHS)
         assert sweep["bm64_bn64_hb_ct4"].h_bf16 and all(c.bn == 64 for c in sweep.values() if c.ct > 1)
 
@@ -248,7 +255,7 @@ def test_select_and_prebuild_set():
     # the bench's tile sweep (hybrid_stages, EPILORA_BENCH_K1SWEEP=1) runs prebuilt tiles only
     for s in E.SWEEP_SLICES:
         sweep = E.sweep_configs(s, 64)
-        assert sweep and set(sweep.values()) <= pre and E.select(s, 4096, 64) not in sweep.values()
+        assert sweep and set(sweep.values()) <= pre
 
 
 def test_params_declaration():

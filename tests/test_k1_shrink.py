@@ -13,6 +13,7 @@ configurations and prints one RESULTS JSON line (how the 4.6.0 venv is tested).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import sys
@@ -225,31 +226,57 @@ def test_select_deep_ring():
 def test_select_by_token_count():
     """v0.31: at rank 64, K 4096 a 4-stage ring with 16 rows per CTA up to 1024 tokens and the
     resident rule's 32 rows above (three or more CTAs per SM); down (K 12288) keeps the resident
-    rule; without a token count select() is the resident rule; every choice is prebuilt."""
+    rule; without a token count select() is the resident rule; every choice is prebuilt. These are
+    the mma.sync tiles by size (_select_by_size); test_select_retunes_by_size holds v0.76's choice."""
     pre = set(K1.prebuild_configs())
     for s in (1, 2, 3):
-        small, big = K1.select(s, 4096, 64, 64), K1.select(s, 4096, 64, 2048)
+        small, big = K1._select_by_size(s, 4096, 64, 64), K1._select_by_size(s, 4096, 64, 2048)
         assert (small.bm, small.stages) == (16, 4) and (big.bm, big.stages) == (32, 4)
-        assert K1.select(s, 4096, 64, K1.SHALLOW_SMALL_M) == small
-        assert K1.select(s, 4096, 64, K1.SHALLOW_SMALL_M + 1) == big
+        assert K1._select_by_size(s, 4096, 64, K1.SHALLOW_SMALL_M) == small
+        assert K1._select_by_size(s, 4096, 64, K1.SHALLOW_SMALL_M + 1) == big
         assert max(small.smem_bytes, big.smem_bytes) <= K1.SMEM_THREE_PER_SM
         assert K1.select(s, 4096, 64) == K1._select_resident(s, 4096, 64)
     for m in (33, 1024):  # down below SHALLOW_SMALL_M: the resident rule (a 2-stage ring lost there)
-        assert K1.select(1, 12288, 64, m) == K1.select(1, 12288, 64)
+        assert K1._select_by_size(1, 12288, 64, m) == K1.select(1, 12288, 64)
     for m in (1025, 2048, 8192):  # above: 16 rows, a 2-stage ring, three CTAs per SM (v0.32)
-        c = K1.select(1, 12288, 64, m)
+        c = K1._select_by_size(1, 12288, 64, m)
         assert (c.bm, c.kc, c.stages) == (16, 1536, 2) and c.smem_bytes <= K1.SMEM_THREE_PER_SM
     for s, ks in K1.projection_ks().items():
         for k in ks:
             for r in K1.RANKS:
-                for m in (1, 33, 1024, 1025, 8192):
+                for m in (1, 33, 1024, 1025, 4095, 4096, 8192):
                     cfg = K1.select(s, k, r, m)
-                    assert cfg in pre, (s, k, r, m)
+                    assert cfg in pre and K1._select_by_size(s, k, r, m) in pre, (s, k, r, m)
                     assert cfg.kc == K1.select(s, k, r).kc  # the same capacity: the same splits rule
     for s, k in K1.SWEEP_SHAPES:
         sweep = K1.sweep_configs(s, k, 64)
         assert sweep and set(sweep.values()) <= pre, (s, k)
         assert all(c.kc == K1.select(s, k, 64).kc and c.smem_bytes <= K1.SMEM_LIMIT for c in sweep.values())
+
+
+def test_select_retunes_by_size():
+    """v0.76 (run30's sweep): up to SHALLOW_SMALL_M the by-size tile on WGMMA (ranks 64 / 128);
+    above, 64 rows on 8 warps for qkv / gate_up and, from WIDE_ROWS_M tokens, for o; o below that
+    the by-size tile on 8 warps; down (K 12288) the resident ring on WGMMA; ranks the faster builds
+    do not take keep the mma.sync tile."""
+    for s in (2, 3):
+        assert K1.select(s, 4096, 64, 256) == dataclasses.replace(K1._select_by_size(s, 4096, 64, 256), wgmma=True)
+        for m in (1025, 2048, 8192):
+            assert K1.select(s, 4096, 64, m) == K1.Config(rank=64, num_slices=s, bm=64, kc=512, stages=3, wn_x=2)
+    assert K1.select(1, 4096, 64, 2048) == K1.Config(rank=64, num_slices=1, bm=32, kc=512, stages=4, wn_x=2)
+    assert K1.select(1, 4096, 64, K1.WIDE_ROWS_M) == K1.Config(rank=64, num_slices=1, bm=64, kc=512, stages=3, wn_x=2)
+    assert K1.select(1, 12288, 64, 256) == dataclasses.replace(K1.select(1, 12288, 64), wgmma=True)
+    assert K1.select(1, 12288, 64, 2048) == dataclasses.replace(K1.select(1, 12288, 64), wgmma=True)
+    # ranks without WGMMA builds (8, 16, 32, 256) keep the mma.sync tile below SHALLOW_SMALL_M
+    assert not K1.select(1, 4096, 8, 33).wgmma and K1.select(3, 4096, 256, 33) == K1._select_by_size(3, 4096, 256, 33)
+    assert K1.select(1, 4096, 128, 256).wgmma and K1.select(2, 4096, 128, 2048).wn_x == 2
+    for s, ks in K1.projection_ks().items():
+        for k in ks:
+            for r in K1.RANKS:
+                for m in (1, 1024, 1025, 4096):
+                    c, by_size = K1.select(s, k, r, m), K1._select_by_size(s, k, r, m)
+                    assert c.kc == by_size.kc and c.smem_bytes <= K1.SMEM_LIMIT
+                    assert c.wgmma or c.wn_x == 2 or c == by_size
 
 
 def test_choose_zsplit():
@@ -306,8 +333,7 @@ def test_wn2_configs():
     for bad in (dict(bm=16, wn_x=2), dict(rank=16, bm=32, wn_x=2), dict(wn_x=3)):
         with pytest.raises(ValueError):
             K1.Config(**{"rank": 64, "kc": 512, **bad})
-    assert all(K1.select(s, k, r, m).wn_x == 1 for s, ks in K1.projection_ks().items() for k in ks
-               for r in K1.RANKS for m in (None, 64, 2048))
+    assert all(K1.select(s, k, r).wn_x == 1 for s, ks in K1.projection_ks().items() for k in ks for r in K1.RANKS)
     for s, k in K1.SWEEP_SHAPES[:3]:
         assert {"bm32_st4_wn2", "bm64_st3_wn2"} <= set(K1.sweep_configs(s, k, 64))
 
@@ -315,7 +341,7 @@ def test_wn2_configs():
 def test_wgmma_configs():
     """v0.74: WGMMA builds at ranks 64 / 128 only (whole 64-row M tiles, a warpgroup each), one
     warpgroup per 64 rank rows whatever the tile's rows; the name suffix only then; never with
-    wn_x = 2; select() does not take them (the bench's sweep and the GPU tests only)."""
+    wn_x = 2; select() takes them by size (v0.76), the resident rule alone never."""
     c = K1.Config(rank=64, num_slices=3, bm=32, kc=512, stages=4, wgmma=True)
     assert (c.threads, c.name()) == (128, "r64_s3_bm32_kc512_st4_wg")
     assert K1.Config(rank=128, bm=32, kc=512, wgmma=True).threads == 256
@@ -323,14 +349,14 @@ def test_wgmma_configs():
     for bad in (dict(rank=32), dict(rank=256), dict(rank=64, wn_x=2), dict(rank=128, bm=16)):
         with pytest.raises(ValueError):
             K1.Config(**{"bm": 32, "kc": 512, "wgmma": True, **bad})
-    assert not any(K1.select(s, k, r, m).wgmma for s, ks in K1.projection_ks().items() for k in ks
-                   for r in K1.RANKS for m in (None, 64, 2048))
+    assert not any(K1.select(s, k, r).wgmma for s, ks in K1.projection_ks().items() for k in ks for r in K1.RANKS)
     pre = set(K1.prebuild_configs())
     assert set(K1.WGMMA_TEST_CONFIGS) <= pre
     for s, k in K1.SWEEP_SHAPES:
         wg = [c for n, c in K1.sweep_configs(s, k, 64).items() if n.endswith("_wg")]
         assert wg and all(c.wgmma and c in pre for c in wg)
-        assert any((c.bm, c.stages) == (K1.select(s, k, 64, 2048).bm, K1.select(s, k, 64, 2048).stages) for c in wg)
+        big = K1._select_by_size(s, k, 64, 2048)
+        assert any((c.bm, c.stages) == (big.bm, big.stages) for c in wg)
 
 
 def test_params_declaration():
@@ -703,7 +729,7 @@ def test_gpu_bench_shapes(M, L, K, S):
 @pytest.mark.parametrize("S", (3, 1, 2))
 @pytest.mark.parametrize("M,L", [(2048, 1), (300, 8), (256, 32), (33, 4)])
 def test_gpu_wn2_is_bitwise_the_selection(M, L, S):
-    """v0.73: the sweep's 8-warp builds (wn_x = 2: half the rank columns per warp; the quantization
+    """v0.73: the sweep's 8-warp builds (v0.76 selects them above SHALLOW_SMALL_M) (wn_x = 2: half the rank columns per warp; the quantization
     and the reduction spread over twice the threads) write the codes, scales and h of the selected
     4-warp build bit for bit (each element is the same thread-local sum of the same k16 steps, the
     same fixed-order cluster sum); mixed effective ranks, tokens without an adapter, special
@@ -712,7 +738,7 @@ def test_gpu_wn2_is_bitwise_the_selection(M, L, S):
     K, R = 4096, 64
     ranks = torch.tensor([(64, 16, 0, 32)[i % 4] for i in range(L)], dtype=torch.int32) if L > 1 else None
     case = make_case(M, L, R, K, S, seed=M + L + S, slot_ranks=ranks, device="cuda", spread=True, specials=L > 1)
-    cfgs = [K1.select(S, K, R, M)] + [c for n, c in K1.sweep_configs(S, K, R).items() if n.endswith("_wn2")]
+    cfgs = [K1._select_by_size(S, K, R, M)] + [c for n, c in K1.sweep_configs(S, K, R).items() if n.endswith("_wn2")]
     assert len(cfgs) == 3
     outs = []
     for cfg in cfgs:
@@ -755,7 +781,7 @@ def test_gpu_wgmma_matches_the_selection(M, L, K, S, cfg):
     case = make_case(M, L, R, K, S, seed=M + L + K + S, slot_ranks=ranks, device="cuda", spread=True,
                      specials=L > 1)
     runs = []
-    for c in (K1.select(S, K, R, M), cfg, cfg):
+    for c in (K1._select_by_size(S, K, R, M), cfg, cfg):
         codes, scales, h = _poisoned(M, K, S, R)
         K1.k1_quant_shrink(case["x"], case["As"], case["meta"], codes, scales, h, case["slot_ranks"], config=c)
         runs.append((codes.view(torch.uint8), scales.view(torch.int32), h))

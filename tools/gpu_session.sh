@@ -21,7 +21,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
+mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -157,6 +157,19 @@ case $mode in
       python3 tools/kernel_diag.py k1_wg 2>&1 | tail -4 | tee -a "$OUT/k1_tests.log"
     EPILORA_BENCH_K1SWEEP=1 EPILORA_BENCH_EASWEEP=${K1_EASWEEP:-0} EPILORA_BENCH_TOKENS=${K1_TOKENS:-64,256,2048} EPILORA_BENCH_ADAPTERS=${K1_ADAPTERS:-1,8,32} \
       timeout -s KILL 180 python3 tools/bench.py --quick --sections hybrid_stages --out "$OUT/hs" 2>&1 | tail -45
+    (cd "$OUT" && [[ -d hs ]] && tar czf hs.tgz hs && rm -rf hs)
+    ;;
+  retune)
+    # perf.md v0.76 (`select` takes run30's fastest K1 / expand-add builds; carry the full cache,
+    # ~9 min): the K1, expand-add and op-level GPU files whole (every selection against the
+    # reference, the hybrid paths bit for bit each other, CUDA graphs), then hybrid_stages at
+    # RT_TOKENS x RT_ADAPTERS (vLLM's columns when .devvllm/2 was carried after call A).
+    unpack_vllm
+    timeout -s KILL 120 python3 -m pytest -q -m gpu tests/test_k1_shrink.py 2>&1 | tail -4 | tee "$OUT/retune_tests.log"
+    timeout -s KILL 90 python3 -m pytest -q -m gpu tests/test_expand_add.py 2>&1 | tail -4 | tee -a "$OUT/retune_tests.log"
+    timeout -s KILL 150 python3 -m pytest -q -m gpu tests/test_lora_linear_gpu.py 2>&1 | tail -4 | tee -a "$OUT/retune_tests.log"
+    EPILORA_BENCH_TOKENS=${RT_TOKENS:-64,256,2048,8192} EPILORA_BENCH_ADAPTERS=${RT_ADAPTERS:-1,8,32} \
+      timeout -s KILL 150 python3 tools/bench.py --quick --sections hybrid_stages --out "$OUT/hs" 2>&1 | tail -45
     (cd "$OUT" && [[ -d hs ]] && tar czf hs.tgz hs && rm -rf hs)
     ;;
   h-bf16)
