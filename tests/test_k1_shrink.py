@@ -729,9 +729,9 @@ def test_gpu_bench_shapes(M, L, K, S):
 @pytest.mark.parametrize("S", (3, 1, 2))
 @pytest.mark.parametrize("M,L", [(2048, 1), (300, 8), (256, 32), (33, 4)])
 def test_gpu_wn2_is_bitwise_the_selection(M, L, S):
-    """v0.73: the sweep's 8-warp builds (v0.76 selects them above SHALLOW_SMALL_M) (wn_x = 2: half the rank columns per warp; the quantization
-    and the reduction spread over twice the threads) write the codes, scales and h of the selected
-    4-warp build bit for bit (each element is the same thread-local sum of the same k16 steps, the
+    """v0.73: the sweep's 8-warp builds (wn_x = 2: half the rank columns per warp; the quantization
+    and the reduction spread over twice the threads; v0.76 selects them above SHALLOW_SMALL_M)
+    write the codes, scales and h of the 4-warp by-size build (_select_by_size) bit for bit (each element is the same thread-local sum of the same k16 steps, the
     same fixed-order cluster sum); mixed effective ranks, tokens without an adapter, special
     values, outputs poisoned first; and against the reference."""
     _hopper()
@@ -770,7 +770,7 @@ WGMMA_CASES = _wgmma_cases()
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,L,K,S,cfg", WGMMA_CASES, ids=lambda v: getattr(v, "name", lambda: str(v))())
 def test_gpu_wgmma_matches_the_selection(M, L, K, S, cfg):
-    """v0.74: the shrink on WGMMA. Codes and scales bit for bit the selected mma.sync build's (the
+    """v0.74: the shrink on WGMMA. Codes and scales bit for bit the by-size mma.sync build's (the
     quantization is the same code), h within the reference's tolerance and within fp32 rounding of
     the mma.sync build's h (the same bf16 products summed per k16 step in the tensor cores' own
     order), the same bits on a second run; mixed effective ranks, tokens without an adapter (h

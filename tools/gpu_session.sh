@@ -161,7 +161,7 @@ case $mode in
     ;;
   retune)
     # perf.md v0.76 (`select` takes run30's fastest K1 / expand-add builds; carry the full cache,
-    # ~9 min): the K1, expand-add and op-level GPU files whole (every selection against the
+    # run30: 106 s, limits add up to ~10 min): the K1, expand-add and op-level GPU files whole (every selection against the
     # reference, the hybrid paths bit for bit each other, CUDA graphs), then hybrid_stages at
     # RT_TOKENS x RT_ADAPTERS (vLLM's columns when .devvllm/2 was carried after call A).
     unpack_vllm
