@@ -127,7 +127,9 @@ class _Chain:
         return [[torch.full((self.m, self.w[p][1].shape[0]), float("nan"), dtype=torch.bfloat16, device="cuda")
                  for p, _, _ in CHAIN] for _ in range(self.rounds)]
 
-    def step(self, i: int, outs, chain: bool):
+    def step(self, i: int, outs, chain: bool, prefetch_bytes: int = 0):
+        """Step i of CHAIN; with prefetch_bytes, followed by prefetch_l2 of the next step's weight
+        (as the plugin's layers do with EPILORA_L2_PREFETCH)."""
         proj, path, src = CHAIN[i]
         x, wq, ws, a, b, mapping, meta = self.w[proj]
         if src is not None:
@@ -137,12 +139,16 @@ class _Chain:
         if path in ("decode_sq", "decode_fh") and self.m > 8:
             path = "decode"
         y = ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=outs[i], path=path, chain_pdl=chain)
+        if prefetch_bytes:
+            from epilora_cute.prefetch import prefetch_l2
+
+            prefetch_l2(self.w[CHAIN[(i + 1) % len(CHAIN)][0]][1], prefetch_bytes)
         return x, mapping, y
 
-    def run(self, chain: bool):
+    def run(self, chain: bool, prefetch_bytes: int = 0):
         """Every round's steps back to back: no other kernel in between (outputs poisoned first)."""
         outs = self.outputs()
-        inputs = [[self.step(i, o, chain)[0] for i in range(len(CHAIN))] for o in outs]
+        inputs = [[self.step(i, o, chain, prefetch_bytes)[0] for i in range(len(CHAIN))] for o in outs]
         torch.cuda.synchronize()
         return inputs, outs
 

@@ -210,7 +210,7 @@ def test_gpu_session_script_parses_and_keeps_calls_under_the_device_limit():
     script = ROOT / "tools" / "gpu_session.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     text = script.read_text()
-    modes = ("hybrid-identity)", "e2e-perf)", "out-variant)", "record)", "tests)", "e2e)", "e2e-smoke)", "e2e-rescore)", "verify)", "check)", "k1)", "h-bf16)", "retune)", "profile)", "fh)",
+    modes = ("hybrid-identity)", "e2e-perf)", "out-variant)", "record)", "tests)", "e2e)", "e2e-smoke)", "e2e-rescore)", "verify)", "check)", "k1)", "h-bf16)", "retune)", "prefetch)", "profile)", "fh)",
              "profile-decode)", "decode)", "push-tests)", "push-bench)", "wide-tests)", "wide-bench)", "prefill-k2)",
              "prefill-path)")
     for mode in modes:
@@ -531,3 +531,23 @@ def test_kernel_diag_cases_named_by_gpu_session_exist():
     assert named <= set(kernel_diag.CASES), named - set(kernel_diag.CASES)
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_diag.py")], capture_output=True, text=True)
     assert r.returncode == 1 and "usage" in r.stderr and "k1_wg" in r.stderr
+
+
+def test_bench_prefetch_section_windows_and_budgets(monkeypatch):
+    """bench_prefetch (perf.md v0.77): registered as a bench section; the windows before qkv / o /
+    gate_up / down are norm / attention / norm / activation, the budget after qkv is the attention
+    window's (o's weight across the attention), the plugin's budgets when EPILORA_L2_PREFETCH sets them."""
+    from tools import bench, bench_prefetch as bp
+    from vllm_adapter import prefetch_plan
+
+    bench._optional_sections()
+    assert bench.SECTIONS["prefetch"] is bp.bench_prefetch
+    monkeypatch.delenv("EPILORA_BENCH_WINDOWS", raising=False)
+    assert bp.windows_us() == bp.DEFAULT_WINDOWS_US
+    monkeypatch.setenv("EPILORA_BENCH_WINDOWS", "10,3,1.5")
+    assert bp.window_before(*bp.windows_us()) == (3.0, 10.0, 3.0, 1.5)
+    monkeypatch.delenv(prefetch_plan.ENV, raising=False)
+    mb = prefetch_plan.MB
+    assert bp.budgets_bytes() == (32 * mb, 8 * mb)
+    monkeypatch.setenv(prefetch_plan.ENV, "16,4")
+    assert bp.budget_after(*bp.budgets_bytes()) == (16 * mb, 4 * mb, 4 * mb, 4 * mb)

@@ -264,7 +264,7 @@ def _kinds():
     }
 
 
-def _fp8_layer(vcfg, kind, *, params_dtype=BF16, per_token=True, seed=0, **fp8_kw):
+def _fp8_layer(vcfg, kind, *, params_dtype=BF16, per_token=True, seed=0, prefix=None, **fp8_kw):
     """A vLLM base layer with FP8 weights as loaded from an FP8 checkpoint (one fused scale)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
@@ -274,7 +274,7 @@ def _fp8_layer(vcfg, kind, *, params_dtype=BF16, per_token=True, seed=0, **fp8_k
     g = torch.Generator().manual_seed(seed)
     with set_current_vllm_config(vcfg):
         qc = Fp8Config(is_checkpoint_fp8_serialized=True, **fp8_kw)
-        layer = ctor(quant_config=qc, params_dtype=params_dtype, prefix=f"model.layers.0.{kind}")
+        layer = ctor(quant_config=qc, params_dtype=params_dtype, prefix=prefix or f"model.layers.0.{kind}")
         if fp8_kw:  # block / static variants: the selection reads the method, no loading needed
             return layer
         with torch.no_grad():
@@ -768,6 +768,37 @@ def test_layers_chain_except_right_after_preparing_the_metadata(vcfg, plugin_on,
     follower.apply(x)
     follower.apply(x[:3])
     assert seen == [False, True, False]
+
+
+def test_layers_prefetch_the_next_projections_weight(vcfg, plugin_on, monkeypatch):
+    """EPILORA_L2_PREFETCH on: a qkv layer's op ends with prefetch_l2 of the o layer's FP8 weight
+    (its successor by vLLM's module names; the attention window's budget), eagerly and from the
+    compiled apply (the layer's id is a constant of the graph); off, nothing is prefetched. The
+    result is the same either way."""
+    from epilora_cute import prefetch as pf
+    from vllm_adapter import prefetch_plan
+
+    prefetch_plan.reset()
+    calls = []
+    monkeypatch.setattr(pf, "prefetch_l2", lambda t, nbytes=None, pdl=True: calls.append((t, nbytes)) or 0)
+    qkv = _from_layer(vcfg, _fp8_layer(vcfg, "qkv", prefix="model.layers.0.self_attn.qkv_proj"), "qkv")
+    o_base = _fp8_layer(vcfg, "row", prefix="model.layers.0.self_attn.o_proj")
+    o = _from_layer(vcfg, o_base, "row")
+    assert (qkv._epilora_prefetch_id, o._epilora_prefetch_id) == (0, 1)
+    _load_adapters(qkv, "qkv")
+    _punica(qkv, [1, 2, 0, 2])
+    x = torch.randn(4, K).to(BF16)
+    monkeypatch.delenv(prefetch_plan.ENV, raising=False)
+    y = qkv.apply(x)
+    assert calls == []
+    monkeypatch.setenv(prefetch_plan.ENV, "1")
+    assert torch.equal(qkv.apply(x), y)
+    assert len(calls) == 1 and calls[0][0] is o_base.weight and calls[0][1] == 32 * prefetch_plan.MB
+    torch._dynamo.reset()
+    compiled = torch.compile(qkv.apply, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x), y)
+    assert len(calls) >= 2 and calls[-1][0] is o_base.weight
+    prefetch_plan.reset()
 
 
 # ----------------------------------------------------------------------------- lm_head LoRA

@@ -155,7 +155,8 @@ SECTIONS = {"quant": bench_quant, "launch": bench_launch}
 def _optional_sections() -> None:
     """Sections that exist once their kernels do (tools/bench_*.py modules with a ``SECTIONS`` dict)."""
     for name in ("tools.bench_decode", "tools.bench_stages", "tools.bench_k2sweep", "tools.bench_triton",
-                 "tools.bench_prefill", "tools.bench_prefill_k2", "tools.bench_hybrid_stages", "tools.bench_timeline"):
+                 "tools.bench_prefill", "tools.bench_prefill_k2", "tools.bench_hybrid_stages", "tools.bench_timeline",
+                 "tools.bench_prefetch"):
         try:
             mod = importlib.import_module(name)
         except ModuleNotFoundError:

@@ -21,7 +21,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
+mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -171,6 +171,23 @@ case $mode in
     EPILORA_BENCH_TOKENS=${RT_TOKENS:-64,256,2048,8192} EPILORA_BENCH_ADAPTERS=${RT_ADAPTERS:-1,8,32} \
       timeout -s KILL 150 python3 tools/bench.py --quick --sections hybrid_stages --out "$OUT/hs" 2>&1 | tail -45
     (cd "$OUT" && [[ -d hs ]] && tar czf hs.tgz hs && rm -rf hs)
+    ;;
+  prefetch)
+    # perf.md v0.77 (the next projection's weight prefetched into L2 between projections; carry the
+    # slim cache, and .devvllm/2 after call A for vLLM's columns; limits add up to ~9.5 min): the
+    # prefetch's GPU tests (every planned byte range; chained projections and a CUDA graph bit for
+    # bit the plain run), the `prefetch` bench section at PF_TOKENS with spin windows of PF_WINDOWS
+    # (attention, norm, activation µs) and budgets PF_BUDGETS (MB: attention window, the others),
+    # then the layer rows at one token for three more budget pairs.
+    unpack_vllm
+    timeout -s KILL 120 python3 -m pytest -q -m gpu tests/test_l2_prefetch_gpu.py 2>&1 | tail -4 | tee "$OUT/prefetch_tests.log"
+    EPILORA_BENCH_WINDOWS=${PF_WINDOWS:-8,2,2} EPILORA_L2_PREFETCH=${PF_BUDGETS:-32,8} EPILORA_BENCH_TOKENS=${PF_TOKENS:-1,4,8,32} \
+      timeout -s KILL 200 python3 tools/bench.py --quick --sections prefetch --out "$OUT/pf" 2>&1 | tail -30
+    for b in 32,0 32,16 48,24; do
+      EPILORA_BENCH_WINDOWS=${PF_WINDOWS:-8,2,2} EPILORA_L2_PREFETCH=$b EPILORA_BENCH_TOKENS=1 EPILORA_BENCH_PF_PROJECTIONS=0 \
+        timeout -s KILL 55 python3 tools/bench.py --quick --sections prefetch --out "$OUT/pf_${b/,/_}" 2>&1 | grep 'what=layer'
+    done
+    (cd "$OUT" && tar czf pf.tgz pf pf_* 2> /dev/null && rm -rf pf pf_*)
     ;;
   h-bf16)
     # perf.md v0.71 + v0.72 (carry the cache with K1's and the expand-add's builds (--families

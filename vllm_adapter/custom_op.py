@@ -24,6 +24,9 @@ buffer (its alignment, for the kernels that read it next), as it does for stock 
 The plugin uses it with ``EPILORA_OUT_VARIANT=1`` (an experiment: run10's Inductor code showed
 the norm kernels reading our op's returned tensor without the 16-byte alignment hint).
 
+``prefetch_id`` (an int per call site, like the flag id): the layer's ``prefetch_plan`` id; with
+``EPILORA_L2_PREFETCH`` on, the op ends by asking L2 for the next projection's weight.
+
 ``prepare_meta`` refreshes the metadata buffers in place from a mapping (mutates them, returns
 nothing): as one opaque op it is captured into CUDA graphs as it is, and torch.compile does not
 trace ``LoRABatchMeta.prepare``'s sorts and scatters. On CUDA ``prepare`` is one Triton launch
@@ -41,7 +44,7 @@ import torch
 
 from epilora_cute.metadata import LoRABatchMeta
 
-from . import fused
+from . import fused, prefetch_plan
 
 logger = logging.getLogger("vllm.epilora")
 
@@ -56,7 +59,7 @@ META_FIELDS = ("token_lora_mapping", "token_indices_sorted_by_lora_ids", "active
 _ARGS = (
     "Tensor x, Tensor w_q, Tensor w_scale, Tensor[] lora_a, Tensor[] lora_b, "
     + ", ".join(f"Tensor {f}" for f in META_FIELDS)
-    + ", Tensor? bias=None, bool chain_pdl=False, int no_lora_flag_id=-1"
+    + ", Tensor? bias=None, bool chain_pdl=False, int no_lora_flag_id=-1, int prefetch_id=-1"
 )
 SCHEMA = "(" + _ARGS + ") -> Tensor"
 OUT_SCHEMA = "(Tensor(a!) out, " + _ARGS + ") -> ()"
@@ -132,14 +135,17 @@ def _host_no_lora(flag: torch.Tensor | None) -> bool:
 
 def _impl(x, w_q, w_scale, lora_a, lora_b, token_lora_mapping, token_indices_sorted_by_lora_ids,
           active_lora_ids, num_tokens_per_lora, lora_token_start_loc, sorted_lora_ids, row_group,
-          num_active, bias=None, chain_pdl=False, no_lora_flag_id=-1, out=None):
+          num_active, bias=None, chain_pdl=False, no_lora_flag_id=-1, prefetch_id=-1, out=None):
     # A batch without adapters (vLLM's flag) is keyed as such: the dispatch then runs vLLM's own
     # FP8 path on it ("base"; EPILORA_NO_LORA_PATH=timed: the fastest no-adapter candidate).
     meta = _meta_from_tensors(x, (token_lora_mapping, token_indices_sorted_by_lora_ids,
                                   active_lora_ids, num_tokens_per_lora, lora_token_start_loc,
                                   sorted_lora_ids, row_group, num_active),
                               host_num_adapters=0 if _host_no_lora(host_flag(no_lora_flag_id)) else None)
-    return fused.lora_linear_fp8(x, w_q, w_scale, lora_a, lora_b, meta, bias, chain_pdl=chain_pdl, out=out)
+    y = fused.lora_linear_fp8(x, w_q, w_scale, lora_a, lora_b, meta, bias, chain_pdl=chain_pdl, out=out)
+    # The next projection's weight into L2 while the kernels between the two run (opt-in).
+    prefetch_plan.run(prefetch_id, x.shape[0])
+    return y
 
 
 def _fake(x, w_q, w_scale, lora_a, lora_b, *meta_and_bias, **kw):
@@ -186,14 +192,15 @@ def register() -> None:
 def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                     lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
                     meta: LoRABatchMeta, bias: torch.Tensor | None = None, chain_pdl: bool = False,
-                    no_lora_flag_cpu: torch.Tensor | None = None, no_lora_flag_id: int = -1) -> torch.Tensor:
+                    no_lora_flag_cpu: torch.Tensor | None = None, no_lora_flag_id: int = -1,
+                    prefetch_id: int = -1) -> torch.Tensor:
     """Call the registered op with ``meta`` flattened into its tensors. vLLM's no-adapter flag:
     ``no_lora_flag_id`` (``host_flag_id``; what traced callers pass) or, in eager code,
-    ``no_lora_flag_cpu`` itself."""
+    ``no_lora_flag_cpu`` itself. ``prefetch_id``: this layer's ``prefetch_plan`` id (-1: none)."""
     register()
     op = getattr(torch.ops, NAMESPACE).lora_linear_fp8
     return op(x, w_q, w_scale, list(lora_a), list(lora_b), *(getattr(meta, f) for f in META_FIELDS),
-              bias, chain_pdl, _flag_id(no_lora_flag_cpu, no_lora_flag_id))
+              bias, chain_pdl, _flag_id(no_lora_flag_cpu, no_lora_flag_id), prefetch_id)
 
 
 def _flag_id(flag: torch.Tensor | None, flag_id: int) -> int:
@@ -208,12 +215,13 @@ def out_variant_enabled() -> bool:
 def lora_linear_fp8_out(out: torch.Tensor, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                         lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
                         meta: LoRABatchMeta, bias: torch.Tensor | None = None, chain_pdl: bool = False,
-                        no_lora_flag_cpu: torch.Tensor | None = None, no_lora_flag_id: int = -1) -> torch.Tensor:
+                        no_lora_flag_cpu: torch.Tensor | None = None, no_lora_flag_id: int = -1,
+                        prefetch_id: int = -1) -> torch.Tensor:
     """``lora_linear_fp8`` written into ``out`` ([M, N], x's dtype, contiguous); returns ``out``."""
     register()
     getattr(torch.ops, NAMESPACE).lora_linear_fp8_out(
         out, x, w_q, w_scale, list(lora_a), list(lora_b), *(getattr(meta, f) for f in META_FIELDS),
-        bias, chain_pdl, _flag_id(no_lora_flag_cpu, no_lora_flag_id))
+        bias, chain_pdl, _flag_id(no_lora_flag_cpu, no_lora_flag_id), prefetch_id)
     return out
 
 

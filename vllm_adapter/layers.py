@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import custom_op, eligibility, fused, meta_bridge, shadow
+from . import custom_op, eligibility, fused, meta_bridge, prefetch_plan, shadow
 
 logger = logging.getLogger("vllm.epilora")
 
@@ -146,6 +146,7 @@ class EpiLoRALinearMixin:
     _epilora_active: bool = False
     _epilora_state = None  # meta_bridge.MetaState shared through the punica wrapper
     _epilora_flag_id = -1  # custom_op.host_flag_id of vLLM's no-adapter flag (-1: none)
+    _epilora_prefetch_id = -1  # prefetch_plan id: whose successor's weight the op prefetches (-1: none)
 
     @classmethod
     def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None,
@@ -168,6 +169,8 @@ class EpiLoRALinearMixin:
             except Exception as e:  # noqa: BLE001 - the layer then computes with vLLM's kernels
                 v = eligibility.Verdict(False, f"could not prepare the kernels' tables ({type(e).__name__}: {e})")
         self._epilora_active = v.ok
+        if v:  # known to the L2 prefetch plan (by module name) as a predecessor and as a successor
+            self._epilora_prefetch_id = prefetch_plan.register(getattr(self.base_layer, "prefix", ""), self.base_layer)
         if not v:
             logger.info("EpiLoRA: %s computes with vLLM's kernels: %s", layer_name(self.base_layer), v.reason)
 
@@ -187,17 +190,17 @@ class EpiLoRALinearMixin:
         meta, prepared = meta_bridge.meta_and_prepared(self.punica_wrapper, self._epilora_state, self, x2.shape[0])
         # Chained PDL: the op may start under the kernel before it and read the metadata early,
         # so not right after the preparation that writes it.
-        w_q, flag_id = base.weight.t(), self._epilora_flag_id
+        w_q, flag_id, pf_id = base.weight.t(), self._epilora_flag_id, self._epilora_prefetch_id
         if custom_op.out_variant_enabled():
             # The output allocated here, in the compiled graph (custom_op's module docstring).
             y = torch.empty((x2.shape[0], w_q.shape[0]), dtype=x2.dtype, device=x2.device)
             custom_op.lora_linear_fp8_out(y, x2, w_q, base.weight_scale, self.lora_a_stacked,
                                           self.lora_b_stacked, meta, bias, chain_pdl=not prepared,
-                                          no_lora_flag_id=flag_id)
+                                          no_lora_flag_id=flag_id, prefetch_id=pf_id)
         else:
             y = custom_op.lora_linear_fp8(x2, w_q, base.weight_scale, self.lora_a_stacked,
                                           self.lora_b_stacked, meta, bias, chain_pdl=not prepared,
-                                          no_lora_flag_id=flag_id)
+                                          no_lora_flag_id=flag_id, prefetch_id=pf_id)
         # Debug: the stock class on the same input (eager engines only; not traced into a graph).
         if not torch.compiler.is_compiling() and shadow.enabled():
             shadow.compare(layer_name(base), custom_op.host_flag(flag_id), y,

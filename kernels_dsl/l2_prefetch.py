@@ -1,0 +1,142 @@
+"""L2 prefetch of a weight the next projection will stream (a cache hint, no data moved to the SMs).
+
+At decode sizes every projection is a weight stream, while the kernels between two projections
+(attention, the norms, the activation) leave DRAM nearly idle. This kernel, launched right after
+a projection's last kernel, asks L2 for the first bytes of the *next* projection's weight, so
+that stream starts from L2 (H100 / H200: 50 MB) once the kernels in between have run
+(docs/perf.md v0.77; the plugin decides what follows what, ``vllm_adapter/prefetch_plan.py``).
+
+One warp per CTA; lane l of CTA c asks for the byte segment (c * 32 + l) of ``w`` (a flat byte
+view) with one ``cp.async.bulk.prefetch.L2`` (no completion to wait for: a hint). The host picks
+the segment size so that the segments cover the bytes with every SM's TMA unit issuing
+(``plan_segments``).
+
+PDL: the kernel is launched as the PDL dependent of the projection's last kernel. Every CTA
+executes griddepcontrol.launch_dependents first (a chained next projection keeps its one-deep
+overlap), then griddepcontrol.wait, and only then issues its prefetches: they never compete
+with the stream of the kernel before it (its remaining weights would evict them), and the
+prefetch kernel completes after that kernel, so whatever follows on the stream is ordered after
+both. It reads and writes nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from epilora_cute.kernel_abi import ScalarParam, TensorParam
+
+try:  # the DSL is needed to compile, not to launch a cached build
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import dsl_user_op
+except ImportError:  # pragma: no cover - GPU machines without nvidia-cutlass-dsl
+    cutlass = cute = None
+
+FAMILY = "l2_prefetch"
+RUNTIME_CONTRACT = True
+
+LANES = 32  # one warp per CTA, one bulk prefetch per lane
+SEGMENT_ALIGN = 16  # cp.async.bulk: 16-byte aligned address and size
+MIN_SEGMENT = 4096  # below this, fewer CTAs rather than smaller requests
+
+
+@dataclass(frozen=True)
+class Config:
+    threads: int = LANES
+
+    def name(self) -> str:
+        return f"t{self.threads}"
+
+    @property
+    def block(self) -> tuple[int, int, int]:
+        return (self.threads, 1, 1)
+
+    @property
+    def smem_bytes(self) -> int:
+        return 0
+
+
+CONFIG = Config()
+
+# Launch-order parameters: w as a flat byte tensor (its length is the byte count to prefetch, a
+# multiple of 16), the segment each lane asks for (bytes, a multiple of 16).
+PARAMS = (
+    TensorParam("w", torch.uint8, 1, dynamic_shape=(0,), align=SEGMENT_ALIGN),
+    ScalarParam("segment", "i"),
+)
+
+
+def prebuild_configs() -> list[Config]:
+    return [CONFIG]
+
+
+@functools.lru_cache(maxsize=256)  # a pure function of two ints, asked on every launch
+def plan_segments(nbytes: int, sm_count: int) -> tuple[int, int]:
+    """(CTAs, segment bytes) covering ``nbytes`` (a positive multiple of 16): one segment per lane,
+    at most one CTA per SM, segments of at least MIN_SEGMENT bytes (a small prefetch takes fewer
+    CTAs), every segment a multiple of 16 so each lane's address and size are aligned."""
+    if nbytes <= 0 or nbytes % SEGMENT_ALIGN:
+        raise ValueError(f"the byte count must be a positive multiple of {SEGMENT_ALIGN}, got {nbytes}")
+    lanes = max(1, min(nbytes // MIN_SEGMENT, sm_count * LANES))
+    segment = -(-nbytes // lanes)
+    segment = -(-segment // SEGMENT_ALIGN) * SEGMENT_ALIGN
+    if segment >= 2**31:
+        raise ValueError(f"{nbytes} bytes need segments beyond int32 over {lanes} lanes")
+    ctas = -(-nbytes // (segment * LANES))  # the last CTA's last lanes may be idle
+    return ctas, segment
+
+
+if cute is not None:  # the kernel itself exists only where the DSL is importable
+
+    @dsl_user_op
+    def prefetch_bulk_l2(addr_i64, size, *, loc=None, ip=None):
+        """cp.async.bulk.prefetch.L2.global: ask L2 for ``size`` bytes (multiple of 16) at a
+        16-byte aligned global address. No completion mechanism (a hint)."""
+        llvm.inline_asm(
+            None,
+            [cutlass.Int64(addr_i64).ir_value(loc=loc, ip=ip), cutlass.Int32(size).ir_value(loc=loc, ip=ip)],
+            "cp.async.bulk.prefetch.L2.global [$0], $1;",
+            "l,r",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+
+    class _PrefetchKernel:
+        def __init__(self, config: Config):
+            self.cfg = config
+
+        @cute.jit
+        def __call__(self, m_w: cute.Tensor, segment: cutlass.Int32, stream):
+            # (the grid comes from the launcher: plan_segments)
+            self.kernel(m_w, segment).launch(grid=[1, 1, 1], block=[self.cfg.threads, 1, 1], smem=0, stream=stream)
+
+        @cute.kernel
+        def kernel(self, m_w: cute.Tensor, segment: cutlass.Int32):
+            # First let a chained next kernel be scheduled, then wait for the kernel before us:
+            # our requests start when its weight stream has ended.
+            cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.griddepcontrol_wait()
+            tidx, _, _ = cute.arch.thread_idx()
+            cta, _, _ = cute.arch.block_idx()
+            nbytes = cutlass.Int64(m_w.shape[0])
+            seg = cutlass.Int64(segment)
+            start = (cutlass.Int64(cta) * cutlass.Int64(self.cfg.threads) + cutlass.Int64(tidx)) * seg
+            if start < nbytes:
+                rest = nbytes - start
+                size = seg
+                if rest < seg:
+                    size = rest
+                prefetch_bulk_l2(m_w.iterator.toint() + start, cutlass.Int32(size))
+
+
+def compile(config: Config, options: str):
+    """Compile for the target in ``options`` from a fake flat byte tensor (no GPU needed)."""
+    n = cute.sym_int32(divisibility=SEGMENT_ALIGN)
+    w = cute.runtime.make_fake_tensor(cutlass.Uint8, (n,), stride=(1,), assumed_align=SEGMENT_ALIGN)
+    stream = cute.runtime.make_fake_stream()
+    return cute.compile(_PrefetchKernel(config), w, cutlass.Int32(MIN_SEGMENT), stream, options=options)

@@ -1,0 +1,64 @@
+"""The L2 prefetch on the GPU (docs/perf.md v0.77): it runs on every byte range the plan makes and
+changes no result, also between chained projections (PDL: the next projection's kernel is the
+prefetch kernel's dependent) and inside a CUDA graph."""
+
+import pytest
+import torch
+
+from epilora_cute import prefetch
+from kernels_dsl import l2_prefetch
+from tests.test_lora_linear_gpu import CHAIN, QWEN3_8B, _Chain
+
+pytestmark = pytest.mark.gpu
+
+MB = 1 << 20
+
+
+@pytest.mark.parametrize("nbytes", [16, 4096, 4112, MB + 48, 25 * MB, None])
+def test_prefetch_runs_on_every_planned_range_and_touches_nothing(nbytes):
+    w = torch.randint(0, 255, (6144, 4096), dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    before = w.view(torch.uint8).clone()
+    want = min(nbytes or w.numel(), w.numel())
+    assert prefetch.prefetch_l2(w.t(), nbytes) == want  # vLLM's weight view ([K, N] storage)
+    assert prefetch.prefetch_l2(w, nbytes, pdl=False) == want
+    torch.cuda.synchronize()
+    assert torch.equal(w.view(torch.uint8), before)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ctas, _ = l2_prefetch.plan_segments(want, sms)
+    assert ctas <= sms
+
+
+@pytest.mark.parametrize("m", [1, 8, 32])
+def test_chained_projections_with_prefetches_between_them(m):
+    """CHAIN's projections back to back, each followed by a prefetch of the next one's weight and
+    the next one chained onto that prefetch kernel: the bits of the plain unchained run."""
+    c = _Chain(m, rounds=2)
+    c.run(chain=True, prefetch_bytes=8 * MB)  # the cached device tensors are made
+    _, outs = c.run(chain=True, prefetch_bytes=8 * MB)
+    _, plain = c.run(chain=False)
+    for r in range(c.rounds):
+        for i in range(len(CHAIN)):
+            assert not torch.isnan(outs[r][i]).any(), (r, i, CHAIN[i])
+            assert torch.equal(outs[r][i], plain[r][i]), (r, i, CHAIN[i])
+
+
+def test_prefetches_in_a_cuda_graph():
+    c = _Chain(4, rounds=1)
+    c.run(chain=True, prefetch_bytes=32 * MB)
+    outs = c.outputs()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(len(CHAIN)):
+            c.step(i, outs[0], chain=True, prefetch_bytes=32 * MB)
+    for seed in (31, 32):
+        for i, proj in enumerate(QWEN3_8B):
+            x = c.w[proj][0]
+            x.copy_(torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed + i))
+                    .mul_(2).bfloat16())
+        for y in outs[0]:
+            y.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        _, plain = c.run(chain=False)
+        for i in range(len(CHAIN)):
+            assert torch.equal(outs[0][i], plain[0][i]), (seed, i, CHAIN[i])

@@ -1,0 +1,199 @@
+"""Bench section `prefetch`: the next projection's weight prefetched into L2 between projections
+(epilora_cute.prefetch.prefetch_l2, docs/perf.md v0.77), in the engine's order.
+
+The engine runs other kernels between a layer's projections (the attention between qkv and o,
+the residual add + norm before gate_up and before the next layer's qkv, the activation before
+down). Here they are spin kernels (``torch.cuda._sleep``) of EPILORA_BENCH_WINDOWS = "attn,norm,act"
+microseconds (default 8,2,2): they keep the GPU busy for that long without touching DRAM, which
+is what the prefetch needs to gain anything. Two Qwen3-8B layers (distinct weights) per graph, so
+the last projection's prefetch of the next layer's qkv is measured paying off; µs per layer.
+
+Rows (CUDA-graph replays, L2 flushed before each, median), rank 64, one adapter:
+  section "prefetch", what "layer": per token count
+    windows_us                     the spin kernels alone
+    vllm_fp8_us / vllm_lora_us     vLLM's paths between the windows (when vLLM is installed)
+    ours_<path>_us                 our op (chain_pdl as the plugin calls it) between the windows
+    ours_<path>_pf_us              the same, each projection followed by prefetch_l2 of the next
+                                   one's weight (budgets: EPILORA_L2_PREFETCH "A,B" MB, default
+                                   vllm_adapter.prefetch_plan.DEFAULT_BUDGET_MB)
+  section "prefetch", what "projection": one projection after a window, per projection (at the
+  first token count; EPILORA_BENCH_PF_PROJECTIONS=0 leaves these rows out)
+    pf_alone_us                    prefetch_l2 of its whole weight, alone: ~ a launch if the
+                                   requests are fire-and-forget, ~ bytes / bandwidth if not
+    after_window_us                window + the projection (our decode path)
+    pf_after_window_us             prefetch of its weight + window + the projection
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tools.bench_decode import QWEN3_8B, LayerCase, VllmPath  # noqa: E402
+from tools.gpu_timing import time_graph  # noqa: E402
+
+DEFAULT_WINDOWS_US = (8.0, 2.0, 2.0)  # attention, residual add + norm, activation
+LAYERS = 2
+
+
+def windows_us() -> tuple[float, float, float]:
+    value = os.environ.get("EPILORA_BENCH_WINDOWS", "")
+    if not value:
+        return DEFAULT_WINDOWS_US
+    attn, norm, act = (float(v) for v in value.split(","))
+    return attn, norm, act
+
+
+def window_before(attn: float, norm: float, act: float) -> tuple[float, ...]:
+    """The window before each projection of QWEN3_8B (qkv, o, gate_up, down)."""
+    return (norm, attn, norm, act)
+
+
+def budgets_bytes() -> tuple[int, int]:
+    from vllm_adapter import prefetch_plan
+
+    b = prefetch_plan.budgets() or prefetch_plan.DEFAULT_BUDGET_MB
+    return int(b[0] * prefetch_plan.MB), int(b[1] * prefetch_plan.MB)
+
+
+def budget_after(attn_bytes: int, other_bytes: int) -> tuple[int, ...]:
+    """The prefetch budget after each projection: for the next one's weight (qkv -> o across the
+    attention, the rest across a norm or the activation)."""
+    return (attn_bytes, other_bytes, other_bytes, other_bytes)
+
+
+class Spin:
+    """torch.cuda._sleep calibrated to microseconds on this GPU (it counts clock cycles)."""
+
+    def __init__(self):
+        cycles = 200_000
+        us = time_graph(lambda: torch.cuda._sleep(cycles), reps=20, warmup=3)
+        self.cycles_per_us = cycles / us
+
+    def __call__(self, us: float):
+        n = int(us * self.cycles_per_us)
+        return (lambda: torch.cuda._sleep(n)) if n > 0 else (lambda: None)
+
+
+def _our_path(m: int) -> str:
+    from kernels_dsl import k2_gemm
+
+    return "decode_sq" if k2_gemm.self_quant_applies(m, 4096) and k2_gemm.self_quant_applies(m, 12288) else "decode"
+
+
+def _engine_order(layers, before, after=None):
+    """Each layer's projections, each after its window; after[i](), when given, after projection i."""
+    def run():
+        for fns in layers:
+            for i, f in enumerate(fns):
+                before[i]()
+                f()
+                if after is not None:
+                    after[i]()
+    return run
+
+
+def bench_prefetch(quick: bool) -> list[dict]:
+    from epilora_cute import ops
+    from epilora_cute.prefetch import prefetch_l2
+
+    try:
+        import vllm  # noqa: F401
+        have_vllm = True
+    except Exception:
+        have_vllm = False
+        print("prefetch: vLLM is not installed: the vLLM columns are left out")
+    spin = Spin()
+    attn, norm, act = windows_us()
+    before = [spin(us) for us in window_before(attn, norm, act)]
+    budget = budget_after(*budgets_bytes())
+    env_tokens = os.environ.get("EPILORA_BENCH_TOKENS")
+    tokens = [int(t) for t in env_tokens.split(",")] if env_tokens else ([1, 8] if quick else [1, 4, 8, 16, 32])
+    rows = []
+    for m in tokens:
+        layers = [[LayerCase(p, m, 64, seed=s) for p in QWEN3_8B] for s in range(LAYERS)]
+        flat = [c for cases in layers for c in cases]
+        row = {"section": "prefetch", "what": "layer", "M": m, "rank": 64, "windows": [attn, norm, act],
+               "budgets_mb": [b / (1 << 20) for b in budget[:2]],
+               "windows_us": time_graph(_engine_order([[lambda: None] * 4] * LAYERS, before)) / LAYERS}
+
+        def prefetches_for(layer_index):
+            nxt = [flat[(layer_index * 4 + i + 1) % len(flat)] for i in range(4)]
+            return [lambda c=c, b=b: prefetch_l2(c.w_q, b) for c, b in zip(nxt, budget)]
+
+        columns = {}
+        if have_vllm:
+            vp = [[VllmPath(c) for c in cases] for cases in layers]
+            columns["vllm_fp8"] = ([[p.base for p in ps] for ps in vp], None)
+            columns["vllm_lora"] = ([[p.with_lora for p in ps] for ps in vp], None)
+        for name, path in (("ours_" + _our_path(m), _our_path(m)), ("ours_no_adapter", "no_adapter")):
+            fns = [[(lambda c=c, path=path: ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta,
+                                                                 out=c.y, path=path, chain_pdl=True))
+                    for c in cases] for cases in layers]
+            columns[name] = (fns, None)
+            columns[name + "_pf"] = (fns, [prefetches_for(li) for li in range(LAYERS)])
+        for name, (fns, pfs) in columns.items():
+            try:
+                if pfs is None:
+                    run = _engine_order(fns, before)
+                else:
+                    def run(fns=fns, pfs=pfs):
+                        for li, layer in enumerate(fns):
+                            for i, f in enumerate(layer):
+                                before[i]()
+                                f()
+                                pfs[li][i]()
+                row[f"{name}_us"] = time_graph(run) / LAYERS
+            except Exception as e:  # a column that can't run is reported, not fatal to the bench
+                row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
+        for name in [k[:-3] for k in row if k.endswith("_pf_us")]:
+            if f"{name}_us" in row:
+                row[f"{name}_pf_gain_us"] = row[f"{name}_us"] - row[f"{name}_pf_us"]
+        rows.append(row)
+        print("prefetch " + "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                                      for k, v in row.items() if k != "section"), flush=True)
+        if m == tokens[0] and os.environ.get("EPILORA_BENCH_PF_PROJECTIONS", "1") != "0":
+            rows += _per_projection(layers[0], before, spin, attn, _our_path(m))
+    return rows
+
+
+def _per_projection(cases, before, spin, attn, path) -> list[dict]:
+    from epilora_cute import ops
+    from epilora_cute.prefetch import prefetch_l2
+
+    rows = []
+    window = spin(attn)  # the attention's window before every projection here: the largest one
+    for c in cases:
+        def proj(c=c):
+            ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=c.y, path=path)
+
+        def after_window(c=c):
+            window()
+            proj()
+
+        def pf_after_window(c=c):
+            prefetch_l2(c.w_q)
+            window()
+            proj()
+
+        row = {"section": "prefetch", "what": "projection", "proj": c.proj.name, "M": c.m, "path": path,
+               "weight_mb": c.w_q.numel() / (1 << 20), "window_us": attn}
+        for name, fn in (("pf_alone", lambda c=c: prefetch_l2(c.w_q)), ("after_window", after_window),
+                         ("pf_after_window", pf_after_window)):
+            try:
+                row[f"{name}_us"] = time_graph(fn)
+            except Exception as e:
+                row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
+        rows.append(row)
+        print("prefetch " + "  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                                      for k, v in row.items() if k != "section"), flush=True)
+    return rows
+
+
+SECTIONS = {"prefetch": bench_prefetch}
