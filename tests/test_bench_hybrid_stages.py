@@ -178,3 +178,37 @@ def test_sweep_switches(monkeypatch):
     assert _sweeps() == (True, True)
     monkeypatch.setenv(EASWEEP_ENV, "0")
     assert _sweeps() == (True, False)
+
+
+def test_compared_columns_are_timed_next_to_each_other(monkeypatch):
+    """k1 / k1_hb and expand_add / expand_add_hb adjacent, the op's fp32-h paths before its bf16-h
+    ones (session 31: a column timed after the GEMM columns ran slower, whatever its build), and
+    the caller's k1_again last (checked in the bench's own loop, faked here)."""
+    from types import SimpleNamespace
+
+    from tools import bench_hybrid_stages as bh
+
+    monkeypatch.delenv("EPILORA_BENCH_K1SWEEP", raising=False)
+    monkeypatch.delenv("EPILORA_BENCH_EASWEEP", raising=False)
+    hs = object.__new__(bh.HybridStages)
+    hs.c = SimpleNamespace(proj=SimpleNamespace(slices=(64,), k=128, name="o"), rank=16, x=None, lora_a=None,
+                           lora_b=None, meta=None, w_q=None, w_s=None, m=1)
+    hs.codes = hs.scales = hs.h = hs.h_bf16 = hs.y = hs.out = None
+    monkeypatch.setattr(bh, "launch_variants", lambda c, zsweep: {})
+    names = list(hs.launchers())
+    assert names.index("k1_hb") == names.index("k1") + 1
+    assert names.index("expand_add_hb") == names.index("expand_add") + 1
+    assert max(names.index(p) for p in bh.HYBRID_PATHS) < min(names.index(f"{p}_hb") for p in bh.HYBRID_PATHS)
+    timed = []
+    monkeypatch.setattr(bh.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bh.torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(bh, "read_bandwidth_gbs", lambda: 4000.0)
+    monkeypatch.setattr(bh, "LayerCase", lambda p, m, r, num_adapters, max_loras: None)
+    monkeypatch.setattr(bh, "HybridStages", lambda c: SimpleNamespace(launchers=lambda: {n: n for n in names}))
+    monkeypatch.setattr(bh, "_vllm_launchers", lambda c: {"_vllm_error": "no vllm"})
+    monkeypatch.setattr(bh, "time_stages", lambda row, fns, timer: timed.append(list(fns)))
+    monkeypatch.setattr(bh.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setenv("EPILORA_BENCH_TOKENS", "64")
+    monkeypatch.setenv("EPILORA_BENCH_ADAPTERS", "1")
+    bh.bench_hybrid_stages(True)
+    assert timed and all(t[-1] == "k1_again" for t in timed)

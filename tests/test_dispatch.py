@@ -439,10 +439,10 @@ def test_code_fingerprint_hashes_the_effective_settings(monkeypatch):
     assert _fingerprint_with(monkeypatch, EPILORA_HYBRID_H=" BF16 ", EPILORA_K2_PUSH="partials, maxima",
                              EPILORA_K2_SQ_WIDE="on") == base
     monkeypatch.delenv("EPILORA_HYBRID_H")
-    fp32 = _fingerprint_with(monkeypatch)
-    assert _fingerprint_with(monkeypatch, EPILORA_HYBRID_H="fp32") == fp32  # the default, spelled out
+    default = _fingerprint_with(monkeypatch)
+    assert _fingerprint_with(monkeypatch, EPILORA_HYBRID_H=ops.HYBRID_H_DEFAULT) == default  # spelled out
     bad = _fingerprint_with(monkeypatch, EPILORA_K2_PUSH="bogus")
-    assert len(bad) == 16 and bad != fp32
+    assert len(bad) == 16 and bad != default
     assert d.effective_switches()["EPILORA_K2_PUSH"] == "raw:bogus"
 
 

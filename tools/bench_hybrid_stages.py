@@ -13,7 +13,7 @@ replays with the L2 flushed before each (median, tools/gpu_timing):
   gemm_us        the vendor FP8 GEMM alone (ops.vendor_fp8_gemm: vLLM's cutlass_scaled_mm
                  writing y in place, cuBLAS without vLLM) on K1's codes and scales
   expand_add_us  our expand-add alone (kernels_dsl/expand_add.py) on K1's h, adding into y
-  hybrid_us      the whole op, lora_linear_fp8(path="hybrid") (validation + the three launches)
+  hybrid_us      the whole op, lora_linear_fp8(path="hybrid") (validation + the three launches), h fp32
   hybrid_par_us  the same with K1 on a second stream beside the quantization + GEMM (v0.34)
   hybrid_par_q_us  hybrid_par with that branch forked after the quantization (v0.58)
   k1_hb_us, expand_add_hb_us, hybrid_hb_us, hybrid_par_hb_us, hybrid_par_q_hb_us   the same with h
@@ -31,6 +31,8 @@ replays with the L2 flushed before each (median, tools/gpu_timing):
                  tiles per CTA, v0.72; `_hb`: on the bf16 h): CTAs per SM; EPILORA_BENCH_EASWEEP=1:
                  the expand-add's sweep alone (=0: K1's without it);
                  expand_add_again_us, the selected expand-add timed again after every other column
+  k1_again_us    the selected K1 timed again after every other column (always): the position
+                 drift of compute-bound kernels (clocks after the GEMM columns, session 31)
   k1_floor_us / expand_floor_us   least DRAM traffic at the measured read bandwidth: x read +
                  codes written + the active adapters' A / y read and written + their B
   k1_cfg, k1_grid, expand_cfg, expand_grid   the launch geometry the op uses (host-side, no GPU)
@@ -177,16 +179,19 @@ class HybridStages:
                 return ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=self.out, path=path)
             return run if h_env is None else _with_env(ops.HYBRID_H_ENV, h_env, run)
 
+        # Columns compared with each other are timed next to each other: a column timed after the
+        # large GEMMs can run at lower clocks (run30: the same K1 build 44.5 µs first, 47.8 after
+        # the hybrid columns; docs/perf.md session 31), and k1_again repeats K1 at the end.
         fns = {"k1": k1(),
+               # v0.71: h stored / read as bf16 (kernels alone, then the op with EPILORA_HYBRID_H=bf16)
+               "k1_hb": k1(h=self.h_bf16),
                # the prefill path's K1: codes / scales stored in adapter-sorted row order (v0.69)
                "k1_sorted": k1(sorted_codes=True),
                "gemm": lambda: ops.vendor_fp8_gemm(self.codes, self.scales, c.w_q, c.w_s, out=self.y),
                "expand_add": ex(),
-               # the whole op, per path, with h as the op's default dtype
-               **{path: op(path) for path in HYBRID_PATHS},
-               # v0.71: h stored / read as bf16 (kernels alone, then the op with EPILORA_HYBRID_H=bf16)
-               "k1_hb": k1(h=self.h_bf16),
                "expand_add_hb": ex(h=self.h_bf16),
+               # the whole op, per path, with fp32 h, then with bf16 h (the default since v0.78)
+               **{path: op(path, "fp32") for path in HYBRID_PATHS},
                **{f"{path}_hb": op(path, "bf16") for path in HYBRID_PATHS}}
         k1_sweep, ea_sweep = _sweeps()
         if k1_sweep:
@@ -284,6 +289,8 @@ def bench_hybrid_stages(quick: bool) -> list[dict]:
                         # the selected expand-add once more, timed last: v0.37 found the first
                         # expand-add column ~18 % slower than an identical later one at 8192 tokens
                         fns["expand_add_again"] = fns["expand_add"]
+                    # K1 once more, timed last: how far the columns timed in between drifted
+                    fns["k1_again"] = fns["k1"]
                     time_stages(row, fns, timer=time_graph)
                 except Exception as e:  # noqa: BLE001 - a case that can't be built is reported
                     row["error"] = f"{type(e).__name__}: {e}"[:200]
