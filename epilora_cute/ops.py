@@ -717,7 +717,7 @@ def _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl
     if self_quant:
         # The shrink is the down-projection alone; K2 quantizes x itself.
         s_cfg = lora_shrink.select(len(widths), m, rank, quant=False)
-        s_spec = lora_shrink.launch(s_cfg, x=x, lora_a=a, h=h, split=split_s, **common)
+        s_args = dict(x=x, lora_a=a, h=h, split=split_s, **common)
         # (k: the wide builds where EPILORA_K2_SQ_WIDE asks for them and they lower the split)
         k_cfg, _ = k2_gemm.select(widths, m, rank, self_quant=True, k=k)
         xs = dict(x=x)
@@ -726,11 +726,21 @@ def _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl
         x_scale = torch.empty(m, dtype=torch.float32, device=dev)
         sync = _sync_buffer(dev)
         s_cfg = lora_shrink.select(len(widths), m, rank)
-        s_spec = lora_shrink.launch(s_cfg, x=x, lora_a=a, h=h, x_q=x_q, x_scale=x_scale, sync=sync,
-                                    split=split_s, **common)
+        s_args = dict(x=x, lora_a=a, h=h, x_q=x_q, x_scale=x_scale, sync=sync, split=split_s, **common)
         k_cfg, _ = k2_gemm.select(widths, m, rank)
-        xs = dict(x_q=x_q, x_scale=x_scale, sync=sync, n_quant=s_spec["n_quant"])
-    k_spec = k2_gemm.launch(k_cfg, w_q=w_q, w_scale=w_scale, y=out, split=k2_gemm.split_for(k_cfg, n, k, m), h=h,
+        xs = dict(x_q=x_q, x_scale=x_scale, sync=sync)
+    k_split = k2_gemm.split_for(k_cfg, n, k, m)
+    # EPILORA_SHRINK_PREFETCH (v0.79, opt-in): the shrink's prefetch build asks L2 for the head of
+    # every K2 CTA's weight range right after its griddepcontrol.wait, while K2 is being launched.
+    pf_seg = lora_shrink.prefetch_segment(n, k, k_cfg.bk, k_split, lora_shrink.prefetch_budget())
+    pf_cfg = lora_shrink.prefetch_twin(s_cfg) if pf_seg else None
+    if pf_cfg is not None:
+        s_cfg = pf_cfg
+        s_args.update(w_pf=w_q, pf_bk=k_cfg.bk, pf_splits=k_split, pf_seg=pf_seg)
+    s_spec = lora_shrink.launch(s_cfg, **s_args)
+    if not self_quant:
+        xs["n_quant"] = s_spec["n_quant"]
+    k_spec = k2_gemm.launch(k_cfg, w_q=w_q, w_scale=w_scale, y=out, split=k_split, h=h,
                             slice_start=_slice_start(widths, dev), lora_b=b, **xs, **common)
     # Chained, the shrink reads slot_ranks before its griddepcontrol.wait: not right after the
     # fill that made it (nor any other of our tensors, to keep it simple).

@@ -31,8 +31,8 @@ from epilora_cute.kernel_abi import ScalarParam, TensorParam
 try:  # the DSL is needed to compile, not to launch a cached build
     import cutlass
     import cutlass.cute as cute
-    from cutlass._mlir.dialects import llvm
-    from cutlass.cutlass_dsl import dsl_user_op
+
+    from . import _dsl as D
 except ImportError:  # pragma: no cover - GPU machines without nvidia-cutlass-dsl
     cutlass = cute = None
 
@@ -92,20 +92,6 @@ def plan_segments(nbytes: int, sm_count: int) -> tuple[int, int]:
 
 if cute is not None:  # the kernel itself exists only where the DSL is importable
 
-    @dsl_user_op
-    def prefetch_bulk_l2(addr_i64, size, *, loc=None, ip=None):
-        """cp.async.bulk.prefetch.L2.global: ask L2 for ``size`` bytes (multiple of 16) at a
-        16-byte aligned global address. No completion mechanism (a hint)."""
-        llvm.inline_asm(
-            None,
-            [cutlass.Int64(addr_i64).ir_value(loc=loc, ip=ip), cutlass.Int32(size).ir_value(loc=loc, ip=ip)],
-            "cp.async.bulk.prefetch.L2.global [$0], $1;",
-            "l,r",
-            has_side_effects=True,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-
     class _PrefetchKernel:
         def __init__(self, config: Config):
             self.cfg = config
@@ -131,7 +117,7 @@ if cute is not None:  # the kernel itself exists only where the DSL is importabl
                 size = seg
                 if rest < seg:
                     size = rest
-                prefetch_bulk_l2(m_w.iterator.toint() + start, cutlass.Int32(size))
+                D.prefetch_bulk_l2(m_w.iterator.toint() + start, cutlass.Int32(size))
 
 
 def compile(config: Config, options: str):

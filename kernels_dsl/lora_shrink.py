@@ -39,12 +39,14 @@ tail. Rules (a no-op wait when launched without PDL):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
 
-from ._abi import CoordParam, TensorParam, TmaParam, TmaSpec, struct_size
+from ._abi import CoordParam, ScalarParam, TensorParam, TmaParam, TmaSpec, struct_size
 
 try:  # the DSL is needed to compile, not to launch a cached build
     import cuda.bindings.driver as cuda
@@ -90,6 +92,10 @@ class Config:
     stages: int = 4
     quant: bool = True
     trace: bool = False  # timeline stamps (%globaltimer) into an extra int64 [CTAs, 8] argument
+    # Prefetch builds (docs/perf.md v0.79, opt-in: EPILORA_SHRINK_PREFETCH): right after its
+    # griddepcontrol.wait the kernel asks L2 for the first bytes of every K2 CTA's weight range
+    # (extra arguments w_pf, pf_bk, pf_splits, pf_seg), while K2 is still being launched behind it.
+    pf: bool = False
 
     def __post_init__(self):
         if self.bn not in (8, 16, 32):
@@ -98,6 +104,8 @@ class Config:
             raise ValueError("rank must be 8..256, a power of two")
         if not 1 <= self.num_slices <= 4:
             raise ValueError("num_slices must be 1..4")
+        if self.pf and self.trace:
+            raise ValueError("prefetch builds have no trace variant")
 
     @property
     def rows_box(self) -> int:  # A rows a TMA box brings (the WGMMA always reads 64)
@@ -109,7 +117,7 @@ class Config:
 
     def name(self) -> str:
         return (f"bn{self.bn}_r{self.rank}_s{self.num_slices}_bk{self.bk}_st{self.stages}" + ("" if self.quant else "_noq")
-                + ("_trace" if self.trace else ""))
+                + ("_trace" if self.trace else "") + ("_pf" if self.pf else ""))
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -133,7 +141,8 @@ if cute is not None:
         def __call__(self, x: cute.Tensor, h: cute.Tensor, xq16: cute.Tensor, sx: cute.Tensor,
                      sync: cute.Tensor, tok: cute.Tensor, active: cute.Tensor, num_active: cute.Tensor,
                      slot_ranks: cute.Tensor, stream: cuda.CUstream, a0: cute.Tensor, a1: cute.Tensor = None,
-                     a2: cute.Tensor = None, a3: cute.Tensor = None, trace: cute.Tensor = None):
+                     a2: cute.Tensor = None, a3: cute.Tensor = None, trace: cute.Tensor = None,
+                     w_pf: cute.Tensor = None, pf_bk=None, pf_splits=None, pf_seg=None):
             cfg = self.cfg
             a_bufs = tuple(a for a in (a0, a1, a2, a3) if a is not None)
             assert len(a_bufs) == cfg.num_slices
@@ -173,7 +182,7 @@ if cute is not None:
             # S = 1, Y = slices * chunks, Z = 1 + groups (as many as the batch could have).
             ny = cfg.num_slices * cfg.n_chunks
             self.kernel(x, mX, tma_x, tuple(tma_as), tuple(mAs), h, xq16, sx, sync, tok, active, num_active,
-                        slot_ranks, trace, sA_layout, sAt_layout, sX_layout).launch(
+                        slot_ranks, trace, w_pf, pf_bk, pf_splits, pf_seg, sA_layout, sAt_layout, sX_layout).launch(
                 grid=(1, ny, (cute.size(x, mode=[0]) + ny - 1) // ny + cute.size(tok)), block=(THREADS, 1, 1),
                 cluster=(1, 1, 1), stream=stream)
 
@@ -181,6 +190,7 @@ if cute is not None:
         def kernel(self, mXg: cute.Tensor, mX: cute.Tensor, tma_x: cute.CopyAtom, tma_as: tuple, mAs: tuple,
                    mH: cute.Tensor, mXq16: cute.Tensor, mSx: cute.Tensor, mSync: cute.Tensor, mTok: cute.Tensor,
                    mActive: cute.Tensor, mNumActive: cute.Tensor, mSlotRanks: cute.Tensor, mTrace,
+                   mWpf, pf_bk, pf_splits, pf_seg,
                    sA_layout: cute.ComposedLayout, sAt_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout):
             cfg = self.cfg
             BN, BK, STAGES, R = cfg.bn, cfg.bk, cfg.stages, cfg.rank
@@ -222,6 +232,9 @@ if cute is not None:
                     # h (its own griddepcontrol.wait) only before its epilogue.
                     cute.arch.griddepcontrol_wait()
                     cute.arch.griddepcontrol_launch_dependents()
+                    if cutlass.const_expr(cfg.pf):  # the quantization CTAs ask L2 for K2's weight heads
+                        self._prefetch_heads(mWpf, pf_bk, pf_splits, pf_seg, (bz * gd[1] + by) * gd[0] + bx,
+                                             zq * per_plane, tidx)
                     self._stamp(trace_row, 1, tidx)
                     # Rows split over the cluster when the batch has no more tokens than a plane has
                     # clusters (decode at 1..Y tokens): token by, each of the S CTAs takes 1/S of
@@ -286,6 +299,9 @@ if cute is not None:
                     # that wrote x has completed (K2 reads x when it starts).
                     cute.arch.griddepcontrol_wait()
                     cute.arch.griddepcontrol_launch_dependents()
+                    if cutlass.const_expr(cfg.pf):  # every CTA asks L2 for its share of K2's weight heads
+                        self._prefetch_heads(mWpf, pf_bk, pf_splits, pf_seg, (bz * gd[1] + by) * gd[0] + bx,
+                                             per_plane * gd[2], tidx)
                 g = bz - zq
                 # The count and the group's slot are loaded together (one round trip, not two):
                 # the slot load is clamped into the table and discarded past the count.
@@ -417,6 +433,24 @@ if cute is not None:
                     cute.arch.cluster_wait()
 
         @cute.jit
+        def _prefetch_heads(self, mWpf, pf_bk, pf_splits, pf_seg, part, nparts, tidx):
+            """Prefetch builds: ask L2 for the first pf_seg bytes of every (weight row n, K2 split s)
+            range, i.e. the first stages every K2 CTA streams (K2's split s starts at k-block
+            s * nk // splits, as in K2). The (row, split) pairs are dealt round robin over the
+            threads of the nparts participating CTAs (this one is number `part`). A hint: nothing is
+            read or written; pf_seg = 0 asks for nothing."""
+            if pf_seg > 0:
+                rows = cute.size(mWpf, mode=[0])
+                kbytes = cute.size(mWpf, mode=[1])
+                nk = (kbytes + pf_bk - 1) // pf_bk
+                base = mWpf.iterator.toint()
+                for i in cutlass.range(part * THREADS + tidx, rows * pf_splits, nparts * THREADS, unroll=1):
+                    n = i // pf_splits
+                    sp = i - n * pf_splits
+                    off = cutlass.Int64(n) * cutlass.Int64(kbytes) + cutlass.Int64((sp * nk // pf_splits) * pf_bk)
+                    D.prefetch_bulk_l2(base + off, pf_seg)
+
+        @cute.jit
         def _stamp(self, trace_row, slot: cutlass.Constexpr, who):
             """Trace builds only: %globaltimer into `slot` of this CTA's timeline row, by the thread
             whose `who` is 0 (nothing in the kernels that are launched for real)."""
@@ -519,6 +553,10 @@ def _fake_args(cfg: Config):
     args = (x, h, xq16, sx, sync, tok, active, num_active, slot_ranks, D.fake_stream(), *a_bufs)
     if cfg.trace:
         return args + (None,) * (4 - cfg.num_slices) + (D.fake_rowmajor(cutlass.Int64, (D.sym(1), TRACE_SLOTS)),)
+    if cfg.pf:  # K2's weight [N, K] as bytes (row-major, K a multiple of 16), then the plan's scalars
+        w_pf = D.fake_rowmajor(cutlass.Uint8, (D.sym(1), D.sym(16)))
+        return args + (None,) * (4 - cfg.num_slices) + (None, w_pf, cutlass.Int32(128), cutlass.Int32(1),
+                                                        cutlass.Int32(0))
     return args
 
 
@@ -556,11 +594,15 @@ def params(config: Config) -> list:
     ]
     if config.trace:
         p.append(TensorParam("trace", torch.int64, 2, dynamic_shape=(0,), align=16))  # [CTAs, 8] ns
+    if config.pf:
+        p += [TensorParam("w_pf", torch.uint8, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16),  # K2's W as bytes
+              ScalarParam("pf_bk", "i"), ScalarParam("pf_splits", "i"), ScalarParam("pf_seg", "i")]
     return p
 
 
 def launch(config: Config, *, x, lora_a, h, token_lora, active_lora_ids, num_active, slot_ranks, split: int,
-           x_q=None, x_scale=None, sync=None, trace=None) -> dict:
+           x_q=None, x_scale=None, sync=None, trace=None, w_pf=None, pf_bk: int = 128, pf_splits: int = 1,
+           pf_seg: int = 0) -> dict:
     """Arguments (params() order) and geometry; n_quant (for K2) is returned. The spec says
     pdl=False: launch with PDL only when chained behind the previous projection (see the module
     docstring for what that assumes).
@@ -599,8 +641,81 @@ def launch(config: Config, *, x, lora_a, h, token_lora, active_lora_ids, num_act
         if trace is None or trace.shape != (n, TRACE_SLOTS) or trace.dtype != torch.int64:
             raise ValueError(f"a trace build needs trace = int64 [{n}, {TRACE_SLOTS}]")
         args.append(trace)
+    if config.pf:
+        args += _prefetch_args(w_pf, pf_bk, pf_splits, pf_seg)
     return dict(args=tuple(args), grid=grid, block=config.block, cluster=(split, 1, 1),
                 smem=config.smem_bytes(), pdl=False, n_quant=zq * per_plane if config.quant else 0)
+
+
+def _prefetch_args(w_pf, pf_bk: int, pf_splits: int, pf_seg: int) -> list:
+    """A prefetch build's extra arguments (K2's weight [N, K] FP8 as bytes, K2's k-block bytes,
+    K2's split, the bytes asked for per (row, split)), checked so that every request is a 16-byte
+    aligned range inside its row's split."""
+    if w_pf is None or w_pf.dim() != 2 or w_pf.element_size() != 1:
+        raise ValueError("a prefetch build takes w_pf, K2's [N, K] one-byte weight")
+    if w_pf.stride(1) != 1 or w_pf.stride(0) % 16 or w_pf.data_ptr() % 16:
+        raise ValueError("w_pf must be row-major with 16-byte aligned rows")
+    if not 1 <= pf_splits <= MAX_CLUSTER or pf_bk <= 0 or pf_bk % 16:
+        raise ValueError(f"pf_splits must be 1..{MAX_CLUSTER} and pf_bk a positive multiple of 16")
+    if pf_seg % 16 or pf_seg < 0 or pf_seg > shortest_split_bytes(w_pf.shape[1], pf_bk, pf_splits):
+        raise ValueError(f"pf_seg {pf_seg} must be a multiple of 16 within the shortest split")
+    if w_pf.stride(0) != w_pf.shape[1]:
+        raise ValueError("w_pf rows must be contiguous (the kernel steps rows by K bytes)")
+    return [w_pf.view(torch.uint8), pf_bk, pf_splits, pf_seg]
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefetch builds (docs/perf.md v0.79): the shrink asks L2 for K2's weight heads
+# ---------------------------------------------------------------------------------------------
+
+PF_ENV = "EPILORA_SHRINK_PREFETCH"
+PF_DEFAULT_MB = 16.0  # ~the bytes DRAM delivers while K2 is being launched behind the shrink (~2.7 us)
+PF_RANKS = (64,)  # ranks with prefetch builds (the bench's and the e2e's)
+PF_MIN_SEG = 128  # one L2 line: smaller requests are not worth an instruction
+
+
+def prefetch_budget(value: str | None = None) -> int:
+    """Bytes of K2's weights the shrink asks L2 for: `value`, or EPILORA_SHRINK_PREFETCH when None
+    (unset / 0 / off: none; 1 / on: PF_DEFAULT_MB; a number: that many MB)."""
+    v = (os.environ.get(PF_ENV, "") if value is None else value).strip().lower()
+    return _budget(v)
+
+
+@functools.lru_cache(maxsize=None)
+def _budget(v: str) -> int:
+    if v in ("", "0", "off", "false", "no", "none"):
+        return 0
+    if v in ("1", "on", "true", "yes"):
+        return int(PF_DEFAULT_MB * (1 << 20))
+    try:
+        mb = float(v)
+    except ValueError:
+        raise ValueError(f"{PF_ENV}: {v!r} is neither off (0), on (1) nor a number of MB") from None
+    if mb < 0:
+        raise ValueError(f"{PF_ENV}: {v!r} is negative")
+    return int(mb * (1 << 20))
+
+
+def shortest_split_bytes(k: int, bk: int, splits: int) -> int:
+    """Bytes of a weight row in K2's shortest split (splits take nk // splits or one more k-block)."""
+    return (-(-k // bk) // splits) * bk
+
+
+def prefetch_segment(n_rows: int, k: int, bk: int, splits: int, budget: int) -> int:
+    """Bytes per (weight row, K2 split) so that all of them fit `budget`: a multiple of 16, at most
+    the shortest split; 0 (no prefetch) below PF_MIN_SEG."""
+    if budget <= 0 or n_rows <= 0:
+        return 0
+    seg = min(budget // (n_rows * splits), shortest_split_bytes(k, bk, splits))
+    seg -= seg % 16
+    return seg if seg >= PF_MIN_SEG else 0
+
+
+def prefetch_twin(cfg: Config) -> Config | None:
+    """The prefetch build of a decode-path build, or None where none is built."""
+    if cfg.trace or cfg.pf or cfg.rank not in PF_RANKS or cfg.stages != STAGES:
+        return None
+    return dataclasses.replace(cfg, pf=True)
 
 
 def launch_grid(config: Config, m: int, split: int, max_loras: int) -> tuple[int, int, int]:
@@ -666,7 +781,10 @@ def prebuild_configs() -> list[Config]:
     # former 4-stage build.
     cfgs += [Config(bn=bn, rank=64, num_slices=ns, stages=st, quant=q) for ns in (1, 2, 3)
              for bn in TOKEN_TILES for st, q in ((STAGES, False), (4, True))]
-    return list(dict.fromkeys(cfgs + trace_configs()))
+    # The prefetch twins of what select() returns (the down-projection alone only beside the
+    # self-quantizing K2's token tiles).
+    twins = [t for t in (prefetch_twin(c) for c in cfgs if c.quant or c.bn in SELF_QUANT_TILES) if t is not None]
+    return list(dict.fromkeys(cfgs + twins + trace_configs()))
 
 
 def trace_configs() -> list[Config]:

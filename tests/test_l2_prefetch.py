@@ -276,3 +276,160 @@ def test_the_op_prefetches_after_computing_and_its_result_is_unchanged(plan, mon
     step = torch.compile(lambda x: custom_op.lora_linear_fp8(x, w_q, w_s, a, b, meta, prefetch_id=me) + 1,
                          backend="aot_eager", fullgraph=True)
     assert torch.equal(step(x), want + 1) and calls[-1] == (succ.weight, 32 * plan.MB)
+
+
+# ----------------------------------------------------------------------------- the shrink's prefetch (v0.79)
+
+from kernels_dsl import lora_shrink  # noqa: E402
+
+
+@pytest.mark.parametrize("value,mb", [(None, 0), ("", 0), ("0", 0), ("off", 0), ("1", lora_shrink.PF_DEFAULT_MB),
+                                      ("on", lora_shrink.PF_DEFAULT_MB), ("8", 8), ("2.5", 2.5)])
+def test_shrink_prefetch_budget(monkeypatch, value, mb):
+    if value is None:
+        monkeypatch.delenv(lora_shrink.PF_ENV, raising=False)
+    else:
+        monkeypatch.setenv(lora_shrink.PF_ENV, value)
+    assert lora_shrink.prefetch_budget() == int(mb * (1 << 20))
+
+
+@pytest.mark.parametrize("value", ["yes please", "-4"])
+def test_shrink_prefetch_budget_refuses_nonsense(value):
+    with pytest.raises(ValueError, match=lora_shrink.PF_ENV):
+        lora_shrink.prefetch_budget(value)
+
+
+def _k2_ranges(n_rows, k, bk, splits):
+    """(row, split) -> (first byte, end byte) of K2's CTA ranges (k2_gemm: kb_lo = s * nk // S)."""
+    nk = -(-k // bk)
+    return {(r, s): (r * k + (s * nk // splits) * bk, r * k + min(((s + 1) * nk // splits) * bk, k))
+            for r in range(n_rows) for s in range(splits)}
+
+
+def _shrink_requests(n_rows, k, bk, splits, seg, grid_ctas):
+    """The kernel's loop (lora_shrink._prefetch_heads) over every participating thread."""
+    threads = lora_shrink.THREADS
+    nk = -(-k // bk)
+    out = []
+    for part in range(grid_ctas):
+        for t in range(threads):
+            for i in range(part * threads + t, n_rows * splits, grid_ctas * threads):
+                r, s = divmod(i, splits)
+                out.append((r * k + (s * nk // splits) * bk, seg))
+    return out
+
+
+@pytest.mark.parametrize("n_rows,k,splits,ctas", [(96, 4096, 4, 3), (64, 12288, 5, 7), (40, 4096, 1, 1),
+                                                   (24, 29568, 16, 2), (128, 1152, 3, 5)])
+def test_shrink_prefetch_asks_for_the_head_of_every_k2_cta_range(n_rows, k, splits, ctas):
+    """Every (weight row, K2 split) range gets exactly one request, for its first pf_seg bytes,
+    inside the range, 16-byte aligned; prefetch_segment keeps the total within the budget."""
+    bk = 128
+    budget = 3 << 20
+    seg = lora_shrink.prefetch_segment(n_rows, k, bk, splits, budget)
+    assert seg % 16 == 0 and seg <= lora_shrink.shortest_split_bytes(k, bk, splits)
+    assert seg == 0 or seg * n_rows * splits <= budget
+    seg = seg or 128
+    ranges = _k2_ranges(n_rows, k, bk, splits)
+    reqs = _shrink_requests(n_rows, k, bk, splits, seg, ctas)
+    assert sorted(a for a, _ in reqs) == sorted(lo for lo, _ in ranges.values())  # one per range
+    for (lo, hi), (a, size) in zip(sorted(ranges.values()), sorted(reqs)):
+        assert a == lo and a + size <= hi and a % 16 == 0
+
+
+def test_shrink_prefetch_segment_limits():
+    mb = 1 << 20
+    # qkv at one token (K2 split 4): 16 MB over 6144 rows x 4 splits -> 672 B per range
+    assert lora_shrink.prefetch_segment(6144, 4096, 128, 4, 16 * mb) == 672
+    # at most the shortest split; nothing below one L2 line; nothing without a budget
+    assert lora_shrink.prefetch_segment(64, 4096, 128, 4, 1 << 30) == 1024
+    assert lora_shrink.prefetch_segment(24576, 4096, 128, 2, 4 * mb) == 0
+    assert lora_shrink.prefetch_segment(6144, 4096, 128, 4, 0) == 0
+    assert lora_shrink.shortest_split_bytes(12288, 128, 5) == 19 * 128
+
+
+def test_shrink_prefetch_twins_are_prebuilt_for_what_select_returns():
+    built = set(lora_shrink.prebuild_configs())
+    for s in (1, 2, 3):
+        for m in range(1, 33):
+            for quant in (True, False):
+                if not quant and m > 8:
+                    continue
+                cfg = lora_shrink.select(s, m, 64, quant=quant)
+                twin = lora_shrink.prefetch_twin(cfg)
+                assert twin is not None and twin.pf and twin in built, cfg
+        assert lora_shrink.prefetch_twin(lora_shrink.select(s, 4, 16)) is None  # rank 64 only
+    names = [p.name for p in lora_shrink.params(lora_shrink.prefetch_twin(lora_shrink.select(3, 1, 64)))]
+    assert names[-4:] == ["w_pf", "pf_bk", "pf_splits", "pf_seg"]
+    with pytest.raises(ValueError, match="trace"):
+        lora_shrink.Config(bn=8, trace=True, pf=True)
+
+
+def _shrink_launch_args(cfg, **kw):
+    m, k, r = 2, 256, 64
+    x = torch.zeros(m, k, dtype=torch.bfloat16)
+    a = [torch.zeros(4, 1, r, k, dtype=torch.bfloat16)]
+    h = torch.zeros(1, m, r)
+    i32 = lambda *s: torch.zeros(*s, dtype=torch.int32)  # noqa: E731
+    extra = {} if not cfg.quant else dict(x_q=torch.zeros(m, k, dtype=torch.float8_e4m3fn), x_scale=torch.zeros(m),
+                                          sync=i32(2))
+    return lora_shrink.launch(cfg, x=x, lora_a=a, h=h, token_lora=i32(m), active_lora_ids=i32(5), num_active=i32(1),
+                              slot_ranks=i32(4), split=1, **extra, **kw)
+
+
+def test_shrink_prefetch_launch_checks_its_arguments():
+    cfg = lora_shrink.prefetch_twin(lora_shrink.select(1, 2, 64, quant=False))
+    w = torch.zeros(64, 1024, dtype=torch.float8_e4m3fn)
+    spec = _shrink_launch_args(cfg, w_pf=w, pf_bk=128, pf_splits=2, pf_seg=256)
+    assert spec["args"][-4].data_ptr() == w.data_ptr() and spec["args"][-4].dtype == torch.uint8
+    assert spec["args"][-3:] == (128, 2, 256)
+    for bad, match in [(dict(w_pf=None), "takes w_pf"), (dict(w_pf=w.t()), "row-major"),
+                       (dict(w_pf=w, pf_seg=24), "multiple of 16"), (dict(w_pf=w, pf_seg=1024), "shortest split"),
+                       (dict(w_pf=w, pf_splits=0), "pf_splits"), (dict(w_pf=w[:, :512]), "contiguous")]:
+        kw = {**dict(pf_bk=128, pf_splits=2, pf_seg=256), **bad}
+        with pytest.raises(ValueError, match=match):
+            _shrink_launch_args(cfg, **kw)
+    plain = _shrink_launch_args(lora_shrink.select(1, 2, 64, quant=False))
+    assert len(plain["args"]) == len(spec["args"]) - 4
+
+
+@pytest.mark.parametrize("path", ["decode", "decode_sq"])
+def test_decode_path_launches_the_prefetch_build_when_asked(path, monkeypatch):
+    """EPILORA_SHRINK_PREFETCH on: the shrink's prefetch twin, given K2's weight, k-block, split and
+    the segment prefetch_segment picks; off: the plain build. Kernels faked, CPU tensors."""
+    from epilora_cute import ops
+    from kernels_dsl import k2_gemm
+    from tests.test_ops import _linear_case
+
+    launches = []
+
+    class FakeKernel:
+        def __init__(self, mod, cfg):
+            self.mod, self.cfg = mod, cfg
+
+        def __call__(self, *args, grid, smem, pdl, cluster):
+            launches.append((self.mod.FAMILY, self.cfg, args))
+
+    monkeypatch.setattr(ops, "_persistent", ops._Persistent())
+    monkeypatch.setattr(ops, "get_kernel", lambda mod, cfg, arch: FakeKernel(mod, cfg))
+    monkeypatch.setattr(ops, "_decode_reason", lambda *a: None)
+    monkeypatch.setattr(ops, "_sync_buffer", lambda dev: torch.zeros(2, dtype=torch.int32))
+    monkeypatch.setattr(k2_gemm, "self_quant_applies", lambda m, k: True)
+    x, wq, ws, a, b, meta, _ = _linear_case(m=2, k=1024, widths=(256,), rank=64)
+    monkeypatch.delenv(lora_shrink.PF_ENV, raising=False)
+    ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path)
+    (fam, cfg, _), (fam2, k_cfg, k_args) = launches[-2:]
+    assert fam == lora_shrink.FAMILY and not cfg.pf and fam2 == k2_gemm.FAMILY
+    monkeypatch.setenv(lora_shrink.PF_ENV, "1")
+    ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path)
+    (fam, cfg, args), _ = launches[-2:]
+    split = k2_gemm.split_for(k_cfg, 256, 1024, 2)
+    seg = lora_shrink.prefetch_segment(256, 1024, k_cfg.bk, split, lora_shrink.prefetch_budget())
+    assert cfg.pf and cfg == lora_shrink.prefetch_twin(dataclasses_replace(cfg, pf=False))
+    assert args[-4].data_ptr() == wq.data_ptr() and args[-3:] == (k_cfg.bk, split, seg) and seg > 0
+
+
+def dataclasses_replace(cfg, **kw):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **kw)

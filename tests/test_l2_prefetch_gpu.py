@@ -62,3 +62,51 @@ def test_prefetches_in_a_cuda_graph():
         _, plain = c.run(chain=False)
         for i in range(len(CHAIN)):
             assert torch.equal(outs[0][i], plain[0][i]), (seed, i, CHAIN[i])
+
+
+@pytest.mark.parametrize("proj", list(QWEN3_8B))
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 32])
+@pytest.mark.parametrize("budget", ["1", "64"])
+def test_shrink_prefetch_builds_give_the_same_bits(proj, m, budget, monkeypatch):
+    """v0.79: the decode paths with EPILORA_SHRINK_PREFETCH (the shrink's prefetch twin asking L2
+    for K2's weight heads; 64 MB: whole split ranges on the smaller projections) write the plain
+    builds' y bit for bit, into a poisoned output, chained and not."""
+    from epilora_cute import ops
+    from epilora_cute.metadata import build_meta
+    from kernels_dsl import lora_shrink
+    from tests.test_lora_linear_gpu import _case
+
+    widths, k = QWEN3_8B[proj]
+    x, wq, ws, a, b, mapping = _case(widths, k, m, seed=m + 71)
+    meta = build_meta(mapping, 4)
+    path = "decode_sq" if m <= 8 else "decode"
+    monkeypatch.delenv(lora_shrink.PF_ENV, raising=False)
+    want = ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path)
+    monkeypatch.setenv(lora_shrink.PF_ENV, budget)
+    for chain in (False, True):
+        out = torch.full_like(want, float("nan"))
+        y = ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path=path, chain_pdl=chain)
+        torch.cuda.synchronize()
+        assert torch.equal(y.view(torch.int16), want.view(torch.int16)), (proj, m, chain)
+
+
+def test_shrink_prefetch_in_chained_projections_and_a_cuda_graph(monkeypatch):
+    """CHAIN with the shrink's prefetch builds, eagerly and captured: the plain run's bits."""
+    from kernels_dsl import lora_shrink
+
+    c = _Chain(8, rounds=1)
+    monkeypatch.delenv(lora_shrink.PF_ENV, raising=False)
+    c.run(chain=True)
+    _, plain = c.run(chain=False)
+    monkeypatch.setenv(lora_shrink.PF_ENV, "1")
+    _, eager = c.run(chain=True)
+    outs = c.outputs()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(len(CHAIN)):
+            c.step(i, outs[0], chain=True)
+    g.replay()
+    torch.cuda.synchronize()
+    for i in range(len(CHAIN)):
+        assert torch.equal(eager[0][i], plain[0][i]), (i, CHAIN[i])
+        assert torch.equal(outs[0][i], plain[0][i]), (i, CHAIN[i])
