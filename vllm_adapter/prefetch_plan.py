@@ -25,6 +25,7 @@ for the attention window and B MB for the others. ``EPILORA_L2_PREFETCH_MAX_TOKE
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -46,6 +47,7 @@ _GATE_UP = re.compile(r"^(?P<p>.*)\.mlp\.gate_up_proj$")
 _DOWN = re.compile(r"^(?P<p>.*\.layers)\.(?P<i>\d+)\.mlp\.down_proj$")
 
 
+@functools.lru_cache(maxsize=4096)  # asked on every op call: one regex match per module name, once
 def successor(prefix: str) -> tuple[str, str] | None:
     """(the next projection's module name, the window between them: "attention" / "other"), or
     None for a name outside the decoder-layer pattern."""
@@ -63,7 +65,11 @@ def successor(prefix: str) -> tuple[str, str] | None:
 def budgets(value: str | None = None) -> tuple[float, float] | None:
     """The budgets (MB) that ``EPILORA_L2_PREFETCH`` asks for, None when off. A malformed value
     turns it off with one warning (a hint must not take the engine down)."""
-    value = os.environ.get(ENV, "") if value is None else value
+    return _parse_budgets(os.environ.get(ENV, "") if value is None else value)
+
+
+@functools.lru_cache(maxsize=64)  # asked on every op call
+def _parse_budgets(value: str) -> tuple[float, float] | None:
     value = value.strip()
     if value in ("", "0"):
         return None
