@@ -730,13 +730,13 @@ def _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl
         k_cfg, _ = k2_gemm.select(widths, m, rank)
         xs = dict(x_q=x_q, x_scale=x_scale, sync=sync)
     k_split = k2_gemm.split_for(k_cfg, n, k, m)
-    # EPILORA_SHRINK_PREFETCH (v0.79, opt-in): the shrink's prefetch build asks L2 for the head of
-    # every K2 CTA's weight range right after its griddepcontrol.wait, while K2 is being launched.
-    pf_seg = lora_shrink.prefetch_segment(n, k, k_cfg.bk, k_split, lora_shrink.prefetch_budget())
-    pf_cfg = lora_shrink.prefetch_twin(s_cfg) if pf_seg else None
+    # EPILORA_SHRINK_PREFETCH (v0.79, opt-in): the shrink's prefetch build asks L2 for the first
+    # rows of every K2 row tile right after its griddepcontrol.wait, while K2 is being launched.
+    pf_tile, pf_head = lora_shrink.prefetch_rows(n, k, k_cfg.bm, lora_shrink.prefetch_budget())
+    pf_cfg = lora_shrink.prefetch_twin(s_cfg) if pf_head else None
     if pf_cfg is not None:
         s_cfg = pf_cfg
-        s_args.update(w_pf=w_q, pf_bk=k_cfg.bk, pf_splits=k_split, pf_seg=pf_seg)
+        s_args.update(w_pf=w_q, pf_tile=pf_tile, pf_head=pf_head)
     s_spec = lora_shrink.launch(s_cfg, **s_args)
     if not self_quant:
         xs["n_quant"] = s_spec["n_quant"]

@@ -93,8 +93,8 @@ class Config:
     quant: bool = True
     trace: bool = False  # timeline stamps (%globaltimer) into an extra int64 [CTAs, 8] argument
     # Prefetch builds (docs/perf.md v0.79, opt-in: EPILORA_SHRINK_PREFETCH): right after its
-    # griddepcontrol.wait the kernel asks L2 for the first bytes of every K2 CTA's weight range
-    # (extra arguments w_pf, pf_bk, pf_splits, pf_seg), while K2 is still being launched behind it.
+    # griddepcontrol.wait the kernel asks L2 for the first rows of every K2 row tile (extra
+    # arguments w_pf, pf_tile, pf_head, pf_piece), while K2 is still being launched behind it.
     pf: bool = False
 
     def __post_init__(self):
@@ -142,7 +142,7 @@ if cute is not None:
                      sync: cute.Tensor, tok: cute.Tensor, active: cute.Tensor, num_active: cute.Tensor,
                      slot_ranks: cute.Tensor, stream: cuda.CUstream, a0: cute.Tensor, a1: cute.Tensor = None,
                      a2: cute.Tensor = None, a3: cute.Tensor = None, trace: cute.Tensor = None,
-                     w_pf: cute.Tensor = None, pf_bk=None, pf_splits=None, pf_seg=None):
+                     w_pf: cute.Tensor = None, pf_tile=None, pf_head=None, pf_piece=None):
             cfg = self.cfg
             a_bufs = tuple(a for a in (a0, a1, a2, a3) if a is not None)
             assert len(a_bufs) == cfg.num_slices
@@ -182,7 +182,7 @@ if cute is not None:
             # S = 1, Y = slices * chunks, Z = 1 + groups (as many as the batch could have).
             ny = cfg.num_slices * cfg.n_chunks
             self.kernel(x, mX, tma_x, tuple(tma_as), tuple(mAs), h, xq16, sx, sync, tok, active, num_active,
-                        slot_ranks, trace, w_pf, pf_bk, pf_splits, pf_seg, sA_layout, sAt_layout, sX_layout).launch(
+                        slot_ranks, trace, w_pf, pf_tile, pf_head, pf_piece, sA_layout, sAt_layout, sX_layout).launch(
                 grid=(1, ny, (cute.size(x, mode=[0]) + ny - 1) // ny + cute.size(tok)), block=(THREADS, 1, 1),
                 cluster=(1, 1, 1), stream=stream)
 
@@ -190,7 +190,7 @@ if cute is not None:
         def kernel(self, mXg: cute.Tensor, mX: cute.Tensor, tma_x: cute.CopyAtom, tma_as: tuple, mAs: tuple,
                    mH: cute.Tensor, mXq16: cute.Tensor, mSx: cute.Tensor, mSync: cute.Tensor, mTok: cute.Tensor,
                    mActive: cute.Tensor, mNumActive: cute.Tensor, mSlotRanks: cute.Tensor, mTrace,
-                   mWpf, pf_bk, pf_splits, pf_seg,
+                   mWpf, pf_tile, pf_head, pf_piece,
                    sA_layout: cute.ComposedLayout, sAt_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout):
             cfg = self.cfg
             BN, BK, STAGES, R = cfg.bn, cfg.bk, cfg.stages, cfg.rank
@@ -233,7 +233,7 @@ if cute is not None:
                     cute.arch.griddepcontrol_wait()
                     cute.arch.griddepcontrol_launch_dependents()
                     if cutlass.const_expr(cfg.pf):  # the quantization CTAs ask L2 for K2's weight heads
-                        self._prefetch_heads(mWpf, pf_bk, pf_splits, pf_seg, (bz * gd[1] + by) * gd[0] + bx,
+                        self._prefetch_heads(mWpf, pf_tile, pf_head, pf_piece, (bz * gd[1] + by) * gd[0] + bx,
                                              zq * per_plane, tidx)
                     self._stamp(trace_row, 1, tidx)
                     # Rows split over the cluster when the batch has no more tokens than a plane has
@@ -300,7 +300,7 @@ if cute is not None:
                     cute.arch.griddepcontrol_wait()
                     cute.arch.griddepcontrol_launch_dependents()
                     if cutlass.const_expr(cfg.pf):  # every CTA asks L2 for its share of K2's weight heads
-                        self._prefetch_heads(mWpf, pf_bk, pf_splits, pf_seg, (bz * gd[1] + by) * gd[0] + bx,
+                        self._prefetch_heads(mWpf, pf_tile, pf_head, pf_piece, (bz * gd[1] + by) * gd[0] + bx,
                                              per_plane * gd[2], tidx)
                 g = bz - zq
                 # The count and the group's slot are loaded together (one round trip, not two):
@@ -433,22 +433,21 @@ if cute is not None:
                     cute.arch.cluster_wait()
 
         @cute.jit
-        def _prefetch_heads(self, mWpf, pf_bk, pf_splits, pf_seg, part, nparts, tidx):
-            """Prefetch builds: ask L2 for the first pf_seg bytes of every (weight row n, K2 split s)
-            range, i.e. the first stages every K2 CTA streams (K2's split s starts at k-block
-            s * nk // splits, as in K2). The (row, split) pairs are dealt round robin over the
-            threads of the nparts participating CTAs (this one is number `part`). A hint: nothing is
-            read or written; pf_seg = 0 asks for nothing."""
-            if pf_seg > 0:
-                rows = cute.size(mWpf, mode=[0])
-                kbytes = cute.size(mWpf, mode=[1])
-                nk = (kbytes + pf_bk - 1) // pf_bk
+        def _prefetch_heads(self, mWpf, pf_tile, pf_head, pf_piece, part, nparts, tidx):
+            """Prefetch builds: ask L2 for the first pf_head bytes (whole weight rows) of every K2 row
+            tile of pf_tile bytes, in requests of pf_piece bytes dealt round robin over the threads of
+            the nparts participating CTAs (this one is number `part`). Every K2 CTA (a row tile and
+            a K range) then finds the same fraction of its bytes in L2, and its DRAM stream is that
+            much shorter. A hint: nothing is read or written; pf_head = 0 asks for nothing."""
+            if pf_head > 0:
+                n_tiles = cute.size(mWpf) // pf_tile
+                per_tile = (pf_head + pf_piece - 1) // pf_piece
                 base = mWpf.iterator.toint()
-                for i in cutlass.range(part * THREADS + tidx, rows * pf_splits, nparts * THREADS, unroll=1):
-                    n = i // pf_splits
-                    sp = i - n * pf_splits
-                    off = cutlass.Int64(n) * cutlass.Int64(kbytes) + cutlass.Int64((sp * nk // pf_splits) * pf_bk)
-                    D.prefetch_bulk_l2(base + off, pf_seg)
+                for i in cutlass.range(part * THREADS + tidx, n_tiles * per_tile, nparts * THREADS, unroll=1):
+                    t = i // per_tile
+                    lo = (i - t * per_tile) * pf_piece
+                    D.prefetch_bulk_l2(base + cutlass.Int64(t) * cutlass.Int64(pf_tile) + cutlass.Int64(lo),
+                                       cutlass.min(pf_piece, pf_head - lo))
 
         @cute.jit
         def _stamp(self, trace_row, slot: cutlass.Constexpr, who):
@@ -553,10 +552,10 @@ def _fake_args(cfg: Config):
     args = (x, h, xq16, sx, sync, tok, active, num_active, slot_ranks, D.fake_stream(), *a_bufs)
     if cfg.trace:
         return args + (None,) * (4 - cfg.num_slices) + (D.fake_rowmajor(cutlass.Int64, (D.sym(1), TRACE_SLOTS)),)
-    if cfg.pf:  # K2's weight [N, K] as bytes (row-major, K a multiple of 16), then the plan's scalars
-        w_pf = D.fake_rowmajor(cutlass.Uint8, (D.sym(1), D.sym(16)))
-        return args + (None,) * (4 - cfg.num_slices) + (None, w_pf, cutlass.Int32(128), cutlass.Int32(1),
-                                                        cutlass.Int32(0))
+    if cfg.pf:  # K2's weight [N, K] as flat bytes, then the plan's scalars
+        w_pf = D.fake_rowmajor(cutlass.Uint8, (D.sym(16),))
+        return args + (None,) * (4 - cfg.num_slices) + (None, w_pf, cutlass.Int32(1 << 19), cutlass.Int32(0),
+                                                        cutlass.Int32(PF_PIECE))
     return args
 
 
@@ -595,14 +594,14 @@ def params(config: Config) -> list:
     if config.trace:
         p.append(TensorParam("trace", torch.int64, 2, dynamic_shape=(0,), align=16))  # [CTAs, 8] ns
     if config.pf:
-        p += [TensorParam("w_pf", torch.uint8, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16),  # K2's W as bytes
-              ScalarParam("pf_bk", "i"), ScalarParam("pf_splits", "i"), ScalarParam("pf_seg", "i")]
+        p += [TensorParam("w_pf", torch.uint8, 1, dynamic_shape=(0,), align=16),  # K2's W [N, K] as flat bytes
+              ScalarParam("pf_tile", "i"), ScalarParam("pf_head", "i"), ScalarParam("pf_piece", "i")]
     return p
 
 
 def launch(config: Config, *, x, lora_a, h, token_lora, active_lora_ids, num_active, slot_ranks, split: int,
-           x_q=None, x_scale=None, sync=None, trace=None, w_pf=None, pf_bk: int = 128, pf_splits: int = 1,
-           pf_seg: int = 0) -> dict:
+           x_q=None, x_scale=None, sync=None, trace=None, w_pf=None, pf_tile: int = 0, pf_head: int = 0,
+           pf_piece: int = 0) -> dict:
     """Arguments (params() order) and geometry; n_quant (for K2) is returned. The spec says
     pdl=False: launch with PDL only when chained behind the previous projection (see the module
     docstring for what that assumes).
@@ -642,26 +641,24 @@ def launch(config: Config, *, x, lora_a, h, token_lora, active_lora_ids, num_act
             raise ValueError(f"a trace build needs trace = int64 [{n}, {TRACE_SLOTS}]")
         args.append(trace)
     if config.pf:
-        args += _prefetch_args(w_pf, pf_bk, pf_splits, pf_seg)
+        args += _prefetch_args(w_pf, pf_tile, pf_head, pf_piece or PF_PIECE)
     return dict(args=tuple(args), grid=grid, block=config.block, cluster=(split, 1, 1),
                 smem=config.smem_bytes(), pdl=False, n_quant=zq * per_plane if config.quant else 0)
 
 
-def _prefetch_args(w_pf, pf_bk: int, pf_splits: int, pf_seg: int) -> list:
-    """A prefetch build's extra arguments (K2's weight [N, K] FP8 as bytes, K2's k-block bytes,
-    K2's split, the bytes asked for per (row, split)), checked so that every request is a 16-byte
-    aligned range inside its row's split."""
-    if w_pf is None or w_pf.dim() != 2 or w_pf.element_size() != 1:
-        raise ValueError("a prefetch build takes w_pf, K2's [N, K] one-byte weight")
-    if w_pf.stride(1) != 1 or w_pf.stride(0) % 16 or w_pf.data_ptr() % 16:
-        raise ValueError("w_pf must be row-major with 16-byte aligned rows")
-    if not 1 <= pf_splits <= MAX_CLUSTER or pf_bk <= 0 or pf_bk % 16:
-        raise ValueError(f"pf_splits must be 1..{MAX_CLUSTER} and pf_bk a positive multiple of 16")
-    if pf_seg % 16 or pf_seg < 0 or pf_seg > shortest_split_bytes(w_pf.shape[1], pf_bk, pf_splits):
-        raise ValueError(f"pf_seg {pf_seg} must be a multiple of 16 within the shortest split")
-    if w_pf.stride(0) != w_pf.shape[1]:
-        raise ValueError("w_pf rows must be contiguous (the kernel steps rows by K bytes)")
-    return [w_pf.view(torch.uint8), pf_bk, pf_splits, pf_seg]
+def _prefetch_args(w_pf, pf_tile: int, pf_head: int, pf_piece: int) -> list:
+    """A prefetch build's extra arguments (K2's weight [N, K] FP8 as flat bytes, the bytes of one
+    K2 row tile, the bytes asked for from each tile's start, the bytes per request), checked so
+    that every request is a 16-byte aligned range inside its tile."""
+    if w_pf is None or w_pf.dim() != 2 or w_pf.element_size() != 1 or not w_pf.is_contiguous():
+        raise ValueError("a prefetch build takes w_pf, K2's contiguous [N, K] one-byte weight")
+    if w_pf.data_ptr() % 16 or w_pf.shape[1] % 16:
+        raise ValueError("w_pf must be 16-byte aligned with rows of a multiple of 16 bytes")
+    if pf_tile <= 0 or pf_tile % w_pf.shape[1] or w_pf.numel() % pf_tile or w_pf.numel() >= 2**31:
+        raise ValueError(f"pf_tile {pf_tile} must be whole rows that tile the weight ({w_pf.numel()} bytes)")
+    if pf_head < 0 or pf_head > pf_tile or pf_head % 16 or pf_piece <= 0 or pf_piece % 16:
+        raise ValueError(f"pf_head {pf_head} / pf_piece {pf_piece}: multiples of 16 within the tile")
+    return [w_pf.reshape(-1).view(torch.uint8), pf_tile, pf_head, pf_piece]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -671,7 +668,7 @@ def _prefetch_args(w_pf, pf_bk: int, pf_splits: int, pf_seg: int) -> list:
 PF_ENV = "EPILORA_SHRINK_PREFETCH"
 PF_DEFAULT_MB = 16.0  # ~the bytes DRAM delivers while K2 is being launched behind the shrink (~2.7 us)
 PF_RANKS = (64,)  # ranks with prefetch builds (the bench's and the e2e's)
-PF_MIN_SEG = 128  # one L2 line: smaller requests are not worth an instruction
+PF_PIECE = 32 * 1024  # bytes per request: ~1000 requests for 16 MB, a few per shrink thread
 
 
 def prefetch_budget(value: str | None = None) -> int:
@@ -696,19 +693,14 @@ def _budget(v: str) -> int:
     return int(mb * (1 << 20))
 
 
-def shortest_split_bytes(k: int, bk: int, splits: int) -> int:
-    """Bytes of a weight row in K2's shortest split (splits take nk // splits or one more k-block)."""
-    return (-(-k // bk) // splits) * bk
-
-
-def prefetch_segment(n_rows: int, k: int, bk: int, splits: int, budget: int) -> int:
-    """Bytes per (weight row, K2 split) so that all of them fit `budget`: a multiple of 16, at most
-    the shortest split; 0 (no prefetch) below PF_MIN_SEG."""
-    if budget <= 0 or n_rows <= 0:
-        return 0
-    seg = min(budget // (n_rows * splits), shortest_split_bytes(k, bk, splits))
-    seg -= seg % 16
-    return seg if seg >= PF_MIN_SEG else 0
+def prefetch_rows(n_rows: int, k: int, bm: int, budget: int) -> tuple[int, int]:
+    """(bytes of one K2 row tile of bm rows, bytes to ask for from each tile's start): whole rows,
+    the same number in every tile, all of them within `budget`; (tile, 0) when not one row fits."""
+    tile = bm * k
+    if budget <= 0 or n_rows <= 0 or n_rows % bm or k % 16:
+        return tile, 0
+    rows = min(bm, budget // ((n_rows // bm) * k))
+    return tile, rows * k
 
 
 def prefetch_twin(cfg: Config) -> Config | None:

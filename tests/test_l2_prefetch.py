@@ -299,53 +299,57 @@ def test_shrink_prefetch_budget_refuses_nonsense(value):
         lora_shrink.prefetch_budget(value)
 
 
-def _k2_ranges(n_rows, k, bk, splits):
-    """(row, split) -> (first byte, end byte) of K2's CTA ranges (k2_gemm: kb_lo = s * nk // S)."""
-    nk = -(-k // bk)
-    return {(r, s): (r * k + (s * nk // splits) * bk, r * k + min(((s + 1) * nk // splits) * bk, k))
-            for r in range(n_rows) for s in range(splits)}
-
-
-def _shrink_requests(n_rows, k, bk, splits, seg, grid_ctas):
+def _shrink_requests(w_bytes, tile, head, piece, grid_ctas):
     """The kernel's loop (lora_shrink._prefetch_heads) over every participating thread."""
     threads = lora_shrink.THREADS
-    nk = -(-k // bk)
+    n_tiles, per_tile = w_bytes // tile, -(-head // piece)
     out = []
     for part in range(grid_ctas):
         for t in range(threads):
-            for i in range(part * threads + t, n_rows * splits, grid_ctas * threads):
-                r, s = divmod(i, splits)
-                out.append((r * k + (s * nk // splits) * bk, seg))
+            for i in range(part * threads + t, n_tiles * per_tile, grid_ctas * threads):
+                tt, jj = divmod(i, per_tile)
+                out.append((tt * tile + jj * piece, min(piece, head - jj * piece)))
     return out
 
 
-@pytest.mark.parametrize("n_rows,k,splits,ctas", [(96, 4096, 4, 3), (64, 12288, 5, 7), (40, 4096, 1, 1),
-                                                   (24, 29568, 16, 2), (128, 1152, 3, 5)])
-def test_shrink_prefetch_asks_for_the_head_of_every_k2_cta_range(n_rows, k, splits, ctas):
-    """Every (weight row, K2 split) range gets exactly one request, for its first pf_seg bytes,
-    inside the range, 16-byte aligned; prefetch_segment keeps the total within the budget."""
-    bk = 128
-    budget = 3 << 20
-    seg = lora_shrink.prefetch_segment(n_rows, k, bk, splits, budget)
-    assert seg % 16 == 0 and seg <= lora_shrink.shortest_split_bytes(k, bk, splits)
-    assert seg == 0 or seg * n_rows * splits <= budget
-    seg = seg or 128
-    ranges = _k2_ranges(n_rows, k, bk, splits)
-    reqs = _shrink_requests(n_rows, k, bk, splits, seg, ctas)
-    assert sorted(a for a, _ in reqs) == sorted(lo for lo, _ in ranges.values())  # one per range
-    for (lo, hi), (a, size) in zip(sorted(ranges.values()), sorted(reqs)):
-        assert a == lo and a + size <= hi and a % 16 == 0
+@pytest.mark.parametrize("n_rows,k,bm,splits,ctas", [(6144, 4096, 128, 2, 3), (4096, 12288, 128, 4, 7),
+                                                      (24576, 4096, 128, 1, 16), (8192, 29568, 64, 16, 2),
+                                                      (256, 1152, 64, 3, 5)])
+def test_shrink_prefetch_gives_every_k2_cta_the_same_share_of_its_bytes(n_rows, k, bm, splits, ctas):
+    """The requests cover the first whole rows of every K2 row tile exactly once, 16-byte aligned,
+    inside the tile, within the budget; so every K2 CTA (a row tile x one of its K ranges) finds
+    the same fraction of its bytes in L2, whatever its split."""
+    budget = 16 << 20
+    tile, head = lora_shrink.prefetch_rows(n_rows, k, bm, budget)
+    assert tile == bm * k and head % k == 0 and 0 < head <= tile
+    assert head * (n_rows // bm) <= budget and (head == tile or (head + k) * (n_rows // bm) > budget)
+    reqs = sorted(_shrink_requests(n_rows * k, tile, head, lora_shrink.PF_PIECE, ctas))
+    covered = {}
+    for a, size in reqs:
+        assert a % 16 == 0 and size % 16 == 0 and size > 0
+        t, off = divmod(a, tile)
+        assert off + size <= head
+        covered[t] = covered.get(t, 0) + size
+    assert covered == {t: head for t in range(n_rows // bm)}
+    assert all(a + s <= b for (a, s), (b, _) in zip(reqs, reqs[1:]))  # no byte asked for twice
+    rows = head // k
+    nk = -(-k // 128)
+    for t in (0, n_rows // bm - 1):
+        for sp in range(splits):
+            lo, hi = (sp * nk // splits) * 128, min(((sp + 1) * nk // splits) * 128, k)
+            in_l2 = rows * (hi - lo)
+            assert in_l2 == (head / tile) * bm * (hi - lo)  # the same fraction for every split
 
 
-def test_shrink_prefetch_segment_limits():
+def test_shrink_prefetch_rows_limits():
     mb = 1 << 20
-    # qkv at one token (K2 split 4): 16 MB over 6144 rows x 4 splits -> 672 B per range
-    assert lora_shrink.prefetch_segment(6144, 4096, 128, 4, 16 * mb) == 672
-    # at most the shortest split; nothing below one L2 line; nothing without a budget
-    assert lora_shrink.prefetch_segment(64, 4096, 128, 4, 1 << 30) == 1024
-    assert lora_shrink.prefetch_segment(24576, 4096, 128, 2, 4 * mb) == 0
-    assert lora_shrink.prefetch_segment(6144, 4096, 128, 4, 0) == 0
-    assert lora_shrink.shortest_split_bytes(12288, 128, 5) == 19 * 128
+    # qkv: 48 row tiles of 128 rows x 4096 B; 16 MB -> 85 rows of each tile
+    assert lora_shrink.prefetch_rows(6144, 4096, 128, 16 * mb) == (128 * 4096, 85 * 4096)
+    assert lora_shrink.prefetch_rows(4096, 4096, 128, 64 * mb) == (128 * 4096, 128 * 4096)  # o: all of it
+    assert lora_shrink.prefetch_rows(24576, 4096, 128, 16 * mb)[1] == 21 * 4096
+    assert lora_shrink.prefetch_rows(24576, 4096, 128, mb // 2)[1] == 0  # not one row per tile (192 tiles)
+    assert lora_shrink.prefetch_rows(6144, 4096, 128, 0)[1] == 0
+    assert lora_shrink.prefetch_rows(6100, 4096, 128, 16 * mb)[1] == 0  # rows not whole tiles
 
 
 def test_shrink_prefetch_twins_are_prebuilt_for_what_select_returns():
@@ -360,7 +364,7 @@ def test_shrink_prefetch_twins_are_prebuilt_for_what_select_returns():
                 assert twin is not None and twin.pf and twin in built, cfg
         assert lora_shrink.prefetch_twin(lora_shrink.select(s, 4, 16)) is None  # rank 64 only
     names = [p.name for p in lora_shrink.params(lora_shrink.prefetch_twin(lora_shrink.select(3, 1, 64)))]
-    assert names[-4:] == ["w_pf", "pf_bk", "pf_splits", "pf_seg"]
+    assert names[-4:] == ["w_pf", "pf_tile", "pf_head", "pf_piece"]
     with pytest.raises(ValueError, match="trace"):
         lora_shrink.Config(bn=8, trace=True, pf=True)
 
@@ -379,14 +383,16 @@ def _shrink_launch_args(cfg, **kw):
 
 def test_shrink_prefetch_launch_checks_its_arguments():
     cfg = lora_shrink.prefetch_twin(lora_shrink.select(1, 2, 64, quant=False))
-    w = torch.zeros(64, 1024, dtype=torch.float8_e4m3fn)
-    spec = _shrink_launch_args(cfg, w_pf=w, pf_bk=128, pf_splits=2, pf_seg=256)
-    assert spec["args"][-4].data_ptr() == w.data_ptr() and spec["args"][-4].dtype == torch.uint8
-    assert spec["args"][-3:] == (128, 2, 256)
-    for bad, match in [(dict(w_pf=None), "takes w_pf"), (dict(w_pf=w.t()), "row-major"),
-                       (dict(w_pf=w, pf_seg=24), "multiple of 16"), (dict(w_pf=w, pf_seg=1024), "shortest split"),
-                       (dict(w_pf=w, pf_splits=0), "pf_splits"), (dict(w_pf=w[:, :512]), "contiguous")]:
-        kw = {**dict(pf_bk=128, pf_splits=2, pf_seg=256), **bad}
+    w = torch.zeros(256, 1024, dtype=torch.float8_e4m3fn)
+    spec = _shrink_launch_args(cfg, w_pf=w, pf_tile=128 * 1024, pf_head=40 * 1024)
+    flat = spec["args"][-4]
+    assert flat.data_ptr() == w.data_ptr() and flat.dtype == torch.uint8 and flat.shape == (256 * 1024,)
+    assert spec["args"][-3:] == (128 * 1024, 40 * 1024, lora_shrink.PF_PIECE)
+    for bad, match in [(dict(w_pf=None), "takes w_pf"), (dict(w_pf=w.t()), "contiguous"),
+                       (dict(pf_head=24), "multiples of 16"), (dict(pf_head=129 * 1024), "within the tile"),
+                       (dict(pf_tile=1000), "whole rows"), (dict(pf_tile=3 * 1024), "tile the weight"),
+                       (dict(pf_piece=8), "multiples of 16")]:
+        kw = {**dict(w_pf=w, pf_tile=128 * 1024, pf_head=40 * 1024), **bad}
         with pytest.raises(ValueError, match=match):
             _shrink_launch_args(cfg, **kw)
     plain = _shrink_launch_args(lora_shrink.select(1, 2, 64, quant=False))
@@ -395,8 +401,8 @@ def test_shrink_prefetch_launch_checks_its_arguments():
 
 @pytest.mark.parametrize("path", ["decode", "decode_sq"])
 def test_decode_path_launches_the_prefetch_build_when_asked(path, monkeypatch):
-    """EPILORA_SHRINK_PREFETCH on: the shrink's prefetch twin, given K2's weight, k-block, split and
-    the segment prefetch_segment picks; off: the plain build. Kernels faked, CPU tensors."""
+    """EPILORA_SHRINK_PREFETCH on: the shrink's prefetch twin, given K2's weight and the row-tile plan
+    prefetch_rows makes for K2's tile height; off: the plain build. Kernels faked, CPU tensors."""
     from epilora_cute import ops
     from kernels_dsl import k2_gemm
     from tests.test_ops import _linear_case
@@ -423,10 +429,9 @@ def test_decode_path_launches_the_prefetch_build_when_asked(path, monkeypatch):
     monkeypatch.setenv(lora_shrink.PF_ENV, "1")
     ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path)
     (fam, cfg, args), _ = launches[-2:]
-    split = k2_gemm.split_for(k_cfg, 256, 1024, 2)
-    seg = lora_shrink.prefetch_segment(256, 1024, k_cfg.bk, split, lora_shrink.prefetch_budget())
+    tile, head = lora_shrink.prefetch_rows(256, 1024, k_cfg.bm, lora_shrink.prefetch_budget())
     assert cfg.pf and cfg == lora_shrink.prefetch_twin(dataclasses_replace(cfg, pf=False))
-    assert args[-4].data_ptr() == wq.data_ptr() and args[-3:] == (k_cfg.bk, split, seg) and seg > 0
+    assert args[-4].data_ptr() == wq.data_ptr() and args[-3:] == (tile, head, lora_shrink.PF_PIECE) and head > 0
 
 
 def dataclasses_replace(cfg, **kw):
