@@ -69,7 +69,7 @@ def test_prefetches_in_a_cuda_graph():
 @pytest.mark.parametrize("budget", ["1", "64"])
 def test_shrink_prefetch_builds_give_the_same_bits(proj, m, budget, monkeypatch):
     """v0.79: the decode paths with EPILORA_SHRINK_PREFETCH (the shrink's prefetch twin asking L2
-    for K2's weight heads; 64 MB: whole split ranges on the smaller projections) write the plain
+    for the first rows of every K2 row tile; 64 MB: whole tiles of the smaller projections) write the plain
     builds' y bit for bit, into a poisoned output, chained and not."""
     from epilora_cute import ops
     from epilora_cute.metadata import build_meta
