@@ -232,9 +232,6 @@ if cute is not None:
                     # h (its own griddepcontrol.wait) only before its epilogue.
                     cute.arch.griddepcontrol_wait()
                     cute.arch.griddepcontrol_launch_dependents()
-                    if cutlass.const_expr(cfg.pf):  # the quantization CTAs ask L2 for K2's weight heads
-                        self._prefetch_heads(mWpf, pf_tile, pf_head, pf_piece, (bz * gd[1] + by) * gd[0] + bx,
-                                             zq * per_plane, tidx)
                     self._stamp(trace_row, 1, tidx)
                     # Rows split over the cluster when the batch has no more tokens than a plane has
                     # clusters (decode at 1..Y tokens): token by, each of the S CTAs takes 1/S of
@@ -289,6 +286,11 @@ if cute is not None:
                         cute.arch.fence_acq_rel_gpu()
                         D.red_release_gpu_add_s32(mSync.iterator.toint(), 1)
                     self._stamp(trace_row, 2, tidx)
+                    if cutlass.const_expr(cfg.pf):
+                        # Prefetch builds: once x_q is published (K2's main loop waits for it, so
+                        # not before), ask L2 for K2's weight heads while K2 waits for the flag.
+                        self._prefetch_heads(mWpf, pf_tile, pf_head, pf_piece, (bz * gd[1] + by) * gd[0] + bx,
+                                             zq * per_plane, tidx)
             else:
                 # ================================ down-projection ==================================
                 if cutlass.const_expr(not cfg.quant):
