@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import reference
+from . import prefetch, reference
 from .arch import SIMPLE_KERNEL_TARGETS, arch_of
 from .compile_cache import KernelUnavailable
 from .identity_memo import IdentityMemo, tensor_key
@@ -730,13 +730,6 @@ def _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl
         k_cfg, _ = k2_gemm.select(widths, m, rank)
         xs = dict(x_q=x_q, x_scale=x_scale, sync=sync)
     k_split = k2_gemm.split_for(k_cfg, n, k, m)
-    # EPILORA_SHRINK_PREFETCH (v0.79, opt-in): the shrink's prefetch build asks L2 for the first
-    # rows of every K2 row tile right after its griddepcontrol.wait, while K2 is being launched.
-    pf_tile, pf_head = lora_shrink.prefetch_rows(n, k, k_cfg.bm, lora_shrink.prefetch_budget())
-    pf_cfg = lora_shrink.prefetch_twin(s_cfg) if pf_head else None
-    if pf_cfg is not None:
-        s_cfg = pf_cfg
-        s_args.update(w_pf=w_q, pf_tile=pf_tile, pf_head=pf_head)
     s_spec = lora_shrink.launch(s_cfg, **s_args)
     if not self_quant:
         xs["n_quant"] = s_spec["n_quant"]
@@ -745,6 +738,14 @@ def _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl
     # Chained, the shrink reads slot_ranks before its griddepcontrol.wait: not right after the
     # fill that made it (nor any other of our tensors, to keep it simple).
     chain = chain and _persistent.made == made
-    _launch_spec(get_kernel(lora_shrink, s_cfg, "sm_90a"), s_spec, pdl=chain)
+    shrink_pdl = chain
+    budget = prefetch.decode_prefetch_budget()
+    if budget and prefetch.prefetch_k2_heads(w_q, k_split, k_cfg.bk, budget, pdl=chain):
+        # EPILORA_DECODE_PREFETCH (v0.79, opt-in): first a kernel that asks L2 for the first stages
+        # of every K2 CTA once the kernel before it has completed, i.e. while the shrink runs and
+        # K2 is being launched behind it. It writes nothing and starts only where the shrink may
+        # (PDL as the shrink would have been), so the shrink follows it as its PDL dependent.
+        shrink_pdl = pdl
+    _launch_spec(get_kernel(lora_shrink, s_cfg, "sm_90a"), s_spec, pdl=shrink_pdl)
     _launch_spec(get_kernel(k2_gemm, k_cfg, "sm_90a"), k_spec, pdl=pdl)
     return out

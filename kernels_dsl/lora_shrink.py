@@ -39,14 +39,12 @@ tail. Rules (a no-op wait when launched without PDL):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
-from ._abi import CoordParam, ScalarParam, TensorParam, TmaParam, TmaSpec, struct_size
+from ._abi import CoordParam, TensorParam, TmaParam, TmaSpec, struct_size
 
 try:  # the DSL is needed to compile, not to launch a cached build
     import cuda.bindings.driver as cuda
@@ -92,10 +90,6 @@ class Config:
     stages: int = 4
     quant: bool = True
     trace: bool = False  # timeline stamps (%globaltimer) into an extra int64 [CTAs, 8] argument
-    # Prefetch builds (docs/perf.md v0.79, opt-in: EPILORA_SHRINK_PREFETCH): right after its
-    # griddepcontrol.wait the kernel asks L2 for the first rows of every K2 row tile (extra
-    # arguments w_pf, pf_tile, pf_head, pf_piece), while K2 is still being launched behind it.
-    pf: bool = False
 
     def __post_init__(self):
         if self.bn not in (8, 16, 32):
@@ -104,8 +98,6 @@ class Config:
             raise ValueError("rank must be 8..256, a power of two")
         if not 1 <= self.num_slices <= 4:
             raise ValueError("num_slices must be 1..4")
-        if self.pf and self.trace:
-            raise ValueError("prefetch builds have no trace variant")
 
     @property
     def rows_box(self) -> int:  # A rows a TMA box brings (the WGMMA always reads 64)
@@ -117,7 +109,7 @@ class Config:
 
     def name(self) -> str:
         return (f"bn{self.bn}_r{self.rank}_s{self.num_slices}_bk{self.bk}_st{self.stages}" + ("" if self.quant else "_noq")
-                + ("_trace" if self.trace else "") + ("_pf" if self.pf else ""))
+                + ("_trace" if self.trace else ""))
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -141,8 +133,7 @@ if cute is not None:
         def __call__(self, x: cute.Tensor, h: cute.Tensor, xq16: cute.Tensor, sx: cute.Tensor,
                      sync: cute.Tensor, tok: cute.Tensor, active: cute.Tensor, num_active: cute.Tensor,
                      slot_ranks: cute.Tensor, stream: cuda.CUstream, a0: cute.Tensor, a1: cute.Tensor = None,
-                     a2: cute.Tensor = None, a3: cute.Tensor = None, trace: cute.Tensor = None,
-                     w_pf: cute.Tensor = None, pf_tile=None, pf_head=None, pf_piece=None):
+                     a2: cute.Tensor = None, a3: cute.Tensor = None, trace: cute.Tensor = None):
             cfg = self.cfg
             a_bufs = tuple(a for a in (a0, a1, a2, a3) if a is not None)
             assert len(a_bufs) == cfg.num_slices
@@ -182,7 +173,7 @@ if cute is not None:
             # S = 1, Y = slices * chunks, Z = 1 + groups (as many as the batch could have).
             ny = cfg.num_slices * cfg.n_chunks
             self.kernel(x, mX, tma_x, tuple(tma_as), tuple(mAs), h, xq16, sx, sync, tok, active, num_active,
-                        slot_ranks, trace, w_pf, pf_tile, pf_head, pf_piece, sA_layout, sAt_layout, sX_layout).launch(
+                        slot_ranks, trace, sA_layout, sAt_layout, sX_layout).launch(
                 grid=(1, ny, (cute.size(x, mode=[0]) + ny - 1) // ny + cute.size(tok)), block=(THREADS, 1, 1),
                 cluster=(1, 1, 1), stream=stream)
 
@@ -190,7 +181,6 @@ if cute is not None:
         def kernel(self, mXg: cute.Tensor, mX: cute.Tensor, tma_x: cute.CopyAtom, tma_as: tuple, mAs: tuple,
                    mH: cute.Tensor, mXq16: cute.Tensor, mSx: cute.Tensor, mSync: cute.Tensor, mTok: cute.Tensor,
                    mActive: cute.Tensor, mNumActive: cute.Tensor, mSlotRanks: cute.Tensor, mTrace,
-                   mWpf, pf_tile, pf_head, pf_piece,
                    sA_layout: cute.ComposedLayout, sAt_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout):
             cfg = self.cfg
             BN, BK, STAGES, R = cfg.bn, cfg.bk, cfg.stages, cfg.rank
@@ -286,11 +276,6 @@ if cute is not None:
                         cute.arch.fence_acq_rel_gpu()
                         D.red_release_gpu_add_s32(mSync.iterator.toint(), 1)
                     self._stamp(trace_row, 2, tidx)
-                    if cutlass.const_expr(cfg.pf):
-                        # Prefetch builds: once x_q is published (K2's main loop waits for it, so
-                        # not before), ask L2 for K2's weight heads while K2 waits for the flag.
-                        self._prefetch_heads(mWpf, pf_tile, pf_head, pf_piece, (bz * gd[1] + by) * gd[0] + bx,
-                                             zq * per_plane, tidx)
             else:
                 # ================================ down-projection ==================================
                 if cutlass.const_expr(not cfg.quant):
@@ -301,9 +286,6 @@ if cute is not None:
                     # that wrote x has completed (K2 reads x when it starts).
                     cute.arch.griddepcontrol_wait()
                     cute.arch.griddepcontrol_launch_dependents()
-                    if cutlass.const_expr(cfg.pf):  # every CTA asks L2 for its share of K2's weight heads
-                        self._prefetch_heads(mWpf, pf_tile, pf_head, pf_piece, (bz * gd[1] + by) * gd[0] + bx,
-                                             per_plane * gd[2], tidx)
                 g = bz - zq
                 # The count and the group's slot are loaded together (one round trip, not two):
                 # the slot load is clamped into the table and discarded past the count.
@@ -435,23 +417,6 @@ if cute is not None:
                     cute.arch.cluster_wait()
 
         @cute.jit
-        def _prefetch_heads(self, mWpf, pf_tile, pf_head, pf_piece, part, nparts, tidx):
-            """Prefetch builds: ask L2 for the first pf_head bytes (whole weight rows) of every K2 row
-            tile of pf_tile bytes, in requests of pf_piece bytes dealt round robin over the threads of
-            the nparts participating CTAs (this one is number `part`). Every K2 CTA (a row tile and
-            a K range) then finds the same fraction of its bytes in L2, and its DRAM stream is that
-            much shorter. A hint: nothing is read or written; pf_head = 0 asks for nothing."""
-            if pf_head > 0:
-                n_tiles = cute.size(mWpf) // pf_tile
-                per_tile = (pf_head + pf_piece - 1) // pf_piece
-                base = mWpf.iterator.toint()
-                for i in cutlass.range(part * THREADS + tidx, n_tiles * per_tile, nparts * THREADS, unroll=1):
-                    t = i // per_tile
-                    lo = (i - t * per_tile) * pf_piece
-                    D.prefetch_bulk_l2(base + cutlass.Int64(t) * cutlass.Int64(pf_tile) + cutlass.Int64(lo),
-                                       cutlass.min(pf_piece, pf_head - lo))
-
-        @cute.jit
         def _stamp(self, trace_row, slot: cutlass.Constexpr, who):
             """Trace builds only: %globaltimer into `slot` of this CTA's timeline row, by the thread
             whose `who` is 0 (nothing in the kernels that are launched for real)."""
@@ -554,10 +519,6 @@ def _fake_args(cfg: Config):
     args = (x, h, xq16, sx, sync, tok, active, num_active, slot_ranks, D.fake_stream(), *a_bufs)
     if cfg.trace:
         return args + (None,) * (4 - cfg.num_slices) + (D.fake_rowmajor(cutlass.Int64, (D.sym(1), TRACE_SLOTS)),)
-    if cfg.pf:  # K2's weight [N, K] as flat bytes, then the plan's scalars
-        w_pf = D.fake_rowmajor(cutlass.Uint8, (D.sym(16),))
-        return args + (None,) * (4 - cfg.num_slices) + (None, w_pf, cutlass.Int32(1 << 19), cutlass.Int32(0),
-                                                        cutlass.Int32(PF_PIECE))
     return args
 
 
@@ -595,15 +556,11 @@ def params(config: Config) -> list:
     ]
     if config.trace:
         p.append(TensorParam("trace", torch.int64, 2, dynamic_shape=(0,), align=16))  # [CTAs, 8] ns
-    if config.pf:
-        p += [TensorParam("w_pf", torch.uint8, 1, dynamic_shape=(0,), align=16),  # K2's W [N, K] as flat bytes
-              ScalarParam("pf_tile", "i"), ScalarParam("pf_head", "i"), ScalarParam("pf_piece", "i")]
     return p
 
 
 def launch(config: Config, *, x, lora_a, h, token_lora, active_lora_ids, num_active, slot_ranks, split: int,
-           x_q=None, x_scale=None, sync=None, trace=None, w_pf=None, pf_tile: int = 0, pf_head: int = 0,
-           pf_piece: int = 0) -> dict:
+           x_q=None, x_scale=None, sync=None, trace=None) -> dict:
     """Arguments (params() order) and geometry; n_quant (for K2) is returned. The spec says
     pdl=False: launch with PDL only when chained behind the previous projection (see the module
     docstring for what that assumes).
@@ -642,74 +599,8 @@ def launch(config: Config, *, x, lora_a, h, token_lora, active_lora_ids, num_act
         if trace is None or trace.shape != (n, TRACE_SLOTS) or trace.dtype != torch.int64:
             raise ValueError(f"a trace build needs trace = int64 [{n}, {TRACE_SLOTS}]")
         args.append(trace)
-    if config.pf:
-        args += _prefetch_args(w_pf, pf_tile, pf_head, pf_piece or PF_PIECE)
     return dict(args=tuple(args), grid=grid, block=config.block, cluster=(split, 1, 1),
                 smem=config.smem_bytes(), pdl=False, n_quant=zq * per_plane if config.quant else 0)
-
-
-def _prefetch_args(w_pf, pf_tile: int, pf_head: int, pf_piece: int) -> list:
-    """A prefetch build's extra arguments (K2's weight [N, K] FP8 as flat bytes, the bytes of one
-    K2 row tile, the bytes asked for from each tile's start, the bytes per request), checked so
-    that every request is a 16-byte aligned range inside its tile."""
-    if w_pf is None or w_pf.dim() != 2 or w_pf.element_size() != 1 or not w_pf.is_contiguous():
-        raise ValueError("a prefetch build takes w_pf, K2's contiguous [N, K] one-byte weight")
-    if w_pf.data_ptr() % 16 or w_pf.shape[1] % 16:
-        raise ValueError("w_pf must be 16-byte aligned with rows of a multiple of 16 bytes")
-    if pf_tile <= 0 or pf_tile % w_pf.shape[1] or w_pf.numel() % pf_tile or w_pf.numel() >= 2**31:
-        raise ValueError(f"pf_tile {pf_tile} must be whole rows that tile the weight ({w_pf.numel()} bytes)")
-    if pf_head < 0 or pf_head > pf_tile or pf_head % 16 or pf_piece <= 0 or pf_piece % 16:
-        raise ValueError(f"pf_head {pf_head} / pf_piece {pf_piece}: multiples of 16 within the tile")
-    return [w_pf.reshape(-1).view(torch.uint8), pf_tile, pf_head, pf_piece]
-
-
-# ---------------------------------------------------------------------------------------------
-# Prefetch builds (docs/perf.md v0.79): the shrink asks L2 for K2's weight heads
-# ---------------------------------------------------------------------------------------------
-
-PF_ENV = "EPILORA_SHRINK_PREFETCH"
-PF_DEFAULT_MB = 16.0  # ~the bytes DRAM delivers while K2 is being launched behind the shrink (~2.7 us)
-PF_RANKS = (64,)  # ranks with prefetch builds (the bench's and the e2e's)
-PF_PIECE = 32 * 1024  # bytes per request: ~1000 requests for 16 MB, a few per shrink thread
-
-
-def prefetch_budget(value: str | None = None) -> int:
-    """Bytes of K2's weights the shrink asks L2 for: `value`, or EPILORA_SHRINK_PREFETCH when None
-    (unset / 0 / off: none; 1 / on: PF_DEFAULT_MB; a number: that many MB)."""
-    v = (os.environ.get(PF_ENV, "") if value is None else value).strip().lower()
-    return _budget(v)
-
-
-@functools.lru_cache(maxsize=None)
-def _budget(v: str) -> int:
-    if v in ("", "0", "off", "false", "no", "none"):
-        return 0
-    if v in ("1", "on", "true", "yes"):
-        return int(PF_DEFAULT_MB * (1 << 20))
-    try:
-        mb = float(v)
-    except ValueError:
-        raise ValueError(f"{PF_ENV}: {v!r} is neither off (0), on (1) nor a number of MB") from None
-    if mb < 0:
-        raise ValueError(f"{PF_ENV}: {v!r} is negative")
-    return int(mb * (1 << 20))
-
-
-def prefetch_rows(n_rows: int, k: int, bm: int, budget: int) -> tuple[int, int]:
-    """(bytes of one K2 row tile of bm rows, bytes to ask for from each tile's start): whole rows,
-    the same number in every tile, all of them within `budget`; (tile, 0) when not one row fits."""
-    tile = bm * k
-    if budget <= 0 or n_rows <= 0 or n_rows % bm or k % 16:
-        return tile, 0
-    rows = min(bm, budget // ((n_rows // bm) * k))
-    return tile, rows * k
-
-
-def prefetch_twin(cfg: Config) -> Config | None:
-    """The prefetch build of a decode-path build, or None where none is built."""
-    if cfg.trace or cfg.pf or cfg.rank not in PF_RANKS or cfg.stages != STAGES:
-        return None
-    return dataclasses.replace(cfg, pf=True)
 
 
 def launch_grid(config: Config, m: int, split: int, max_loras: int) -> tuple[int, int, int]:
@@ -775,10 +666,7 @@ def prebuild_configs() -> list[Config]:
     # former 4-stage build.
     cfgs += [Config(bn=bn, rank=64, num_slices=ns, stages=st, quant=q) for ns in (1, 2, 3)
              for bn in TOKEN_TILES for st, q in ((STAGES, False), (4, True))]
-    # The prefetch twins of what select() returns (the down-projection alone only beside the
-    # self-quantizing K2's token tiles).
-    twins = [t for t in (prefetch_twin(c) for c in cfgs if c.quant or c.bn in SELF_QUANT_TILES) if t is not None]
-    return list(dict.fromkeys(cfgs + twins + trace_configs()))
+    return list(dict.fromkeys(cfgs + trace_configs()))
 
 
 def trace_configs() -> list[Config]:

@@ -70,8 +70,6 @@ FAST_SHRINK = [
     lora_shrink.Config(bn=8, rank=8, num_slices=1),
     lora_shrink.Config(bn=32, rank=256, num_slices=2),
     lora_shrink.select(2, 4, 128, quant=False),  # beside the self-quantizing K2
-    lora_shrink.prefetch_twin(lora_shrink.select(3, 1, 64, quant=False)),  # v0.79's prefetch builds
-    lora_shrink.prefetch_twin(lora_shrink.select(2, 16, 64)),
 ]
 
 
@@ -267,33 +265,7 @@ def shrink_ptx_problems(cfg: lora_shrink.Config, ptx: str) -> list[str]:
     for ins in ("div.approx", "div.full", ".ftz", "max.NaN", "min.NaN"):
         if ins in ptx:
             bad.append(f"unexpected {ins}")
-    return bad + shrink_pdl_problems(cfg, ptx) + shrink_prefetch_problems(cfg, ptx)
-
-
-def shrink_prefetch_problems(cfg: lora_shrink.Config, ptx: str) -> list[str]:
-    """Prefetch builds (v0.79) ask L2 for K2's weights only after a griddepcontrol.wait and its
-    trigger (before it, the previous K2 still streams and would evict them): in the quantization
-    part after x_q is published (K2's main loop waits for x_q), else first thing, before the
-    down-projection's barrier init; other builds never prefetch."""
-    pf = _lines_index(ptx, r"cp\.async\.bulk\.prefetch\.L2")
-    if not cfg.pf:
-        return [f"{len(pf)} L2 prefetches in a build without them"] if pf else []
-    wait = _lines_index(ptx, r"griddepcontrol\.wait")
-    trig = _lines_index(ptx, r"griddepcontrol\.launch_dependents")
-    if len(pf) != 1:
-        return [f"{len(pf)} L2 prefetch instructions (expected one, in a loop)"]
-    if not wait or not trig or not (wait[0] < trig[0] < pf[0]):
-        return ["the L2 prefetch does not follow the first griddepcontrol.wait and its trigger"]
-    if cfg.quant:
-        flag = _lines_index(ptx, r"red\.release\.gpu\.global\.add\.s32")
-        if len(wait) > 1 and pf[0] > wait[1]:
-            return ["the L2 prefetch is not in the quantization part"]
-        if not flag or pf[0] < max(flag):
-            return ["the L2 prefetch comes before x_q is published (the release increment)"]
-    init = _lines_index(ptx, r"mbarrier\.init")
-    if not cfg.quant and init and pf[0] > min(init):
-        return ["the L2 prefetch comes after the down-projection's barrier init (not first thing)"]
-    return []
+    return bad + shrink_pdl_problems(cfg, ptx)
 
 
 def shrink_pdl_problems(cfg: lora_shrink.Config, ptx: str) -> list[str]:

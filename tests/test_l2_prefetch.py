@@ -44,13 +44,13 @@ def _check_ptx(ptx: str) -> None:
 
 
 @needs_dsl
-def test_kernel_compiles_with_one_prefetch_per_lane_after_the_wait(isolated_cache):
-    art = get_artifact(l2_prefetch, l2_prefetch.CONFIG, "sm_90a")
-    check_params(l2_prefetch.PARAMS, art.param_sizes, art.kernel_name)
+@pytest.mark.parametrize("cfg", l2_prefetch.prebuild_configs(), ids=lambda c: c.name())
+def test_kernel_compiles_with_one_prefetch_per_lane_after_the_wait(cfg, isolated_cache):
+    art = get_artifact(l2_prefetch, cfg, "sm_90a")
+    check_params(l2_prefetch.params(cfg), art.param_sizes, art.kernel_name)
     ptx = (art.path / "kernel.ptx").read_text()
     assert ".target sm_90a" in ptx and art.cubin[:4] == b"\x7fELF"
     _check_ptx(ptx)
-    assert l2_prefetch.prebuild_configs() == [l2_prefetch.CONFIG]
 
 
 @pytest.mark.skipif(not DSL46_PYTHON.exists(), reason="no .venv-dsl46 (nvidia-cutlass-dsl 4.6.0) venv")
@@ -60,8 +60,10 @@ def test_kernel_compiles_with_dsl_4_6(tmp_path):
                         "l2_prefetch"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     metas = list(tmp_path.rglob("meta.json"))
-    assert len(metas) == 1 and json.loads(metas[0].read_text())["dsl_version"] == "4.6.0"
-    _check_ptx((metas[0].parent / "kernel.ptx").read_text())
+    assert len(metas) == len(l2_prefetch.prebuild_configs())
+    for m in metas:
+        assert json.loads(m.read_text())["dsl_version"] == "4.6.0"
+        _check_ptx((m.parent / "kernel.ptx").read_text())
 
 
 def _requests(nbytes: int, ctas: int, segment: int) -> list[tuple[int, int]]:
@@ -278,133 +280,100 @@ def test_the_op_prefetches_after_computing_and_its_result_is_unchanged(plan, mon
     assert torch.equal(step(x), want + 1) and calls[-1] == (succ.weight, 32 * plan.MB)
 
 
-# ----------------------------------------------------------------------------- the shrink's prefetch (v0.79)
-
-from kernels_dsl import lora_shrink  # noqa: E402
+# ----------------------------------------------------------------------------- K2's first stages (v0.79)
 
 
-@pytest.mark.parametrize("value,mb", [(None, 0), ("", 0), ("0", 0), ("off", 0), ("1", lora_shrink.PF_DEFAULT_MB),
-                                      ("on", lora_shrink.PF_DEFAULT_MB), ("8", 8), ("2.5", 2.5)])
-def test_shrink_prefetch_budget(monkeypatch, value, mb):
+@pytest.mark.parametrize("value,mb", [(None, 0), ("", 0), ("0", 0), ("off", 0), ("1", prefetch.DECODE_PREFETCH_DEFAULT_MB),
+                                      ("on", prefetch.DECODE_PREFETCH_DEFAULT_MB), ("8", 8), ("2.5", 2.5)])
+def test_decode_prefetch_budget(monkeypatch, value, mb):
     if value is None:
-        monkeypatch.delenv(lora_shrink.PF_ENV, raising=False)
+        monkeypatch.delenv(prefetch.DECODE_PREFETCH_ENV, raising=False)
     else:
-        monkeypatch.setenv(lora_shrink.PF_ENV, value)
-    assert lora_shrink.prefetch_budget() == int(mb * (1 << 20))
+        monkeypatch.setenv(prefetch.DECODE_PREFETCH_ENV, value)
+    assert prefetch.decode_prefetch_budget() == int(mb * (1 << 20))
 
 
 @pytest.mark.parametrize("value", ["yes please", "-4"])
-def test_shrink_prefetch_budget_refuses_nonsense(value):
-    with pytest.raises(ValueError, match=lora_shrink.PF_ENV):
-        lora_shrink.prefetch_budget(value)
+def test_decode_prefetch_budget_refuses_nonsense(value):
+    with pytest.raises(ValueError, match=prefetch.DECODE_PREFETCH_ENV):
+        prefetch.decode_prefetch_budget(value)
 
 
-def _shrink_requests(w_bytes, tile, head, piece, grid_ctas):
-    """The kernel's loop (lora_shrink._prefetch_heads) over every participating thread."""
-    threads = lora_shrink.THREADS
-    n_tiles, per_tile = w_bytes // tile, -(-head // piece)
+def _k2_ranges(rows, row_bytes, bk, splits):
+    """(row, split) -> [first byte, end byte) of what K2's CTAs stream (k2_gemm: kb_lo = s * nk // S)."""
+    nk = -(-row_bytes // bk)
+    return {(r, s): (r * row_bytes + (s * nk // splits) * bk, r * row_bytes + min(((s + 1) * nk // splits) * bk, row_bytes))
+            for r in range(rows) for s in range(splits)}
+
+
+def _heads_requests(rows, row_bytes, splits, bk, head, ctas):
+    """The heads kernel's loop (l2_prefetch._HeadsKernel) over every lane of the grid."""
+    nk = -(-row_bytes // bk)
     out = []
-    for part in range(grid_ctas):
-        for t in range(threads):
-            for i in range(part * threads + t, n_tiles * per_tile, grid_ctas * threads):
-                tt, jj = divmod(i, per_tile)
-                out.append((tt * tile + jj * piece, min(piece, head - jj * piece)))
+    for lane in range(ctas * l2_prefetch.LANES):
+        for i in range(lane, rows * splits, ctas * l2_prefetch.LANES):
+            r, s = divmod(i, splits)
+            out.append((r * row_bytes + (s * nk // splits) * bk, head))
     return out
 
 
-@pytest.mark.parametrize("n_rows,k,bm,splits,ctas", [(6144, 4096, 128, 2, 3), (4096, 12288, 128, 4, 7),
-                                                      (24576, 4096, 128, 1, 16), (8192, 29568, 64, 16, 2),
-                                                      (256, 1152, 64, 3, 5)])
-def test_shrink_prefetch_gives_every_k2_cta_the_same_share_of_its_bytes(n_rows, k, bm, splits, ctas):
-    """The requests cover the first whole rows of every K2 row tile exactly once, 16-byte aligned,
-    inside the tile, within the budget; so every K2 CTA (a row tile x one of its K ranges) finds
-    the same fraction of its bytes in L2, whatever its split."""
-    budget = 16 << 20
-    tile, head = lora_shrink.prefetch_rows(n_rows, k, bm, budget)
-    assert tile == bm * k and head % k == 0 and 0 < head <= tile
-    assert head * (n_rows // bm) <= budget and (head == tile or (head + k) * (n_rows // bm) > budget)
-    reqs = sorted(_shrink_requests(n_rows * k, tile, head, lora_shrink.PF_PIECE, ctas))
-    covered = {}
-    for a, size in reqs:
-        assert a % 16 == 0 and size % 16 == 0 and size > 0
-        t, off = divmod(a, tile)
-        assert off + size <= head
-        covered[t] = covered.get(t, 0) + size
-    assert covered == {t: head for t in range(n_rows // bm)}
-    assert all(a + s <= b for (a, s), (b, _) in zip(reqs, reqs[1:]))  # no byte asked for twice
-    rows = head // k
-    nk = -(-k // 128)
-    for t in (0, n_rows // bm - 1):
-        for sp in range(splits):
-            lo, hi = (sp * nk // splits) * 128, min(((sp + 1) * nk // splits) * 128, k)
-            in_l2 = rows * (hi - lo)
-            assert in_l2 == (head / tile) * bm * (hi - lo)  # the same fraction for every split
+@pytest.mark.parametrize("rows,row_bytes,splits,sms", [(6144, 4096, 2, 132), (4096, 12288, 5, 132), (24576, 4096, 1, 132),
+                                                        (512, 29568, 16, 78), (128, 1152, 3, 2)])
+def test_heads_ask_for_the_first_stages_of_every_k2_cta(rows, row_bytes, splits, sms):
+    """One request per (row, split) range K2 streams, for its first `head` bytes: inside the range,
+    16-byte aligned, all within the budget; at most one CTA per SM."""
+    bk, budget = 128, 16 << 20
+    ctas, head = l2_prefetch.plan_heads(rows, row_bytes, splits, bk, budget, sms)
+    assert 1 <= ctas <= sms and head % 16 == 0 and l2_prefetch.MIN_HEAD <= head
+    assert head <= l2_prefetch.shortest_split_bytes(row_bytes, bk, splits) and head * rows * splits <= budget
+    ranges = _k2_ranges(rows, row_bytes, bk, splits)
+    reqs = sorted(_heads_requests(rows, row_bytes, splits, bk, head, ctas))
+    assert [a for a, _ in reqs] == sorted(lo for lo, _ in ranges.values())  # each range once
+    for (lo, hi), (a, size) in zip(sorted(ranges.values()), reqs):
+        assert a == lo and a + size <= hi and a % 16 == 0
 
 
-def test_shrink_prefetch_rows_limits():
+def test_heads_plan_limits():
     mb = 1 << 20
-    # qkv: 48 row tiles of 128 rows x 4096 B; 16 MB -> 85 rows of each tile
-    assert lora_shrink.prefetch_rows(6144, 4096, 128, 16 * mb) == (128 * 4096, 85 * 4096)
-    assert lora_shrink.prefetch_rows(4096, 4096, 128, 64 * mb) == (128 * 4096, 128 * 4096)  # o: all of it
-    assert lora_shrink.prefetch_rows(24576, 4096, 128, 16 * mb)[1] == 21 * 4096
-    assert lora_shrink.prefetch_rows(24576, 4096, 128, mb // 2)[1] == 0  # not one row per tile (192 tiles)
-    assert lora_shrink.prefetch_rows(6144, 4096, 128, 0)[1] == 0
-    assert lora_shrink.prefetch_rows(6100, 4096, 128, 16 * mb)[1] == 0  # rows not whole tiles
+    # qkv at one token (K2 split 2): 16 MB over 6144 rows x 2 splits -> 1360 B per range
+    assert l2_prefetch.plan_heads(6144, 4096, 2, 128, 16 * mb, 132) == (132, 1360)
+    assert l2_prefetch.plan_heads(64, 4096, 4, 128, 1 << 30, 132)[1] == 1024  # at most the shortest split
+    assert l2_prefetch.plan_heads(24576, 4096, 2, 128, 4 * mb, 132) == (0, 0)  # < one line per range
+    assert l2_prefetch.plan_heads(6144, 4096, 2, 128, 0, 132) == (0, 0)
+    assert l2_prefetch.plan_heads(40, 4096, 1, 128, 16 * mb, 132)[0] == 2  # one (row, split) per lane
+    assert l2_prefetch.shortest_split_bytes(12288, 128, 5) == 19 * 128
 
 
-def test_shrink_prefetch_twins_are_prebuilt_for_what_select_returns():
-    built = set(lora_shrink.prebuild_configs())
-    for s in (1, 2, 3):
-        for m in range(1, 33):
-            for quant in (True, False):
-                if not quant and m > 8:
-                    continue
-                cfg = lora_shrink.select(s, m, 64, quant=quant)
-                twin = lora_shrink.prefetch_twin(cfg)
-                assert twin is not None and twin.pf and twin in built, cfg
-        assert lora_shrink.prefetch_twin(lora_shrink.select(s, 4, 16)) is None  # rank 64 only
-    names = [p.name for p in lora_shrink.params(lora_shrink.prefetch_twin(lora_shrink.select(3, 1, 64)))]
-    assert names[-4:] == ["w_pf", "pf_tile", "pf_head", "pf_piece"]
-    with pytest.raises(ValueError, match="trace"):
-        lora_shrink.Config(bn=8, trace=True, pf=True)
+def test_heads_kernel_launch(monkeypatch):
+    k = _FakeKernel()
+    monkeypatch.setattr(prefetch, "_target_arch", lambda t: "sm_90a")
+    monkeypatch.setattr(prefetch, "_sm_count", lambda t: 132)
+    got = []
+    monkeypatch.setattr(prefetch, "get_kernel", lambda mod, cfg, arch: got.append(cfg) or k)
+    w = torch.zeros(6144, 4096, dtype=torch.float8_e4m3fn)
+    assert prefetch.prefetch_k2_heads(w, 2, 128, 16 << 20, pdl=False) == 6144 * 2 * 1360
+    (flat, row_bytes, splits, bk, head), grid, smem, pdl = k.calls[0]
+    assert got == [l2_prefetch.HEADS] and flat.data_ptr() == w.data_ptr() and flat.numel() == w.numel()
+    assert (row_bytes, splits, bk, head, grid, smem, pdl) == (4096, 2, 128, 1360, (132, 1, 1), 0, False)
+    assert prefetch.prefetch_k2_heads(w, 2, 128, 1 << 20) == 0 and len(k.calls) == 1  # too little to ask for
+    assert prefetch.prefetch_k2_heads(w.t(), 2, 128, 16 << 20) == 0  # not K2's row-major weight
+    assert prefetch.prefetch_k2_heads(torch.zeros(64, 64), 1, 128, 16 << 20) == 0  # not one-byte
 
 
-def _shrink_launch_args(cfg, **kw):
-    m, k, r = 2, 256, 64
-    x = torch.zeros(m, k, dtype=torch.bfloat16)
-    a = [torch.zeros(4, 1, r, k, dtype=torch.bfloat16)]
-    h = torch.zeros(1, m, r)
-    i32 = lambda *s: torch.zeros(*s, dtype=torch.int32)  # noqa: E731
-    extra = {} if not cfg.quant else dict(x_q=torch.zeros(m, k, dtype=torch.float8_e4m3fn), x_scale=torch.zeros(m),
-                                          sync=i32(2))
-    return lora_shrink.launch(cfg, x=x, lora_a=a, h=h, token_lora=i32(m), active_lora_ids=i32(5), num_active=i32(1),
-                              slot_ranks=i32(4), split=1, **extra, **kw)
-
-
-def test_shrink_prefetch_launch_checks_its_arguments():
-    cfg = lora_shrink.prefetch_twin(lora_shrink.select(1, 2, 64, quant=False))
-    w = torch.zeros(256, 1024, dtype=torch.float8_e4m3fn)
-    spec = _shrink_launch_args(cfg, w_pf=w, pf_tile=128 * 1024, pf_head=40 * 1024)
-    flat = spec["args"][-4]
-    assert flat.data_ptr() == w.data_ptr() and flat.dtype == torch.uint8 and flat.shape == (256 * 1024,)
-    assert spec["args"][-3:] == (128 * 1024, 40 * 1024, lora_shrink.PF_PIECE)
-    for bad, match in [(dict(w_pf=None), "takes w_pf"), (dict(w_pf=w.t()), "contiguous"),
-                       (dict(pf_head=24), "multiples of 16"), (dict(pf_head=129 * 1024), "within the tile"),
-                       (dict(pf_tile=1000), "whole rows"), (dict(pf_tile=3 * 1024), "tile the weight"),
-                       (dict(pf_piece=8), "multiples of 16")]:
-        kw = {**dict(w_pf=w, pf_tile=128 * 1024, pf_head=40 * 1024), **bad}
-        with pytest.raises(ValueError, match=match):
-            _shrink_launch_args(cfg, **kw)
-    plain = _shrink_launch_args(lora_shrink.select(1, 2, 64, quant=False))
-    assert len(plain["args"]) == len(spec["args"]) - 4
+def test_heads_params_match_the_kernel_arguments():
+    assert [p.name for p in l2_prefetch.params(l2_prefetch.HEADS)] == ["w", "row_bytes", "splits", "bk", "head"]
+    assert [p.name for p in l2_prefetch.params(l2_prefetch.CONFIG)] == ["w", "segment"]
+    assert l2_prefetch.prebuild_configs() == [l2_prefetch.CONFIG, l2_prefetch.HEADS]
 
 
 @pytest.mark.parametrize("path", ["decode", "decode_sq"])
-def test_decode_path_launches_the_prefetch_build_when_asked(path, monkeypatch):
-    """EPILORA_SHRINK_PREFETCH on: the shrink's prefetch twin, given K2's weight and the row-tile plan
-    prefetch_rows makes for K2's tile height; off: the plain build. Kernels faked, CPU tensors."""
+@pytest.mark.parametrize("chain", [False, True])
+def test_decode_path_prefetches_k2_first_stages_when_asked(path, chain, monkeypatch):
+    """EPILORA_DECODE_PREFETCH on: the heads kernel first (PDL exactly where the shrink would have
+    had it), then the shrink as its PDL dependent, then K2; off: shrink and K2 as before. Kernels
+    faked, CPU tensors."""
     from epilora_cute import ops
-    from kernels_dsl import k2_gemm
+    from kernels_dsl import k2_gemm, lora_shrink
     from tests.test_ops import _linear_case
 
     launches = []
@@ -413,28 +382,33 @@ def test_decode_path_launches_the_prefetch_build_when_asked(path, monkeypatch):
         def __init__(self, mod, cfg):
             self.mod, self.cfg = mod, cfg
 
-        def __call__(self, *args, grid, smem, pdl, cluster):
-            launches.append((self.mod.FAMILY, self.cfg, args))
+        def __call__(self, *args, grid, smem, pdl, cluster=None):
+            launches.append((self.mod.FAMILY, self.cfg, args, pdl))
 
+    fake = lambda mod, cfg, arch: FakeKernel(mod, cfg)  # noqa: E731
     monkeypatch.setattr(ops, "_persistent", ops._Persistent())
-    monkeypatch.setattr(ops, "get_kernel", lambda mod, cfg, arch: FakeKernel(mod, cfg))
+    monkeypatch.setattr(ops, "get_kernel", fake)
+    monkeypatch.setattr(prefetch, "get_kernel", fake)
+    monkeypatch.setattr(prefetch, "_target_arch", lambda t: "sm_90a")
+    monkeypatch.setattr(prefetch, "_sm_count", lambda t: 132)
     monkeypatch.setattr(ops, "_decode_reason", lambda *a: None)
     monkeypatch.setattr(ops, "_sync_buffer", lambda dev: torch.zeros(2, dtype=torch.int32))
     monkeypatch.setattr(k2_gemm, "self_quant_applies", lambda m, k: True)
     x, wq, ws, a, b, meta, _ = _linear_case(m=2, k=1024, widths=(256,), rank=64)
-    monkeypatch.delenv(lora_shrink.PF_ENV, raising=False)
-    ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path)
-    (fam, cfg, _), (fam2, k_cfg, k_args) = launches[-2:]
-    assert fam == lora_shrink.FAMILY and not cfg.pf and fam2 == k2_gemm.FAMILY
-    monkeypatch.setenv(lora_shrink.PF_ENV, "1")
-    ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path)
-    (fam, cfg, args), _ = launches[-2:]
-    tile, head = lora_shrink.prefetch_rows(256, 1024, k_cfg.bm, lora_shrink.prefetch_budget())
-    assert cfg.pf and cfg == lora_shrink.prefetch_twin(dataclasses_replace(cfg, pf=False))
-    assert args[-4].data_ptr() == wq.data_ptr() and args[-3:] == (tile, head, lora_shrink.PF_PIECE) and head > 0
-
-
-def dataclasses_replace(cfg, **kw):
-    import dataclasses
-
-    return dataclasses.replace(cfg, **kw)
+    monkeypatch.delenv(prefetch.DECODE_PREFETCH_ENV, raising=False)
+    ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path, chain_pdl=chain)  # makes the cached tensors
+    launches.clear()
+    ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path, chain_pdl=chain)
+    assert [(f, p) for f, _, _, p in launches] == [(lora_shrink.FAMILY, chain), (k2_gemm.FAMILY, True)]
+    k_cfg = launches[1][1]
+    monkeypatch.setenv(prefetch.DECODE_PREFETCH_ENV, "1")
+    launches.clear()
+    ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path, chain_pdl=chain)
+    assert [(f, p) for f, _, _, p in launches] == [(l2_prefetch.FAMILY, chain), (lora_shrink.FAMILY, True),
+                                                   (k2_gemm.FAMILY, True)]
+    cfg, args = launches[0][1], launches[0][2]
+    split = k2_gemm.split_for(k_cfg, 256, 1024, 2)
+    assert cfg == l2_prefetch.HEADS and args[0].data_ptr() == wq.data_ptr() and args[1:4] == (1024, split, k_cfg.bk)
+    launches.clear()
+    ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path, chain_pdl=chain, pdl=False)  # everything serialized
+    assert [p for *_, p in launches] == [False, False, False]

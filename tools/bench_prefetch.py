@@ -16,8 +16,9 @@ Rows (CUDA-graph replays, L2 flushed before each, median), rank 64, one adapter:
     ours_<path>_pf_us              the same, each projection followed by prefetch_l2 of the next
                                    one's weight (budgets: EPILORA_L2_PREFETCH "A,B" MB, default
                                    vllm_adapter.prefetch_plan.DEFAULT_BUDGET_MB)
-    ours_<path>_spf_us, _spf_pf_us the decode path with the shrink's prefetch builds (v0.79,
-                                   EPILORA_SHRINK_PREFETCH=1), without and with the above
+    ours_<path>_spf_us, _spf_pf_us the decode path asking L2 for K2's first stages before the
+                                   shrink (v0.79, EPILORA_DECODE_PREFETCH=1), without and with
+                                   the above
   section "prefetch", what "projection": one projection after a window, per projection (at the
   first token count; EPILORA_BENCH_PF_PROJECTIONS=0 leaves these rows out)
     pf_alone_us                    prefetch_l2 of its whole weight, alone: ~ a launch if the
@@ -144,7 +145,7 @@ def bench_prefetch(quick: bool) -> list[dict]:
             vp = [[VllmPath(c) for c in cases] for cases in layers]
             columns["vllm_fp8"] = ([[p.base for p in ps] for ps in vp], None)
             columns["vllm_lora"] = ([[p.with_lora for p in ps] for ps in vp], None)
-        shrink_pf = {"EPILORA_SHRINK_PREFETCH": "1"}
+        shrink_pf = {"EPILORA_DECODE_PREFETCH": "1"}
         for name, path, env in (("ours_" + _our_path(m), _our_path(m), None),
                                 ("ours_" + _our_path(m) + "_spf", _our_path(m), shrink_pf),
                                 ("ours_no_adapter", "no_adapter", None)):

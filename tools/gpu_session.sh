@@ -174,17 +174,17 @@ case $mode in
     ;;
   prefetch)
     # perf.md v0.77 + v0.79 (the next projection's weight prefetched into L2 between projections;
-    # the shrink prefetching K2's weight heads; carry the slim cache, and .devvllm/2 after call A for
-    # vLLM's columns; limits add up to ~9.7 min): the prefetch GPU tests (every planned byte range;
-    # chained projections and a CUDA graph bit for bit the plain run; the shrink's prefetch builds
-    # bit for bit the plain ones), the layer bench with the shrink's prefetch, the `prefetch` bench
-    # section at PF_TOKENS with spin windows of PF_WINDOWS (attention, norm, activation µs) and
-    # budgets PF_BUDGETS (MB: attention window, the others), then its layer rows at one token for
-    # two more budget pairs.
+    # K2's first stages asked of L2 before the decode path's shrink; carry the slim cache, and
+    # .devvllm/2 after call A for vLLM's columns; limits add up to ~9.7 min): the prefetch GPU tests
+    # (every planned byte range; chained projections and a CUDA graph bit for bit the plain run; the
+    # decode paths with EPILORA_DECODE_PREFETCH bit for bit without), the layer bench with the decode
+    # prefetch, the `prefetch` bench section at PF_TOKENS with spin windows of PF_WINDOWS (attention,
+    # norm, activation µs) and budgets PF_BUDGETS (MB: attention window, the others), then its layer
+    # rows at one token for two more budget pairs.
     unpack_vllm
     timeout -s KILL 120 python3 -m pytest -q -m gpu tests/test_l2_prefetch_gpu.py 2>&1 | tail -4 | tee "$OUT/prefetch_tests.log"
-    # v0.79: the shrink's prefetch of K2's weight heads, in the issue-3 layer bench (chained, and in
-    # the engine's order with EPILORA_BENCH_FOREIGN=1)
+    # v0.79: K2's first stages asked of L2 before the shrink, in the issue-3 layer bench (chained,
+    # and in the engine's order with EPILORA_BENCH_FOREIGN=1)
     EPILORA_BENCH_FOREIGN=1 EPILORA_BENCH_TOKENS=1,4,8,16,32 \
       EPILORA_BENCH_OURS=no_adapter_chain,decode_sq_chain,decode_sq_pf_chain,decode_chain,decode_pf_chain \
       timeout -s KILL 120 python3 tools/bench.py --quick --sections layer --out "$OUT/pf_layer" 2>&1 | tail -12
