@@ -166,7 +166,7 @@ def bench_prefetch(quick: bool) -> list[dict]:
                 row[f"{name}_us"] = time_graph(run) / LAYERS
             except Exception as e:  # a column that can't run is reported, not fatal to the bench
                 row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
-        for name in [k[:-3] for k in row if k.endswith("_pf_us")]:
+        for name in [k[:-len("_pf_us")] for k in row if k.endswith("_pf_us")]:
             if f"{name}_us" in row:
                 row[f"{name}_pf_gain_us"] = row[f"{name}_us"] - row[f"{name}_pf_us"]
         rows.append(row)
