@@ -551,3 +551,51 @@ def test_bench_prefetch_section_windows_and_budgets(monkeypatch):
     assert bp.budgets_bytes() == (32 * mb, 8 * mb)
     monkeypatch.setenv(prefetch_plan.ENV, "16,4")
     assert bp.budget_after(*bp.budgets_bytes()) == (16 * mb, 4 * mb, 4 * mb, 4 * mb)
+
+
+def test_bench_prefetch_runs_the_engine_order_with_the_next_weight_prefetched(monkeypatch):
+    """bench_prefetch's graphs, run once each on fakes (no GPU): every projection follows its window,
+    each `_pf` column prefetches the next projection's weight (the next layer's qkv after down) with
+    the window's budget, and the gain columns pair each `_pf` column with its plain one."""
+    from types import SimpleNamespace
+
+    from epilora_cute import prefetch
+    from tools import bench_prefetch as bp
+
+    events = []
+    monkeypatch.setattr(bp, "Spin", lambda: (lambda us: (lambda: events.append(("window", us)))))
+    cases = {}
+
+    def fake_case(p, m, rank, seed=0):
+        c = SimpleNamespace(proj=p, m=m, rank=rank, w_q=torch.zeros(8, 16, dtype=torch.float8_e4m3fn), name=f"{seed}:{p.name}")
+        cases[c.name] = c
+        return c
+    monkeypatch.setattr(bp, "LayerCase", fake_case)
+    monkeypatch.setattr(bp, "_op", lambda c, path, env=None: (lambda: events.append(("op", c.name, path, bool(env)))))
+    monkeypatch.setattr(prefetch, "prefetch_l2", lambda t, nbytes=None: events.append(("pf", t, nbytes)))
+    times = iter(range(1, 1000))
+    monkeypatch.setattr(bp, "time_graph", lambda fn: (events.clear(), fn(), float(next(times)))[2])
+    monkeypatch.setenv("EPILORA_BENCH_TOKENS", "1")
+    monkeypatch.setenv("EPILORA_BENCH_WINDOWS", "8,2,2")
+    monkeypatch.setenv("EPILORA_BENCH_PF_PROJECTIONS", "0")
+    monkeypatch.delenv("EPILORA_L2_PREFETCH", raising=False)
+    import builtins
+    real_import = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(ImportError("no vllm"))
+                        if name == "vllm" else real_import(name, *a, **k))
+    rows = bp.bench_prefetch(quick=True)
+    (row,) = rows
+    assert {"ours_decode_sq_us", "ours_decode_sq_pf_us", "ours_decode_sq_spf_us", "ours_decode_sq_spf_pf_us",
+            "ours_no_adapter_us", "ours_no_adapter_pf_us"} <= set(row)
+    assert row["ours_decode_sq_pf_gain_us"] == row["ours_decode_sq_us"] - row["ours_decode_sq_pf_us"]
+    assert "ours_decode_sq_pf_pf_gain_us" not in row
+    # the last timed graph is ours_no_adapter_pf: window, op, prefetch of the next weight, per projection
+    names = [e for e in events if e[0] == "op"]
+    assert [n[1] for n in names] == [f"{s}:{p}" for s in (0, 1) for p in ("qkv", "o", "gate_up", "down")]
+    pfs = [e for e in events if e[0] == "pf"]
+    order = [f"{s}:{p}" for s in (0, 1) for p in ("qkv", "o", "gate_up", "down")]
+    assert [e[1] is cases[order[(i + 1) % 8]].w_q for i, e in enumerate(pfs)] == [True] * 8
+    mb = 1 << 20
+    assert [e[2] for e in pfs] == [32 * mb, 8 * mb, 8 * mb, 8 * mb] * 2
+    windows = [e[1] for e in events if e[0] == "window"]
+    assert windows == [2.0, 8.0, 2.0, 2.0] * 2
