@@ -59,6 +59,19 @@ def _sm_count(t: torch.Tensor) -> int:
     return _sm_count_of(t.device.index)
 
 
+def _kernel(config, arch: str, what: str):
+    """The launchable build, or None (warned once) where there is no cached build and no DSL."""
+    from kernels_dsl import l2_prefetch
+
+    try:
+        return get_kernel(l2_prefetch, config, arch)
+    except KernelUnavailable as e:  # the hint is skipped, results unchanged
+        if "unavailable" not in _warned:
+            _warned.add("unavailable")
+            log.warning("%s skipped: %s", what, e)
+        return None
+
+
 def prefetch_l2(t: torch.Tensor, nbytes: int | None = None, *, pdl: bool = True) -> int:
     """Prefetch the first ``nbytes`` of ``t`` (default: all of it) into L2; returns the bytes asked
     for, 0 when skipped (see the module docstring: skipping is always correct). ``pdl``: launch as
@@ -72,12 +85,8 @@ def prefetch_l2(t: torch.Tensor, nbytes: int | None = None, *, pdl: bool = True)
         return 0
     from kernels_dsl import l2_prefetch
 
-    try:
-        kernel = get_kernel(l2_prefetch, l2_prefetch.CONFIG, arch)
-    except KernelUnavailable as e:  # no cached build and no DSL: the hint is skipped, results unchanged
-        if "unavailable" not in _warned:
-            _warned.add("unavailable")
-            log.warning("prefetch_l2 skipped: %s", e)
+    kernel = _kernel(l2_prefetch.CONFIG, arch, "prefetch_l2")
+    if kernel is None:
         return 0
     ctas, segment = l2_prefetch.plan_segments(flat.numel(), _sm_count(t))
     kernel(flat, segment, grid=(ctas, 1, 1), smem=0, pdl=pdl)
@@ -131,12 +140,8 @@ def prefetch_k2_heads(w_q: torch.Tensor, splits: int, bk: int, budget: int, *, p
     ctas, head = l2_prefetch.plan_heads(rows, row_bytes, splits, bk, budget, _sm_count(w_q))
     if not head:
         return 0
-    try:
-        kernel = get_kernel(l2_prefetch, l2_prefetch.HEADS, arch)
-    except KernelUnavailable as e:
-        if "unavailable" not in _warned:
-            _warned.add("unavailable")
-            log.warning("prefetch_k2_heads skipped: %s", e)
+    kernel = _kernel(l2_prefetch.HEADS, arch, "prefetch_k2_heads")
+    if kernel is None:
         return 0
     kernel(w_q.reshape(-1).view(torch.uint8), row_bytes, splits, bk, head, grid=(ctas, 1, 1), smem=0, pdl=pdl)
     return rows * splits * head
