@@ -145,6 +145,20 @@ class _Chain:
             prefetch_l2(self.w[CHAIN[(i + 1) % len(CHAIN)][0]][1], prefetch_bytes)
         return x, mapping, y
 
+    def assert_replay_equals_plain(self, graph, outs, seed: int):
+        """New inputs (seeded), outputs poisoned, the captured sequence replayed: its outputs are the
+        bits of the eager unchained run on the same inputs."""
+        for i, proj in enumerate(QWEN3_8B):
+            widths, k = QWEN3_8B[proj]
+            self.w[proj][0].copy_(_case(widths, k, self.m, seed=seed + i)[0])
+        for y in outs[0]:
+            y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _, plain = self.run(chain=False)
+        for i in range(len(CHAIN)):
+            assert torch.equal(outs[0][i], plain[0][i]), (seed, i, CHAIN[i])
+
     def run(self, chain: bool, prefetch_bytes: int = 0):
         """Every round's steps back to back: no other kernel in between (outputs poisoned first)."""
         outs = self.outputs()
@@ -188,16 +202,7 @@ def test_chained_projections_in_a_cuda_graph():
         for i in range(len(CHAIN)):
             c.step(i, outs[0], chain=True)
     for seed in (21, 22):
-        for i, proj in enumerate(QWEN3_8B):
-            widths, k = QWEN3_8B[proj]
-            c.w[proj][0].copy_(_case(widths, k, 8, seed=seed + i)[0])
-        for y in outs[0]:
-            y.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        _, plain = c.run(chain=False)
-        for i in range(len(CHAIN)):
-            assert torch.equal(outs[0][i], plain[0][i]), (seed, i, CHAIN[i])
+        c.assert_replay_equals_plain(g, outs, seed)
 
 
 @pytest.mark.parametrize("m", [33, 100, 511])

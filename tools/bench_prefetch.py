@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tools.bench_decode import QWEN3_8B, LayerCase, VllmPath  # noqa: E402
+from tools.bench_hybrid_stages import time_stages  # noqa: E402
 from tools.gpu_timing import time_graph  # noqa: E402
 
 DEFAULT_WINDOWS_US = (8.0, 2.0, 2.0)  # attention, residual add + norm, activation
@@ -102,14 +103,15 @@ def _op(c, path, env=None):
 
 
 def _engine_order(layers, before, after=None):
-    """Each layer's projections, each after its window; after[i](), when given, after projection i."""
+    """Each layer's projections, each after its window; after[l][i](), when given, right after
+    projection i of layer l."""
     def run():
-        for fns in layers:
+        for li, fns in enumerate(layers):
             for i, f in enumerate(fns):
                 before[i]()
                 f()
                 if after is not None:
-                    after[i]()
+                    after[li][i]()
     return run
 
 
@@ -154,24 +156,14 @@ def bench_prefetch(quick: bool) -> list[dict]:
             columns[name + "_pf"] = (fns, [prefetches_for(li) for li in range(LAYERS)])
         for name, (fns, pfs) in columns.items():
             try:
-                if pfs is None:
-                    run = _engine_order(fns, before)
-                else:
-                    def run(fns=fns, pfs=pfs):
-                        for li, layer in enumerate(fns):
-                            for i, f in enumerate(layer):
-                                before[i]()
-                                f()
-                                pfs[li][i]()
-                row[f"{name}_us"] = time_graph(run) / LAYERS
+                row[f"{name}_us"] = time_graph(_engine_order(fns, before, pfs)) / LAYERS
             except Exception as e:  # a column that can't run is reported, not fatal to the bench
                 row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
         for name in [k[:-len("_pf_us")] for k in row if k.endswith("_pf_us")]:
             if f"{name}_us" in row:
                 row[f"{name}_pf_gain_us"] = row[f"{name}_us"] - row[f"{name}_pf_us"]
         rows.append(row)
-        print("prefetch " + "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
-                                      for k, v in row.items() if k != "section"), flush=True)
+        _print_row(row, 1)
         if m == tokens[0] and os.environ.get("EPILORA_BENCH_PF_PROJECTIONS", "1") != "0":
             rows += _per_projection(layers[0], before, spin, attn, _our_path(m))
     return rows
@@ -198,16 +190,16 @@ def _per_projection(cases, before, spin, attn, path) -> list[dict]:
 
         row = {"section": "prefetch", "what": "projection", "proj": c.proj.name, "M": c.m, "path": path,
                "weight_mb": c.w_q.numel() / (1 << 20), "window_us": attn}
-        for name, fn in (("pf_alone", lambda c=c: prefetch_l2(c.w_q)), ("after_window", after_window),
-                         ("pf_after_window", pf_after_window)):
-            try:
-                row[f"{name}_us"] = time_graph(fn)
-            except Exception as e:
-                row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
+        time_stages(row, {"pf_alone": lambda c=c: prefetch_l2(c.w_q), "after_window": after_window,
+                          "pf_after_window": pf_after_window}, timer=time_graph)
         rows.append(row)
-        print("prefetch " + "  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
-                                      for k, v in row.items() if k != "section"), flush=True)
+        _print_row(row, 2)
     return rows
+
+
+def _print_row(row: dict, digits: int) -> None:
+    print("prefetch " + "  ".join(f"{k}={v:.{digits}f}" if isinstance(v, float) else f"{k}={v}"
+                                  for k, v in row.items() if k != "section"), flush=True)
 
 
 SECTIONS = {"prefetch": bench_prefetch}
