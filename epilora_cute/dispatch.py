@@ -55,7 +55,7 @@ log = logging.getLogger("epilora_cute.dispatch")
 # fingerprint a stored decision must match. (Opt-ins that change the candidate set need not be:
 # an entry is reused only if it covered every current candidate.)
 FINGERPRINT_ENV = ("EPILORA_HYBRID_H", "EPILORA_K2_PUSH", "EPILORA_K2_SQ_WIDE", "EPILORA_META_KERNEL",
-                   "EPILORA_L2_FLUSH", "EPILORA_DECODE_PREFETCH")
+                   "EPILORA_L2_FLUSH")
 
 FORCE_ENV = "EPILORA_FORCE_PATH"
 TOKEN_BUCKETS = tuple(2 ** i for i in range(14))  # 1 .. 8192
@@ -150,14 +150,13 @@ def effective_switches() -> dict[str, str]:
     one setting (they launch the same kernels), so they share stored decisions. A value its
     parser rejects keeps its raw text (the op raises on it when it runs)."""
     from kernels_dsl import k2_gemm
-    from . import metadata, ops, prefetch, timing
+    from . import metadata, ops, timing
 
     readers = {"EPILORA_HYBRID_H": lambda: str(ops.hybrid_h_dtype()),
                "EPILORA_K2_PUSH": lambda: ",".join(k2_gemm.push_flags()),
                "EPILORA_K2_SQ_WIDE": lambda: str(k2_gemm.sq_wide_enabled()),
                "EPILORA_META_KERNEL": lambda: str(metadata.meta_kernel_enabled()),
-               "EPILORA_L2_FLUSH": timing.flush_mode,
-               "EPILORA_DECODE_PREFETCH": lambda: str(prefetch.decode_prefetch_budget())}
+               "EPILORA_L2_FLUSH": timing.flush_mode}
     out = {}
     for name in FINGERPRINT_ENV:
         try:

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import prefetch, reference
+from . import reference
 from .arch import SIMPLE_KERNEL_TARGETS, arch_of
 from .compile_cache import KernelUnavailable
 from .identity_memo import IdentityMemo, tensor_key
@@ -738,14 +738,6 @@ def _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl
     # Chained, the shrink reads slot_ranks before its griddepcontrol.wait: not right after the
     # fill that made it (nor any other of our tensors, to keep it simple).
     chain = chain and _persistent.made == made
-    shrink_pdl = chain
-    budget = prefetch.decode_prefetch_budget()
-    if budget and prefetch.prefetch_k2_heads(w_q, k_split, k_cfg.bk, budget, pdl=chain):
-        # EPILORA_DECODE_PREFETCH (v0.79, opt-in): first a kernel that asks L2 for the first stages
-        # of every K2 CTA once the kernel before it has completed, i.e. while the shrink runs and
-        # K2 is being launched behind it. It writes nothing and starts only where the shrink may
-        # (PDL as the shrink would have been), so the shrink follows it as its PDL dependent.
-        shrink_pdl = pdl
-    _launch_spec(get_kernel(lora_shrink, s_cfg, "sm_90a"), s_spec, pdl=shrink_pdl)
+    _launch_spec(get_kernel(lora_shrink, s_cfg, "sm_90a"), s_spec, pdl=chain)
     _launch_spec(get_kernel(k2_gemm, k_cfg, "sm_90a"), k_spec, pdl=pdl)
     return out

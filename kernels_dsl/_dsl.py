@@ -431,8 +431,7 @@ def nanosleep(ns, *, loc=None, ip=None):
 @dsl_user_op
 def prefetch_bulk_l2(addr_i64, size, *, loc=None, ip=None):
     """cp.async.bulk.prefetch.L2.global: ask L2 for ``size`` bytes (a multiple of 16) at a 16-byte
-    aligned global address. No completion mechanism: a hint (kernels_dsl/l2_prefetch.py, the
-    shrink's prefetch of K2's weights)."""
+    aligned global address. No completion mechanism: a hint (kernels_dsl/l2_prefetch.py)."""
     llvm.inline_asm(None, [cutlass.Int64(addr_i64).ir_value(loc=loc, ip=ip), cutlass.Int32(size).ir_value(loc=loc, ip=ip)],
                     "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r",
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)

@@ -7,7 +7,7 @@ import torch
 
 from epilora_cute import prefetch
 from kernels_dsl import l2_prefetch
-from tests.test_lora_linear_gpu import CHAIN, QWEN3_8B, _Chain
+from tests.test_lora_linear_gpu import CHAIN, _Chain
 
 pytestmark = pytest.mark.gpu
 
@@ -52,49 +52,3 @@ def test_prefetches_in_a_cuda_graph():
             c.step(i, outs[0], chain=True, prefetch_bytes=32 * MB)
     for seed in (31, 32):
         c.assert_replay_equals_plain(g, outs, seed)
-
-
-@pytest.mark.parametrize("proj", list(QWEN3_8B))
-@pytest.mark.parametrize("m", [1, 3, 8, 16, 32])
-@pytest.mark.parametrize("budget", ["1", "64"])
-def test_decode_prefetch_gives_the_same_bits(proj, m, budget, monkeypatch):
-    """v0.79: the decode paths with EPILORA_DECODE_PREFETCH (the heads kernel asking L2 for every K2
-    CTA's first stages before the shrink; 64 MB: whole split ranges of the smaller projections)
-    write the plain path's y bit for bit, into a poisoned output, chained and not."""
-    from epilora_cute import ops
-    from epilora_cute.metadata import build_meta
-    from tests.test_lora_linear_gpu import _case
-
-    widths, k = QWEN3_8B[proj]
-    x, wq, ws, a, b, mapping = _case(widths, k, m, seed=m + 71)
-    meta = build_meta(mapping, 4)
-    path = "decode_sq" if m <= 8 else "decode"
-    monkeypatch.delenv(prefetch.DECODE_PREFETCH_ENV, raising=False)
-    want = ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path)
-    monkeypatch.setenv(prefetch.DECODE_PREFETCH_ENV, budget)
-    for chain in (False, True):
-        out = torch.full_like(want, float("nan"))
-        y = ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path=path, chain_pdl=chain)
-        torch.cuda.synchronize()
-        assert torch.equal(y.view(torch.int16), want.view(torch.int16)), (proj, m, chain)
-
-
-def test_decode_prefetch_in_chained_projections_and_a_cuda_graph(monkeypatch):
-    """CHAIN with the decode prefetch (the heads kernel between each projection's predecessor and
-    its shrink), eagerly and captured: the plain run's bits."""
-    c = _Chain(8, rounds=1)
-    monkeypatch.delenv(prefetch.DECODE_PREFETCH_ENV, raising=False)
-    c.run(chain=True)
-    _, plain = c.run(chain=False)
-    monkeypatch.setenv(prefetch.DECODE_PREFETCH_ENV, "1")
-    _, eager = c.run(chain=True)
-    outs = c.outputs()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(len(CHAIN)):
-            c.step(i, outs[0], chain=True)
-    g.replay()
-    torch.cuda.synchronize()
-    for i in range(len(CHAIN)):
-        assert torch.equal(eager[0][i], plain[0][i]), (i, CHAIN[i])
-        assert torch.equal(outs[0][i], plain[0][i]), (i, CHAIN[i])

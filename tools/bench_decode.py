@@ -116,10 +116,7 @@ OUR_PATH_ARGS = {"no_adapter": ("no_adapter", True, False), "decode": ("decode",
                  "decode_fh": ("decode_fh", True, False), "decode_fh_chain": ("decode_fh", True, True),
                  # decode_sq with the wide self-quantizing builds (perf.md v0.54), whatever the
                  # process's EPILORA_K2_SQ_WIDE says
-                 "decode_sq_wide_chain": ("decode_sq", True, True, {"EPILORA_K2_SQ_WIDE": "1"}),
-                 # K2's first stages asked of L2 before the shrink (perf.md v0.79)
-                 "decode_sq_pf_chain": ("decode_sq", True, True, {"EPILORA_DECODE_PREFETCH": "1"}),
-                 "decode_pf_chain": ("decode", True, True, {"EPILORA_DECODE_PREFETCH": "1"})}
+                 "decode_sq_wide_chain": ("decode_sq", True, True, {"EPILORA_K2_SQ_WIDE": "1"})}
 
 
 def _under_env(env: dict, fn):

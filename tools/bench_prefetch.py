@@ -16,9 +16,6 @@ Rows (CUDA-graph replays, L2 flushed before each, median), rank 64, one adapter:
     ours_<path>_pf_us              the same, each projection followed by prefetch_l2 of the next
                                    one's weight (budgets: EPILORA_L2_PREFETCH "A,B" MB, default
                                    vllm_adapter.prefetch_plan.DEFAULT_BUDGET_MB)
-    ours_<path>_spf_us, _spf_pf_us the decode path asking L2 for K2's first stages before the
-                                   shrink (v0.79, EPILORA_DECODE_PREFETCH=1), without and with
-                                   the above
   section "prefetch", what "projection": one projection after a window, per projection (at the
   first token count; EPILORA_BENCH_PF_PROJECTIONS=0 leaves these rows out)
     pf_alone_us                    prefetch_l2 of its whole weight, alone: ~ a launch if the
@@ -91,15 +88,13 @@ def _our_path(m: int) -> str:
     return "decode_sq" if k2_gemm.self_quant_applies(m, 4096) and k2_gemm.self_quant_applies(m, 12288) else "decode"
 
 
-def _op(c, path, env=None):
-    """One projection through our op as the plugin calls it (chain_pdl), under `env` (the graph is
-    captured with the kernels the switches pick)."""
+def _op(c, path):
+    """One projection through our op as the plugin calls it (chain_pdl)."""
     from epilora_cute import ops
-    from tools.bench_decode import _under_env
 
     def launch():
         return ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=c.y, path=path, chain_pdl=True)
-    return launch if not env else (lambda: _under_env(env, launch))
+    return launch
 
 
 def _engine_order(layers, before, after=None):
@@ -147,11 +142,8 @@ def bench_prefetch(quick: bool) -> list[dict]:
             vp = [[VllmPath(c) for c in cases] for cases in layers]
             columns["vllm_fp8"] = ([[p.base for p in ps] for ps in vp], None)
             columns["vllm_lora"] = ([[p.with_lora for p in ps] for ps in vp], None)
-        shrink_pf = {"EPILORA_DECODE_PREFETCH": "1"}
-        for name, path, env in (("ours_" + _our_path(m), _our_path(m), None),
-                                ("ours_" + _our_path(m) + "_spf", _our_path(m), shrink_pf),
-                                ("ours_no_adapter", "no_adapter", None)):
-            fns = [[_op(c, path, env) for c in cases] for cases in layers]
+        for name, path in (("ours_" + _our_path(m), _our_path(m)), ("ours_no_adapter", "no_adapter")):
+            fns = [[_op(c, path) for c in cases] for cases in layers]
             columns[name] = (fns, None)
             columns[name + "_pf"] = (fns, [prefetches_for(li) for li in range(LAYERS)])
         for name, (fns, pfs) in columns.items():

@@ -173,21 +173,14 @@ case $mode in
     (cd "$OUT" && [[ -d hs ]] && tar czf hs.tgz hs && rm -rf hs)
     ;;
   prefetch)
-    # perf.md v0.77 + v0.79 (the next projection's weight prefetched into L2 between projections;
-    # K2's first stages asked of L2 before the decode path's shrink; carry the slim cache, and
-    # .devvllm/2 after call A for vLLM's columns; limits add up to ~9.7 min): the prefetch GPU tests
-    # (every planned byte range; chained projections and a CUDA graph bit for bit the plain run; the
-    # decode paths with EPILORA_DECODE_PREFETCH bit for bit without), the layer bench with the decode
-    # prefetch, the `prefetch` bench section at PF_TOKENS with spin windows of PF_WINDOWS (attention,
-    # norm, activation µs) and budgets PF_BUDGETS (MB: attention window, the others), then its layer
-    # rows at one token for two more budget pairs.
+    # perf.md v0.77 (the next projection's weight prefetched into L2 between projections; carry the
+    # slim cache, and .devvllm/2 after call A for vLLM's columns; limits add up to ~6.5 min): the
+    # prefetch GPU tests (every planned byte range; chained projections and a CUDA graph bit for bit
+    # the plain run), the `prefetch` bench section at PF_TOKENS with spin windows of PF_WINDOWS
+    # (attention, norm, activation µs) and budgets PF_BUDGETS (MB: attention window, the others),
+    # then its layer rows at one token for two more budget pairs. run32: 45 s on an H100.
     unpack_vllm
     timeout -s KILL 120 python3 -m pytest -q -m gpu tests/test_l2_prefetch_gpu.py 2>&1 | tail -4 | tee "$OUT/prefetch_tests.log"
-    # v0.79: K2's first stages asked of L2 before the shrink, in the issue-3 layer bench (chained,
-    # and in the engine's order with EPILORA_BENCH_FOREIGN=1)
-    EPILORA_BENCH_FOREIGN=1 EPILORA_BENCH_TOKENS=1,4,8,16,32 \
-      EPILORA_BENCH_OURS=no_adapter_chain,decode_sq_chain,decode_sq_pf_chain,decode_chain,decode_pf_chain \
-      timeout -s KILL 120 python3 tools/bench.py --quick --sections layer --out "$OUT/pf_layer" 2>&1 | tail -12
     EPILORA_BENCH_WINDOWS=${PF_WINDOWS:-8,2,2} EPILORA_L2_PREFETCH=${PF_BUDGETS:-32,8} EPILORA_BENCH_TOKENS=${PF_TOKENS:-1,4,8,32} \
       timeout -s KILL 150 python3 tools/bench.py --quick --sections prefetch --out "$OUT/pf" 2>&1 | tail -30
     for b in 32,0 48,24; do
