@@ -278,3 +278,11 @@ def test_the_op_prefetches_after_computing_and_its_result_is_unchanged(plan, mon
     step = torch.compile(lambda x: custom_op.lora_linear_fp8(x, w_q, w_s, a, b, meta, prefetch_id=me) + 1,
                          backend="aot_eager", fullgraph=True)
     assert torch.equal(step(x), want + 1) and calls[-1] == (succ.weight, 32 * plan.MB)
+
+
+def test_beside_prefetch_forks_nothing_where_the_prefetch_is_skipped():
+    """A CPU tensor (or any skipped prefetch) makes no side stream and leaves nothing to join."""
+    beside = prefetch.BesidePrefetch()
+    assert beside.launch(torch.zeros(64, 64, dtype=torch.float8_e4m3fn), 1 << 20) == 0
+    assert beside.pending == 0 and not beside._side
+    beside.join()  # nothing forked: a no-op

@@ -52,3 +52,29 @@ def test_prefetches_in_a_cuda_graph():
             c.step(i, outs[0], chain=True, prefetch_bytes=32 * MB)
     for seed in (31, 32):
         c.assert_replay_equals_plain(g, outs, seed)
+
+
+def test_beside_prefetches_in_a_cuda_graph():
+    """v0.80: each projection's next weight prefetched on a second stream (forked after the
+    projection, joined before the next one, all joined before the capture ends): the capture
+    completes and replays the plain run's bits, eagerly too."""
+    c = _Chain(4, rounds=1)
+    c.run(chain=True)
+    beside = prefetch.BesidePrefetch()
+
+    def steps(outs):
+        for i in range(len(CHAIN)):
+            beside.join()
+            c.step(i, outs, chain=True)
+            assert beside.launch(c.w[CHAIN[(i + 1) % len(CHAIN)][0]][1], 16 * MB) > 0
+        beside.join()
+        assert beside.pending == 0
+
+    outs = c.outputs()
+    steps(outs[0])  # eagerly
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        steps(outs[0])
+    for seed in (41, 42):
+        c.assert_replay_equals_plain(g, outs, seed)

@@ -573,8 +573,23 @@ def test_bench_prefetch_runs_the_engine_order_with_the_next_weight_prefetched(mo
     monkeypatch.setattr(bp, "LayerCase", fake_case)
     monkeypatch.setattr(bp, "_op", lambda c, path: (lambda: events.append(("op", c.name, path))))
     monkeypatch.setattr(prefetch, "prefetch_l2", lambda t, nbytes=None: events.append(("pf", t, nbytes)))
+
+    class FakeBeside:  # the second stream's fork and join, as events
+        def launch(self, t, nbytes=None):
+            events.append(("fork", t, nbytes))
+
+        def join(self):
+            events.append(("join",))
+    monkeypatch.setattr(prefetch, "BesidePrefetch", FakeBeside)
+    graphs = []  # the events of every timed graph, in timing order
     times = iter(range(1, 1000))
-    monkeypatch.setattr(bp, "time_graph", lambda fn: (events.clear(), fn(), float(next(times)))[2])
+
+    def fake_time_graph(fn):
+        events.clear()
+        fn()
+        graphs.append(list(events))
+        return float(next(times))
+    monkeypatch.setattr(bp, "time_graph", fake_time_graph)
     monkeypatch.setenv("EPILORA_BENCH_TOKENS", "1")
     monkeypatch.setenv("EPILORA_BENCH_WINDOWS", "8,2,2")
     monkeypatch.setenv("EPILORA_BENCH_PF_PROJECTIONS", "0")
@@ -585,17 +600,28 @@ def test_bench_prefetch_runs_the_engine_order_with_the_next_weight_prefetched(mo
                         if name == "vllm" else real_import(name, *a, **k))
     rows = bp.bench_prefetch(quick=True)
     (row,) = rows
-    assert {"ours_decode_sq_us", "ours_decode_sq_pf_us", "ours_no_adapter_us", "ours_no_adapter_pf_us"} <= set(row)
+    cols = ["ours_decode_sq", "ours_decode_sq_pf", "ours_decode_sq_pf2", "ours_no_adapter", "ours_no_adapter_pf",
+            "ours_no_adapter_pf2"]
+    assert {c + "_us" for c in cols} <= set(row)
     assert not any("spf" in k for k in row)  # v0.79's columns went with it
-    assert row["ours_decode_sq_pf_gain_us"] == row["ours_decode_sq_us"] - row["ours_decode_sq_pf_us"]
-    assert "ours_decode_sq_pf_pf_gain_us" not in row
-    # the last timed graph is ours_no_adapter_pf: window, op, prefetch of the next weight, per projection
-    names = [e for e in events if e[0] == "op"]
-    assert [n[1] for n in names] == [f"{s}:{p}" for s in (0, 1) for p in ("qkv", "o", "gate_up", "down")]
-    pfs = [e for e in events if e[0] == "pf"]
+    for base in ("ours_decode_sq", "ours_no_adapter"):
+        for suffix in ("_pf", "_pf2"):
+            assert row[f"{base}{suffix}_gain_us"] == row[f"{base}_us"] - row[f"{base}{suffix}_us"]
+    assert "ours_decode_sq_pf_pf_gain_us" not in row and "ours_decode_sq_pf_pf2_gain_us" not in row
     order = [f"{s}:{p}" for s in (0, 1) for p in ("qkv", "o", "gate_up", "down")]
-    assert [e[1] is cases[order[(i + 1) % 8]].w_q for i, e in enumerate(pfs)] == [True] * 8
     mb = 1 << 20
+    # graphs after the spin calibration and the windows alone: one per column, in `cols` order
+    plain, pf, pf2 = graphs[-6:-3]
+    assert [e for e in plain if e[0] == "op"] == [("op", n, "decode_sq") for n in order]
+    assert [e[0] for e in plain if e[0] != "window"] == ["op"] * 8
+    # _pf: window, op, prefetch of the next weight in the same stream, per projection
+    assert [e[0] for e in pf if e[0] != "window"] == ["op", "pf"] * 8
+    pfs = [e for e in pf if e[0] == "pf"]
+    assert [e[1] is cases[order[(i + 1) % 8]].w_q for i, e in enumerate(pfs)] == [True] * 8
     assert [e[2] for e in pfs] == [32 * mb, 8 * mb, 8 * mb, 8 * mb] * 2
-    windows = [e[1] for e in events if e[0] == "window"]
-    assert windows == [2.0, 8.0, 2.0, 2.0] * 2
+    assert [e[1] for e in pf if e[0] == "window"] == [2.0, 8.0, 2.0, 2.0] * 2
+    # _pf2: window, join, op, fork of the next weight's prefetch; the capture ends joined
+    assert [e[0] for e in pf2] == ["window", "join", "op", "fork"] * 8 + ["join"]
+    forks = [e for e in pf2 if e[0] == "fork"]
+    assert [e[1] is cases[order[(i + 1) % 8]].w_q for i, e in enumerate(forks)] == [True] * 8
+    assert [e[2] for e in forks] == [32 * mb, 8 * mb, 8 * mb, 8 * mb] * 2

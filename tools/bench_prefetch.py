@@ -16,12 +16,18 @@ Rows (CUDA-graph replays, L2 flushed before each, median), rank 64, one adapter:
     ours_<path>_pf_us              the same, each projection followed by prefetch_l2 of the next
                                    one's weight (budgets: EPILORA_L2_PREFETCH "A,B" MB, default
                                    vllm_adapter.prefetch_plan.DEFAULT_BUDGET_MB)
+    ours_<path>_pf2_us             the same prefetches on a second stream (BesidePrefetch, v0.80):
+                                   forked after the projection, joined before the next one, so
+                                   the window overlaps them
+    *_pf_gain_us, *_pf2_gain_us    the column without prefetches minus the column with them
   section "prefetch", what "projection": one projection after a window, per projection (at the
   first token count; EPILORA_BENCH_PF_PROJECTIONS=0 leaves these rows out)
     pf_alone_us                    prefetch_l2 of its whole weight, alone: ~ a launch if the
                                    requests are fire-and-forget, ~ bytes / bandwidth if not
     after_window_us                window + the projection (our decode path)
     pf_after_window_us             prefetch of its weight + window + the projection
+    pf_beside_window_us            the prefetch forked to a second stream, the window beside it,
+                                   joined, then the projection (v0.80)
 """
 
 from __future__ import annotations
@@ -97,20 +103,26 @@ def _op(c, path):
     return launch
 
 
-def _engine_order(layers, before, after=None):
+def _engine_order(layers, before, after=None, join=None):
     """Each layer's projections, each after its window; after[l][i](), when given, right after
-    projection i of layer l."""
+    projection i of layer l; join(), when given, after each window (before the projection) and at
+    the end (a CUDA-graph capture must join every stream it forked)."""
     def run():
         for li, fns in enumerate(layers):
             for i, f in enumerate(fns):
                 before[i]()
+                if join is not None:
+                    join()
                 f()
                 if after is not None:
                     after[li][i]()
+        if join is not None:
+            join()
     return run
 
 
 def bench_prefetch(quick: bool) -> list[dict]:
+    from epilora_cute import prefetch
     from epilora_cute.prefetch import prefetch_l2
 
     try:
@@ -133,27 +145,30 @@ def bench_prefetch(quick: bool) -> list[dict]:
                "budgets_mb": [b / (1 << 20) for b in budget[:2]],
                "windows_us": time_graph(_engine_order([[lambda: None] * 4] * LAYERS, before)) / LAYERS}
 
-        def prefetches_for(layer_index):
+        def prefetches_for(layer_index, launch):
             nxt = [flat[(layer_index * 4 + i + 1) % len(flat)] for i in range(4)]
-            return [lambda c=c, b=b: prefetch_l2(c.w_q, b) for c, b in zip(nxt, budget)]
+            return [lambda c=c, b=b: launch(c.w_q, b) for c, b in zip(nxt, budget)]
 
+        beside = prefetch.BesidePrefetch()
         columns = {}
         if have_vllm:
             vp = [[VllmPath(c) for c in cases] for cases in layers]
-            columns["vllm_fp8"] = ([[p.base for p in ps] for ps in vp], None)
-            columns["vllm_lora"] = ([[p.with_lora for p in ps] for ps in vp], None)
+            columns["vllm_fp8"] = ([[p.base for p in ps] for ps in vp], None, None)
+            columns["vllm_lora"] = ([[p.with_lora for p in ps] for ps in vp], None, None)
         for name, path in (("ours_" + _our_path(m), _our_path(m)), ("ours_no_adapter", "no_adapter")):
             fns = [[_op(c, path) for c in cases] for cases in layers]
-            columns[name] = (fns, None)
-            columns[name + "_pf"] = (fns, [prefetches_for(li) for li in range(LAYERS)])
-        for name, (fns, pfs) in columns.items():
+            columns[name] = (fns, None, None)
+            columns[name + "_pf"] = (fns, [prefetches_for(li, prefetch_l2) for li in range(LAYERS)], None)
+            columns[name + "_pf2"] = (fns, [prefetches_for(li, beside.launch) for li in range(LAYERS)], beside.join)
+        for name, (fns, pfs, join) in columns.items():
             try:
-                row[f"{name}_us"] = time_graph(_engine_order(fns, before, pfs)) / LAYERS
+                row[f"{name}_us"] = time_graph(_engine_order(fns, before, pfs, join)) / LAYERS
             except Exception as e:  # a column that can't run is reported, not fatal to the bench
                 row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
-        for name in [k[:-len("_pf_us")] for k in row if k.endswith("_pf_us")]:
-            if f"{name}_us" in row:
-                row[f"{name}_pf_gain_us"] = row[f"{name}_us"] - row[f"{name}_pf_us"]
+        for suffix in ("_pf", "_pf2"):
+            for name in [k[:-len(suffix + "_us")] for k in row if k.endswith(suffix + "_us")]:
+                if f"{name}_us" in row:
+                    row[f"{name}{suffix}_gain_us"] = row[f"{name}_us"] - row[f"{name}{suffix}_us"]
         rows.append(row)
         _print_row(row, 1)
         if m == tokens[0] and os.environ.get("EPILORA_BENCH_PF_PROJECTIONS", "1") != "0":
@@ -162,7 +177,7 @@ def bench_prefetch(quick: bool) -> list[dict]:
 
 
 def _per_projection(cases, before, spin, attn, path) -> list[dict]:
-    from epilora_cute import ops
+    from epilora_cute import ops, prefetch
     from epilora_cute.prefetch import prefetch_l2
 
     rows = []
@@ -180,10 +195,17 @@ def _per_projection(cases, before, spin, attn, path) -> list[dict]:
             window()
             proj()
 
+        def pf_beside_window(c=c, beside=prefetch.BesidePrefetch()):
+            beside.launch(c.w_q)
+            window()
+            beside.join()
+            proj()
+
         row = {"section": "prefetch", "what": "projection", "proj": c.proj.name, "M": c.m, "path": path,
                "weight_mb": c.w_q.numel() / (1 << 20), "window_us": attn}
         time_stages(row, {"pf_alone": lambda c=c: prefetch_l2(c.w_q), "after_window": after_window,
-                          "pf_after_window": pf_after_window}, timer=time_graph)
+                          "pf_after_window": pf_after_window, "pf_beside_window": pf_beside_window},
+                    timer=time_graph)
         rows.append(row)
         _print_row(row, 2)
     return rows

@@ -173,12 +173,14 @@ case $mode in
     (cd "$OUT" && [[ -d hs ]] && tar czf hs.tgz hs && rm -rf hs)
     ;;
   prefetch)
-    # perf.md v0.77 (the next projection's weight prefetched into L2 between projections; carry the
-    # slim cache, and .devvllm/2 after call A for vLLM's columns; limits add up to ~6.5 min): the
-    # prefetch GPU tests (every planned byte range; chained projections and a CUDA graph bit for bit
-    # the plain run), the `prefetch` bench section at PF_TOKENS with spin windows of PF_WINDOWS
-    # (attention, norm, activation µs) and budgets PF_BUDGETS (MB: attention window, the others),
-    # then its layer rows at one token for two more budget pairs. run32: 45 s on an H100.
+    # perf.md v0.77 + v0.80 (the next projection's weight prefetched into L2 between projections, in
+    # the stream and on a second stream beside the window; carry the slim cache, and .devvllm/2 after
+    # call A for vLLM's columns; limits add up to ~6.5 min): the prefetch GPU tests (every planned
+    # byte range; chained projections and CUDA graphs, the second stream's fork / join among them,
+    # bit for bit the plain run), the `prefetch` bench section (`_pf` and `_pf2` columns) at
+    # PF_TOKENS with spin windows of PF_WINDOWS (attention, norm, activation µs) and budgets
+    # PF_BUDGETS (MB: attention window, the others), then its layer rows at one token for two more
+    # budget pairs. run32: 45 s on an H100.
     unpack_vllm
     timeout -s KILL 120 python3 -m pytest -q -m gpu tests/test_l2_prefetch_gpu.py 2>&1 | tail -4 | tee "$OUT/prefetch_tests.log"
     EPILORA_BENCH_WINDOWS=${PF_WINDOWS:-8,2,2} EPILORA_L2_PREFETCH=${PF_BUDGETS:-32,8} EPILORA_BENCH_TOKENS=${PF_TOKENS:-1,4,8,32} \
