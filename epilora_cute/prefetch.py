@@ -1,13 +1,14 @@
 """L2 prefetches of weights (kernels_dsl/l2_prefetch.py): cache hints, nothing is read into the SMs or
 written, so a skipped prefetch (a CPU tensor, a GPU without sm_90a, no cached build) changes no
-result, only the time of the stream that follows. Each is launched as the PDL dependent of whatever
-kernel precedes it on the stream and starts its requests once that kernel has completed.
+result, only the time of the stream that follows. The kernel starts its requests once the kernel
+before it has completed.
 
-``prefetch_l2``: the first bytes of a weight the next projection will stream (docs/perf.md v0.77;
-opt-in through vllm_adapter/prefetch_plan.py); ``BesidePrefetch``: the same on a second stream, so
-that the kernels between two projections overlap it (v0.80, bench section ``prefetch`` only). v0.79's prefetch of K2's first stages before the
-decode path's shrink was measured slower whatever its budget (the extra link in the PDL chain) and
-removed (perf.md "v0.77 – v0.79 measured").
+``prefetch_l2``: the first bytes of a weight the next projection will stream, in the stream as the
+PDL dependent of its last kernel (docs/perf.md v0.77; opt-in through vllm_adapter/prefetch_plan.py).
+``BesidePrefetch``: the same on a second stream, so that the kernels between two projections
+overlap it (v0.80, bench section ``prefetch`` only). v0.79's prefetch of K2's first stages before
+the decode path's shrink was measured slower whatever its budget (the extra link in the PDL chain)
+and removed (perf.md "v0.77 – v0.79 measured").
 """
 
 from __future__ import annotations
