@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - GPU machines without nvidia-cutlass-ds
 FAMILY = "l2_prefetch"
 RUNTIME_CONTRACT = True
 
-LANES = 32  # one warp per CTA, one bulk prefetch per lane and item
+LANES = 32  # one warp per CTA, one bulk prefetch per lane
 SEGMENT_ALIGN = 16  # cp.async.bulk: 16-byte aligned address and size
 MIN_SEGMENT = 4096  # below this, fewer CTAs rather than smaller requests
 

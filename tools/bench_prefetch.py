@@ -123,7 +123,6 @@ def _engine_order(layers, before, after=None, join=None):
 
 def bench_prefetch(quick: bool) -> list[dict]:
     from epilora_cute import prefetch
-    from epilora_cute.prefetch import prefetch_l2
 
     try:
         import vllm  # noqa: F401
@@ -132,6 +131,7 @@ def bench_prefetch(quick: bool) -> list[dict]:
         have_vllm = False
         print("prefetch: vLLM is not installed: the vLLM columns are left out")
     spin = Spin()
+    beside = prefetch.BesidePrefetch()  # one second stream for every _pf2 column and row
     attn, norm, act = windows_us()
     before = [spin(us) for us in window_before(attn, norm, act)]
     budget = budget_after(*budgets_bytes())
@@ -149,7 +149,6 @@ def bench_prefetch(quick: bool) -> list[dict]:
             nxt = [flat[(layer_index * 4 + i + 1) % len(flat)] for i in range(4)]
             return [lambda c=c, b=b: launch(c.w_q, b) for c, b in zip(nxt, budget)]
 
-        beside = prefetch.BesidePrefetch()
         columns = {}
         if have_vllm:
             vp = [[VllmPath(c) for c in cases] for cases in layers]
@@ -158,7 +157,7 @@ def bench_prefetch(quick: bool) -> list[dict]:
         for name, path in (("ours_" + _our_path(m), _our_path(m)), ("ours_no_adapter", "no_adapter")):
             fns = [[_op(c, path) for c in cases] for cases in layers]
             columns[name] = (fns, None, None)
-            columns[name + "_pf"] = (fns, [prefetches_for(li, prefetch_l2) for li in range(LAYERS)], None)
+            columns[name + "_pf"] = (fns, [prefetches_for(li, prefetch.prefetch_l2) for li in range(LAYERS)], None)
             columns[name + "_pf2"] = (fns, [prefetches_for(li, beside.launch) for li in range(LAYERS)], beside.join)
         for name, (fns, pfs, join) in columns.items():
             try:
@@ -172,12 +171,12 @@ def bench_prefetch(quick: bool) -> list[dict]:
         rows.append(row)
         _print_row(row, 1)
         if m == tokens[0] and os.environ.get("EPILORA_BENCH_PF_PROJECTIONS", "1") != "0":
-            rows += _per_projection(layers[0], before, spin, attn, _our_path(m))
+            rows += _per_projection(layers[0], spin, attn, _our_path(m), beside)
     return rows
 
 
-def _per_projection(cases, before, spin, attn, path) -> list[dict]:
-    from epilora_cute import ops, prefetch
+def _per_projection(cases, spin, attn, path, beside) -> list[dict]:
+    from epilora_cute import ops
     from epilora_cute.prefetch import prefetch_l2
 
     rows = []
@@ -195,7 +194,7 @@ def _per_projection(cases, before, spin, attn, path) -> list[dict]:
             window()
             proj()
 
-        def pf_beside_window(c=c, beside=prefetch.BesidePrefetch()):
+        def pf_beside_window(c=c):
             beside.launch(c.w_q)
             window()
             beside.join()
