@@ -1,6 +1,7 @@
 """The GPU record and benchmark tools import and format reports on a machine without a GPU."""
 
 import importlib
+import re
 import sys
 from pathlib import Path
 
@@ -38,6 +39,39 @@ def test_test_file_discovery():
     files = gpu_record._gpu_test_files(["tests"])
     assert ROOT / "tests" / "test_quant_gpu.py" in files
     assert gpu_record._gpu_test_files(["tests/test_quant_gpu.py"]) == [ROOT / "tests" / "test_quant_gpu.py"]
+
+
+def test_gpu_suites_hold_every_gpu_test_file_once():
+    """`gpu_session.sh tests` + `tests-rest` are the whole GPU suite only if every file with a GPU
+    marker is in one of tools/gpu_record.py's suites (a new GPU file left out would never run)."""
+    from tools import gpu_record
+
+    listed = [f for files in gpu_record.GPU_SUITES.values() for f in files]
+    assert len(listed) == len(set(listed)), "a file in two suites runs twice"
+    marker = re.compile(r"^\s*(@pytest\.mark\.gpu\b|pytestmark\b.*pytest\.mark\.gpu\b)", re.M)
+    marked = {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py") if marker.search(p.read_text())}
+    assert marked == set(listed)
+
+
+def test_gpu_session_modes_run_the_suites():
+    script = (ROOT / "tools" / "gpu_session.sh").read_text()
+    for mode, suite in (("tests", "main"), ("tests-rest", "rest")):
+        body = script.split(f"\n  {mode})\n", 1)[1].split("\n    ;;", 1)[0]
+        assert f"--suite {suite}" in body, mode
+
+
+def test_a_file_cut_by_the_records_time_limit_is_not_called_a_hang(tmp_path, monkeypatch):
+    from tools import gpu_record
+
+    def slow(*a, timeout=None, **k):
+        raise gpu_record.subprocess.TimeoutExpired(a[0], timeout)
+
+    monkeypatch.setattr(gpu_record.subprocess, "run", slow)
+    deadline = gpu_record.time.time() + 60  # leaves 50 s of a 290 s file limit
+    cut = gpu_record.run_tests(tmp_path, ["tests/test_quant_gpu.py"], 290, deadline)["cases"][0]
+    assert "time limit left it" in cut["message"] and "hang" not in cut["message"]
+    own = gpu_record.run_tests(tmp_path, ["tests/test_quant_gpu.py"], 30)["cases"][0]
+    assert "own limit: a kernel hang?" in own["message"]
 
 
 def test_stages_section_is_registered_and_skips_without_a_hopper_gpu(capsys):
@@ -210,7 +244,7 @@ def test_gpu_session_script_parses_and_keeps_calls_under_the_device_limit():
     script = ROOT / "tools" / "gpu_session.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     text = script.read_text()
-    modes = ("hybrid-identity)", "e2e-perf)", "out-variant)", "record)", "tests)", "e2e)", "e2e-smoke)", "e2e-rescore)", "verify)", "check)", "k1)", "h-bf16)", "retune)", "prefetch)", "profile)", "fh)",
+    modes = ("hybrid-identity)", "e2e-perf)", "out-variant)", "record)", "tests)", "tests-rest)", "e2e)", "e2e-smoke)", "e2e-rescore)", "verify)", "check)", "k1)", "h-bf16)", "retune)", "prefetch)", "profile)", "fh)",
              "profile-decode)", "decode)", "push-tests)", "push-bench)", "wide-tests)", "wide-bench)", "prefill-k2)",
              "prefill-path)")
     for mode in modes:

@@ -230,7 +230,8 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv=None) -> int:
     _optional_sections()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help="comma-separated; 'none' writes only the environment (GPU, versions, bandwidth)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "build" / "bench")))
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
@@ -243,7 +244,8 @@ def main(argv=None) -> int:
     env["l2_flush"] = flush_mode()  # "read" from session 6 on; "write" before (docs/perf.md v0.16)
     print(f"GPU {env.get('gpu')}  measured read bandwidth {env['read_bandwidth_gbs']:.0f} GB/s  vLLM {env['vllm']}")
     rows = []
-    for name in args.sections.split(","):
+    (args.out / "bench.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    for name in [] if args.sections == "none" else args.sections.split(","):
         if name not in SECTIONS:
             print(f"unknown section {name}; have {sorted(SECTIONS)}")
             return 2

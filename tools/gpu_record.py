@@ -23,6 +23,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+# Every GPU test file, by the device call that runs it: one call holds at most 10 minutes, and the
+# whole set needs ~12 on an H100 (run33), so `gpu_session.sh tests` runs "main" and `tests-rest`
+# the others. "opt_in" are the variants no shipped path takes (EPILORA_K2_PUSH, EPILORA_K2_SQ_WIDE),
+# each with its own mode (push-tests, wide-tests). tests/test_tools.py checks that every file with
+# a GPU marker is in exactly one suite.
+GPU_SUITES = {
+    "main": ("tests/test_k2_gpu.py", "tests/test_lora_linear_gpu.py", "tests/test_quant_gpu.py",
+             "tests/test_triton_path.py", "tests/test_k1_shrink.py", "tests/test_expand_add.py"),
+    "rest": ("tests/test_k2_prefill.py", "tests/test_l2_prefetch_gpu.py", "tests/test_meta_kernel.py"),
+    "opt_in": ("tests/test_k2_push_gpu.py", "tests/test_k2_wide_gpu.py"),
+}
+
+
 def _gpu_test_files(paths: list[str]) -> list[Path]:
     files = []
     for p in paths:
@@ -44,6 +57,7 @@ def run_tests(out: Path, paths: list[str], file_timeout: int, deadline: float | 
             exit_code = exit_code or 124
             continue
         file_timeout_now = file_timeout if left is None else int(min(file_timeout, left - 10))
+        cut_by_deadline = file_timeout_now < file_timeout
         # junit files stay out of `out`: the device machine returns at most 8 files from $OUT.
         junit = Path(tempfile.gettempdir()) / f"epilora_junit_{os.getpid()}_{f.stem}.xml"
         cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
@@ -56,8 +70,11 @@ def run_tests(out: Path, paths: list[str], file_timeout: int, deadline: float | 
         except subprocess.TimeoutExpired as e:
             out_txt = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
             logs.append(out_txt + f"\n[gpu_record] {f.name} killed after {file_timeout_now} s")
+            # Cut by the record's time limit, the file was only left too little time; cut by its
+            # own limit, it ran longer than any file should.
+            why = "all the record's time limit left it" if cut_by_deadline else "its own limit: a kernel hang?"
             cases.append({"test": f"{f.stem}::*", "outcome": "error", "seconds": float(file_timeout_now),
-                          "message": f"the file did not finish within {file_timeout_now} s (a kernel hang?)"})
+                          "message": f"the file did not finish within {file_timeout_now} s ({why})"})
             exit_code = exit_code or 124
             continue
         if junit.exists():
@@ -128,6 +145,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "build" / "gpu_record")))
     ap.add_argument("--tests", nargs="*", default=["tests"])
+    ap.add_argument("--suite", choices=sorted(GPU_SUITES), default=None,
+                    help="the test files of one device call (GPU_SUITES) instead of --tests")
     ap.add_argument("--bench-sections", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--file-timeout", type=int, default=300, help="seconds per test file before it is killed")
@@ -149,7 +168,7 @@ def main(argv=None) -> int:
     # record cut short by the machine's call limit still holds the numbers.
     bench = run_bench(args.out, args.bench_sections, args.quick)
     print(bench.get("tail", "")[-2500:], flush=True)
-    tests = run_tests(args.out, args.tests, args.file_timeout,
+    tests = run_tests(args.out, list(GPU_SUITES[args.suite]) if args.suite else args.tests, args.file_timeout,
                       None if args.time_limit is None else t0 + args.time_limit)
     print(f"tests: {tests['counts']}", flush=True)
     metas = {json.loads(p.read_text())["dsl_version"] for p in Path(os.environ.get("EPILORA_CACHE_DIR", "/nonexistent")).rglob("meta.json")} \

@@ -2,7 +2,8 @@
 # The device calls of one GPU session, as commands (docs/gpu_record/README.md explains the plan).
 #   call A (carry .devvllm/1):                    nvidia-smi -L
 #   call B (carry .devvllm/2 .epilora_cache):     bash tools/gpu_session.sh record <commit>   (~8 min)
-#   call C (carry .epilora_cache, machine warm):  bash tools/gpu_session.sh tests <commit>    (~8 min)
+#   call C (carry .epilora_cache, machine warm):  bash tools/gpu_session.sh tests <commit>    (~9 min)
+#                                       then:     bash tools/gpu_session.sh tests-rest <commit> (~4 min)
 #   call D (carry .epilora_cache, machine warm):  bash tools/gpu_session.sh e2e <commit> [e2e_vllm.py args] (~9 min)
 #   or, after call A, one call (carry .devvllm/2 .epilora_cache): bash tools/gpu_session.sh check <commit>
 #   (~6.5 min: diagnostics, racecheck, layer + stages, the decode path's GPU test files)
@@ -21,7 +22,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
+mode=${1:?record, tests, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -95,13 +96,17 @@ case $mode in
       --bench-sections layer,stages,k2sweep,prefill --tests 2>&1 | tail -60
     ;;
   tests)
-    # Every GPU test file, each with its own time limit (a hang costs one file, not the call); the
-    # prefill K2 file last: alone it needs ~150 s (run27), so the record's time limit cuts it, not
-    # the others. K2's file needs ~270 s (run27: 325 of its 336 tests in 240 s).
+    # The GPU test files of tools/gpu_record.py's suite "main" (K2's decode path, the op level,
+    # quantization, Triton, K1, expand-add), each with its own time limit (a hang costs one file,
+    # not the call), after the host-launch bench. K2's file alone needs ~270 s; run33 (an H100):
+    # 549 s for the lot. Then `tests-rest` for the others: the whole suite needs both calls.
     timeout -s KILL 580 python3 tools/gpu_record.py --out "$OUT" --quick --bench-sections launch \
-      --tests tests/test_k2_gpu.py tests/test_lora_linear_gpu.py tests/test_quant_gpu.py \
-      tests/test_triton_path.py tests/test_k1_shrink.py tests/test_expand_add.py tests/test_k2_prefill.py \
-      --file-timeout 290 --time-limit 560 2>&1 | tail -60
+      --suite main --file-timeout 290 --time-limit 560 2>&1 | tail -60
+    ;;
+  tests-rest)
+    # Suite "rest": the prefill K2 (~180 s on an H100, run33), the L2 prefetch, the metadata kernel.
+    timeout -s KILL 400 python3 tools/gpu_record.py --out "$OUT" --suite rest --file-timeout 290 \
+      --time-limit 380 --bench-sections none 2>&1 | tail -40
     ;;
   e2e)
     # The tool stops its engines at its time budget (525 s by default) and still writes the report.
