@@ -781,6 +781,7 @@ def test_layers_prefetch_the_next_projections_weight(vcfg, plugin_on, monkeypatc
     prefetch_plan.reset()
     calls = []
     monkeypatch.setattr(pf, "prefetch_l2", lambda t, nbytes=None, pdl=True: calls.append((t, nbytes)) or 0)
+    monkeypatch.setenv(prefetch_plan.ENV, "1")  # on while the layers are built: they register
     qkv = _from_layer(vcfg, _fp8_layer(vcfg, "qkv", prefix="model.layers.0.self_attn.qkv_proj"), "qkv")
     o_base = _fp8_layer(vcfg, "row", prefix="model.layers.0.self_attn.o_proj")
     o = _from_layer(vcfg, o_base, "row")
@@ -798,6 +799,53 @@ def test_layers_prefetch_the_next_projections_weight(vcfg, plugin_on, monkeypatc
     compiled = torch.compile(qkv.apply, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x), y)
     assert len(calls) >= 2 and calls[-1][0] is o_base.weight
+    prefetch_plan.reset()
+
+
+def test_decoder_layers_trace_to_the_same_graph(vcfg, plugin_on, monkeypatch):
+    """vLLM compiles one decoder layer's graph piece and reuses it for every isomorphic one; a
+    per-layer constant in our op's arguments defeats that (run32 / run33: Inductor 81–98 s instead
+    of 19–25, the engine up 60–80 s after stock). Layers of different decoder layers, built with
+    the L2 prefetch off (the default), trace to the same code; built with it on, their prefetch
+    ids make the graphs differ (the documented cost of that experiment). The first layer traced
+    in a step also prepares the step's metadata (its own graph, as in the engine's first piece)."""
+    from vllm_adapter import prefetch_plan
+
+    def graph_code(layer, pw, x):
+        layer.set_mapping(pw)
+        codes = []
+
+        def record(gm, example_inputs):
+            codes.append(gm.code)
+            return gm.forward
+
+        torch._dynamo.reset()
+        torch.compile(layer.apply, backend=record, fullgraph=True)(x)
+        assert len(codes) == 1
+        return codes[0]
+
+    def layers(first):
+        made = [_from_layer(vcfg, _fp8_layer(vcfg, "qkv", prefix=f"model.layers.{i}.self_attn.qkv_proj"), "qkv")
+                for i in range(first, first + 3)]
+        for layer in made:
+            _load_adapters(layer, "qkv")
+        return made
+
+    prefetch_plan.reset()
+    x = torch.randn(4, K).to(BF16)
+    monkeypatch.delenv(prefetch_plan.ENV, raising=False)
+    off = layers(0)
+    pw = _punica(off[0], [1, 2, 0, 2])
+    assert [layer._epilora_prefetch_id for layer in off] == [-1, -1, -1]
+    first, second, third = (graph_code(layer, pw, x) for layer in off)
+    assert "prepare_meta" in first and "prepare_meta" not in second
+    assert second == third
+    monkeypatch.setenv(prefetch_plan.ENV, "1")
+    on = layers(3)
+    assert [layer._epilora_prefetch_id for layer in on] == [0, 1, 2]
+    codes = [graph_code(layer, pw, x) for layer in on]
+    assert "prepare_meta" not in codes[1] and codes[1] != codes[2]
+    torch._dynamo.reset()
     prefetch_plan.reset()
 
 

@@ -169,7 +169,10 @@ class EpiLoRALinearMixin:
             except Exception as e:  # noqa: BLE001 - the layer then computes with vLLM's kernels
                 v = eligibility.Verdict(False, f"could not prepare the kernels' tables ({type(e).__name__}: {e})")
         self._epilora_active = v.ok
-        if v:  # known to the L2 prefetch plan (by module name) as a predecessor and as a successor
+        if v and prefetch_plan.budgets() is not None:
+            # Known to the L2 prefetch plan (by module name) as a predecessor and a successor. Only
+            # with the prefetch on: the id is a per-layer constant of the compiled graph, which
+            # makes every decoder layer's graph piece distinct to vLLM's compiler (no reuse).
             self._epilora_prefetch_id = prefetch_plan.register(getattr(self.base_layer, "prefix", ""), self.base_layer)
         if not v:
             logger.info("EpiLoRA: %s computes with vLLM's kernels: %s", layer_name(self.base_layer), v.reason)

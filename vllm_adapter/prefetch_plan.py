@@ -21,6 +21,12 @@ graph holds the id, and the id is resolved to the successor's weight when the op
 successor may be registered after its predecessor. Ids are given in registration order, which is
 the model's module order: the same in every process that builds the same model.
 
+Layers register only when ``EPILORA_L2_PREFETCH`` is on as they are built; the others pass id -1.
+A per-layer id is a per-layer constant in the traced graph, so vLLM's compiler no longer finds the
+decoder layers' graph pieces isomorphic and compiles each one instead of reusing the first: with
+ids on every layer (run32, run33) Inductor took 81–98 s instead of 19–25 s and the engine came up
+60–80 s later than stock. Turning the prefetch on after the engine is built does nothing.
+
 ``EPILORA_L2_PREFETCH``: unset / "0" off; "1" on with DEFAULT_BUDGET_MB; "A,B" on with A MB
 for the attention window and B MB for the others. ``EPILORA_L2_PREFETCH_MAX_TOKENS`` (default
 32): larger batches prefetch nothing (their attention reads enough KV cache to keep DRAM busy).
