@@ -147,6 +147,7 @@ class EpiLoRALinearMixin:
     _epilora_state = None  # meta_bridge.MetaState shared through the punica wrapper
     _epilora_flag_id = -1  # custom_op.host_flag_id of vLLM's no-adapter flag (-1: none)
     _epilora_prefetch_id = -1  # prefetch_plan id: whose successor's weight the op prefetches (-1: none)
+    _epilora_out_variant = False  # EPILORA_OUT_VARIANT as the layer was built (custom_op)
 
     @classmethod
     def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None,
@@ -169,6 +170,9 @@ class EpiLoRALinearMixin:
             except Exception as e:  # noqa: BLE001 - the layer then computes with vLLM's kernels
                 v = eligibility.Verdict(False, f"could not prepare the kernels' tables ({type(e).__name__}: {e})")
         self._epilora_active = v.ok
+        # Read here, not in apply: an environment read inside traced code is inlined by Dynamo
+        # (and makes vLLM's compile cache warn that it cannot hash "<frozen os>").
+        self._epilora_out_variant = custom_op.out_variant_enabled()
         if v and prefetch_plan.budgets() is not None:
             # Known to the L2 prefetch plan (by module name) as a predecessor and a successor. Only
             # with the prefetch on: the id is a per-layer constant of the compiled graph, which
@@ -194,7 +198,7 @@ class EpiLoRALinearMixin:
         # Chained PDL: the op may start under the kernel before it and read the metadata early,
         # so not right after the preparation that writes it.
         w_q, flag_id, pf_id = base.weight.t(), self._epilora_flag_id, self._epilora_prefetch_id
-        if custom_op.out_variant_enabled():
+        if self._epilora_out_variant:
             # The output allocated here, in the compiled graph (custom_op's module docstring).
             y = torch.empty((x2.shape[0], w_q.shape[0]), dtype=x2.dtype, device=x2.device)
             custom_op.lora_linear_fp8_out(y, x2, w_q, base.weight_scale, self.lora_a_stacked,
