@@ -277,6 +277,23 @@ def test_plugin_log_summary():
     assert rpt.plugin_log_summary("")["lm_head"] is None
 
 
+def test_startup_phases_from_an_engine_log():
+    """run33's own engine log (docs/gpu_record/run33): the phases vLLM logs while it starts, and
+    the report's line comparing them between the engines (Inductor's seconds exposed the slow
+    start of run32 / run33)."""
+    import gzip
+
+    text = gzip.decompress((ROOT / "docs/gpu_record/run33/e2e_ours_9bf2768.log.gz").read_bytes()).decode()
+    st = rpt.startup_summary(text)
+    assert st == {"dynamo_s": 10.61, "inductor_s": 81.2, "torch_compile_s": 104.89, "profiling_run_s": 32.38,
+                  "graph_capture_s": 13.0}
+    assert rpt.plugin_log_summary(text)["startup"] == st
+    rep = {"plugin_log": {"stock": {"startup": {"inductor_s": 20.76, "profiling_run_s": 4.92}},
+                          "ours": {"startup": st}}}
+    assert rpt._startup_note(rep) == "; Inductor stock 20.8 s, ours 81.2 s; profiling run stock 4.9 s, ours 32.4 s"
+    assert rpt._startup_note({"plugin_log": {"ours": {"startup": st}}}) == ""
+
+
 # ----------------------------------------------------------------------------- comparison and report
 
 def test_compare_greedy():

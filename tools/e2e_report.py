@@ -70,6 +70,28 @@ def _dispatch_summary(text: str) -> dict:
     return {"dispatch_decisions": last, "dispatch_wins": wins}
 
 
+# vLLM's start-up phases as its engine log states them (seconds). Inductor's line is the one that
+# exposed run32 / run33's slow start (a per-layer constant defeated vLLM's reuse of one compiled
+# decoder-layer piece): compared between the engines in every report.
+STARTUP_PATTERNS = {
+    "dynamo_s": re.compile(r"Dynamo bytecode transform time: ([\d.]+) s"),
+    "inductor_s": re.compile(r"Compiling a graph for compile range .* takes ([\d.]+) s"),
+    "torch_compile_s": re.compile(r"torch\.compile took ([\d.]+) s in total"),
+    "profiling_run_s": re.compile(r"Initial profiling/warmup run took ([\d.]+) s"),
+    "graph_capture_s": re.compile(r"Graph capturing finished in ([\d.]+) secs"),
+}
+
+
+def startup_summary(text: str) -> dict:
+    """{phase: seconds} from an engine log (a phase logged several times is summed)."""
+    out = {}
+    for key, pat in STARTUP_PATTERNS.items():
+        found = [float(v) for v in pat.findall(text)]
+        if found:
+            out[key] = round(sum(found), 2)
+    return out
+
+
 def plugin_log_summary(text: str) -> dict:
     """What the ``vllm.epilora`` lines of an engine log say (each layer counted once)."""
     found = {k: {} for k in PLUGIN_LOG_PATTERNS}
@@ -93,7 +115,8 @@ def plugin_log_summary(text: str) -> dict:
             **{k: len(v) for k, v in found.items()},
             "taken_over_classes": sorted(set(found["taken_over"].values())),
             "fallback_reasons": reasons,
-            "aot_cache_loaded": "Directly load AOT compilation" in text}
+            "aot_cache_loaded": "Directly load AOT compilation" in text,
+            "startup": startup_summary(text)}
 
 
 def compare_greedy(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -412,6 +435,15 @@ def profile_markdown(runs: dict, top: int = 12) -> list[str]:
     return L
 
 
+def _startup_note(rep: dict) -> str:
+    """'; Inductor stock 20.8 s, ours 81.2 s; ...' for the phases both engines' logs state."""
+    logs = rep.get("plugin_log") or {}
+    st, ou = ((logs.get(c) or {}).get("startup") or {} for c in ("stock", "ours"))
+    names = {"inductor_s": "Inductor", "profiling_run_s": "profiling run", "graph_capture_s": "graph capture"}
+    parts = [f"{name} stock {st[k]:.1f} s, ours {ou[k]:.1f} s" for k, name in names.items() if k in st and k in ou]
+    return "; " + "; ".join(parts) if parts else ""
+
+
 def write_markdown(rep: dict, path: Path) -> None:
     runs, cmp_, spec = rep["runs"], rep["comparison"], rep["spec"]
     L = [f"# vLLM end to end: stock vs EpiLoRA plugin — {rep['date']}", "",
@@ -424,7 +456,7 @@ def write_markdown(rep: dict, path: Path) -> None:
          f"- machine: {machine_line(runs)}",
          f"- ours: env {rep['ours_env'] or '{}'}; engine start stock "
          f"{_f(_get(runs, 'stock', 'engine_start_s'), '{:.0f}')} s, ours {_f(_get(runs, 'ours', 'engine_start_s'), '{:.0f}')} s"
-         + (" (started together)" if rep["concurrent"] else "")]
+         + (" (started together)" if rep["concurrent"] else "") + _startup_note(rep)]
     rs = rep.get("rescored_from")
     if rs:
         L.append(f"- fp32 reference added later: `{rs['command']}` ({rs['date']}, git {rs['git']}) from {rs['file']}")
