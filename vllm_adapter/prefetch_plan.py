@@ -6,8 +6,8 @@ projections (attention, the norms, the activation) leave DRAM nearly idle. With
 the next projection's FP8 weight (its first bytes, up to a budget per window), so that stream
 starts from L2 (docs/perf.md v0.77). run32 measured it slower in the stream: the prefetch kernel
 lasts as long as its bytes take and vLLM's kernels of the window start only after it, although the
-prefetched lines save the next projection 3–5 µs; a second stream beside the window (v0.80) is in
-the bench first. Off by default.
+prefetched lines save the next projection 3–5 µs; on a second stream beside the window (v0.80,
+bench only) run33 measured ≤ +2.2 µs per layer, too little to build here. Off by default.
 
 What follows what is read from vLLM's module names (the decoder layers of Llama / Qwen / Mistral):
 ``…self_attn.qkv_proj`` → ``…self_attn.o_proj`` (across the attention: the "attention" window),
