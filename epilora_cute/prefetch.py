@@ -7,9 +7,9 @@ before it has completed.
 PDL dependent of its last kernel (docs/perf.md v0.77; opt-in through vllm_adapter/prefetch_plan.py).
 ``BesidePrefetch``: the same on a second stream, so that the kernels between two projections
 overlap it (v0.80, bench section ``prefetch`` only; run33: +2.2 µs per layer at one token, +0.6 …
-+1.6 without a fork across the attention — too little for the plugin, closed). v0.79's prefetch of K2's first stages before
-the decode path's shrink was measured slower whatever its budget (the extra link in the PDL chain)
-and removed (perf.md "v0.77 – v0.79 measured").
++1.6 without a fork across the attention — too little for the plugin, closed). v0.79's prefetch
+of K2's first stages before the decode path's shrink was measured slower whatever its budget (the
+extra link in the PDL chain) and removed (perf.md "v0.77 – v0.79 measured").
 """
 
 from __future__ import annotations
