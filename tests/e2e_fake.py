@@ -46,6 +46,7 @@ class FakeLLM:
             time.sleep(float(secs))
         cfg = json.loads((Path(model) / "config.json").read_text())
         self.vocab, self.layers = cfg["vocab_size"], cfg["num_hidden_layers"]
+        self.log_stats = engine.get("disable_log_stats") is False  # vLLM's LLM: off unless asked
         if self.ours:
             print("INFO 00:00:00 vllm.epilora: EpiLoRA plugin active: fused FP8 LoRA for 12 LoRA linear classes")
             for _ in range(2):  # two processes log the same layers
@@ -109,6 +110,7 @@ class FakeLLM:
             print("(EngineCore pid=1) ERROR 00:00:00 vllm.v1.engine.core: EngineCore encountered a fatal error.\n"
                   "(EngineCore pid=1) RuntimeError: CUDA error: an illegal memory access was encountered", flush=True)
             self._hang()
+        arrival = time.monotonic()
         time.sleep(STEP_S * sp.max_tokens)
         outs = []
         for k, p in enumerate(prompts):
@@ -130,7 +132,14 @@ class FakeLLM:
                         d[self._base(ids[:i], lid)] = SimpleNamespace(logprob=-0.51 + shift)
                     d.setdefault(ids[i], SimpleNamespace(logprob=self._lp(ids[:i], ids[i], lid)))
                     plp.append(d)
-            outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=gen)], prompt_logprobs=plp))
+            metrics = None
+            if self.log_stats:  # vLLM's RequestStateStats: engine-core timestamps, one step per token
+                first = arrival + STEP_S
+                metrics = SimpleNamespace(num_generation_tokens=sp.max_tokens, scheduled_ts=arrival,
+                                          first_token_ts=first, last_token_ts=first + STEP_S * (sp.max_tokens - 1),
+                                          first_token_latency=STEP_S)
+            outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=gen)], prompt_logprobs=plp,
+                                        metrics=metrics))
         return outs
 
 

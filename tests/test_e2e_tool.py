@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -230,6 +231,23 @@ def test_engine_kwargs_overrides_replace_defaults(tmp_path):
     assert e.engine_kwargs(tmp_path, 0)["max_model_len"] == 1024
 
 
+def test_engine_kwargs_ask_for_vllms_request_timestamps(tmp_path):
+    assert e.engine_kwargs(tmp_path, 0)["disable_log_stats"] is False
+
+
+def test_request_timing_from_vllms_request_stats():
+    stats = SimpleNamespace(num_generation_tokens=129, scheduled_ts=10.0, first_token_ts=10.05,
+                            last_token_ts=10.05 + 128 * 0.0036, first_token_latency=0.06)
+    t = e.request_timing(SimpleNamespace(metrics=stats))
+    assert t["decode_ms_per_token"] == pytest.approx(3.6) and t["prefill_ms"] == pytest.approx(50.0)
+    assert t["ttft_ms"] == pytest.approx(60.0)
+    assert e.request_timing(SimpleNamespace(metrics=None)) is None  # stats off: no timestamps
+    assert e.request_timing(SimpleNamespace()) is None
+    one = e.request_timing(SimpleNamespace(metrics=SimpleNamespace(num_generation_tokens=1, first_token_ts=5.0,
+                                                                    last_token_ts=5.0, scheduled_ts=4.9)))
+    assert one["decode_ms_per_token"] is None and one["prefill_ms"] == pytest.approx(100.0)
+
+
 def test_parse_env_pairs():
     assert e.parse_env_pairs(["A=1", "B_2=x=y", "C="]) == {"A": "1", "B_2": "x=y", "C": ""}
     for bad in ("A", "=1", "1A=2"):
@@ -367,8 +385,14 @@ def test_pipeline_with_stand_in_engine(tmp_path, mode):
     assert rep["concurrent"] == (not mode)
     perf = {x["metric"]: x for x in rep["performance"]}
     assert all(x["stock"] is not None and x["ours"] is not None for x in perf.values())
+    # TPOT from the engine's timestamps: the stand-in's decode steps take STEP_S each
+    for cfg in rpt.CONFIGS:
+        tp = rep["runs"][cfg]["phases"]["tpot"]["one_adapter"]
+        assert tp["tpot_source"] == "engine timestamps" and len(tp["tpot_engine_ms"]) == 1
+        assert tp["tpot_ms"] == pytest.approx(1e3 * e2e_fake.STEP_S) and tp["ttft_ms"] == pytest.approx(1e3 * e2e_fake.STEP_S)
     md = (tmp_path / "out" / "e2e.md").read_text()
     assert "| greedy 32 tokens, no adapter: identical | 16/16 | 16/16 |" in md
+    assert "TPOT rows: (stock engine timestamps, ours engine timestamps)" in md
     assert "≥ 5300" in md and "layers taken over: 8" in md
     assert rep["entry_point"].startswith("vllm_adapter.plugin:register from epilora-cute 0.0.0; module at " + str(ROOT))
     assert _leftover_processes(tmp_path) == []

@@ -31,8 +31,11 @@ stock has finished). Measurements, each configuration in its own engine:
 2. teacher-forced log-probabilities of prompt + stock's greedy tokens (``prompt_logprobs=1``):
    per position the logprob of the token and the top-1 token; also the adapter sequences
    scored without adapter (the size of an adapter's effect, what a dropped adapter would cost);
-3. batch-1 time per output token: (t(129 tokens) - t(1 token)) / 128, 512-token prompt, without
-   adapter and with one, median of --reps;
+3. batch-1 time per output token, 512-token prompt, without adapter and with one, median of
+   --reps: vLLM's TPOT, (last token - first token) / 128 from the engine core's timestamps of each
+   129-token request (``request_timing``), beside the earlier paired estimate (t(129 tokens) -
+   t(1 token)) / 128 from wall times, which also carries the prefill's scatter; and the time to
+   the first token;
 4. throughput: 64 requests of 512 random prompt tokens + 128 output tokens, without adapter,
    with 1 and with 8 adapters (round-robin), median wall time of --reps after a warm-up run;
    output tokens/s (the convention of the notes' anchors) and total tokens/s (vLLM's
@@ -234,6 +237,28 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
+def request_timing(out) -> dict | None:
+    """vLLM's own timestamps of one finished request (``RequestOutput.metrics``, filled when the
+    engine logs stats: ``engine_kwargs`` sets ``disable_log_stats=False``): the decode time per
+    output token after the first, from the engine core's timestamps of its first and last token
+    (vLLM's TPOT), the engine core's prefill time (scheduled -> first token) and the time to the
+    first token seen by the front end. None when the engine filled none of them."""
+    m = getattr(out, "metrics", None)
+    first, last = getattr(m, "first_token_ts", 0.0) or 0.0, getattr(m, "last_token_ts", 0.0) or 0.0
+    n = int(getattr(m, "num_generation_tokens", 0) or 0)
+    if m is None or not first:
+        return None
+    scheduled = getattr(m, "scheduled_ts", 0.0) or 0.0
+    return {"decode_ms_per_token": 1e3 * (last - first) / (n - 1) if n > 1 and last >= first else None,
+            "prefill_ms": 1e3 * (first - scheduled) if scheduled else None,
+            "ttft_ms": 1e3 * (getattr(m, "first_token_latency", 0.0) or 0.0) or None}
+
+
+def _median(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
 def phase_tpot(c: Ctx) -> dict:
     t = c.spec["tpot"]
     p = c.prompts("tpot", 1, t["prompt_len"])
@@ -241,17 +266,40 @@ def phase_tpot(c: Ctx) -> dict:
     out = {}
     for case, lo in (("none", None), ("one_adapter", [c.lora(0)])):
         c.greedy(p, 1, lo), c.greedy(p, n, lo)  # warm-up (adapter load, kernel JIT)
-        t1, tn = [], []
+        t1, tn, timings = [], [], []
+
+        def run(max_tokens: int) -> float:
+            sp = c.sampling(max_tokens, skip_reading_prefix_cache=True)
+            start = time.perf_counter()
+            outs = c.generate(p, sp, lo)
+            wall = time.perf_counter() - start
+            if len(outs[0].outputs[0].token_ids) != max_tokens:
+                raise RuntimeError(f"asked {max_tokens} tokens, got {len(outs[0].outputs[0].token_ids)}")
+            timings.append((max_tokens, request_timing(outs[0])))
+            return wall
+
         # The 1-token time (prefill + one step) scatters far more than the n-token one (run11:
         # 0.03-0.09 s, while 129 tokens took 0.515 s every time), and its median is subtracted:
         # three 1-token samples per n-token one, so its median stands on 3x the samples.
         for _ in range(c.spec["reps"]):
-            t1 += [_timed(lambda: c.greedy(p, 1, lo)) for _ in range(3)]
-            tn.append(_timed(lambda: c.greedy(p, n, lo)))
-        out[case] = {"t_1_token_s": t1, f"t_{n}_tokens_s": tn,
-                     "tpot_ms": 1e3 * (statistics.median(tn) - statistics.median(t1)) / (n - 1),
-                     # the least-disturbed estimate (interference only ever adds time)
-                     "tpot_min_ms": 1e3 * (min(tn) - min(t1)) / (n - 1)}
+            t1 += [run(1) for _ in range(3)]
+            tn.append(run(n))
+        paired = 1e3 * (statistics.median(tn) - statistics.median(t1)) / (n - 1)
+        # vLLM's definition from the engine's own timestamps: the n-token runs' decode steps only.
+        # The paired estimate above also carries the prefill's scatter (run34: ours' 512-token
+        # prefill took 57-137 ms from one engine start to the next, i.e. +-0.4 ms of TPOT).
+        decode = [tm["decode_ms_per_token"] for k, tm in timings if k == n and tm]
+        decode = [d for d in decode if d is not None]
+        res = {"t_1_token_s": t1, f"t_{n}_tokens_s": tn, "tpot_paired_ms": paired,
+               # the least-disturbed paired estimate (interference only ever adds time)
+               "tpot_min_ms": 1e3 * (min(tn) - min(t1)) / (n - 1),
+               "tpot_engine_ms": decode, "ttft_ms": _median(tm["ttft_ms"] for _, tm in timings if tm),
+               "prefill_ms": _median(tm["prefill_ms"] for _, tm in timings if tm)}
+        if len(decode) == len(tn):
+            res.update(tpot_ms=statistics.median(decode), tpot_source="engine timestamps")
+        else:
+            res.update(tpot_ms=paired, tpot_source="paired runs")
+        out[case] = res
     return out
 
 
@@ -497,7 +545,10 @@ def engine_kwargs(model: Path, seed: int, overrides: dict | None = None) -> dict
     kw = dict(model=str(model), quantization="fp8", enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=RANK,
               skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=64, seed=seed,
               gpu_memory_utilization=0.4, kv_cache_memory_bytes=16 << 30,
-              worker_extension_cls="tools.e2e_model.WorkerProbe")
+              worker_extension_cls="tools.e2e_model.WorkerProbe",
+              # vLLM's per-request timestamps (RequestOutput.metrics) for the TPOT phase; the
+              # offline LLM turns stats off unless asked, vLLM's server keeps them on.
+              disable_log_stats=False)
     kw.update(overrides or {})  # --engine-arg / --smoke replace the defaults
     return multi_gpu_safe(kw)
 
