@@ -501,6 +501,29 @@ def vendor_fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor,
     return out.copy_(y)
 
 
+def base_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Path "base" for a caller that knows no token has an adapter and need not ask the dispatch
+    (its only candidate then, under the default no-LoRA policy): vLLM's FP8 linear, y [M, N] bf16.
+    The checks the GEMM needs, without the adapter buffers' (the plugin's eager no-adapter calls:
+    their host time sets the pace of a prefill outside CUDA graphs, run34's TTFT)."""
+    _check_2d("x", x, torch.bfloat16)
+    m, k = x.shape
+    if w_q.dim() != 2 or w_q.dtype != torch.float8_e4m3fn or w_q.shape[1] != k:
+        raise ValueError(f"w_q must be [N, {k}] float8_e4m3fn, got {tuple(w_q.shape)} {w_q.dtype}")
+    if not x.is_cuda or w_q.device != x.device:
+        raise ValueError("the base path needs x and w_q on one CUDA GPU (the vendor FP8 GEMM)")
+    if out is None:
+        out = torch.empty(m, w_q.shape[0], dtype=torch.bfloat16, device=x.device)
+    else:
+        _check_2d("out", out, torch.bfloat16)
+        if out.shape != (m, w_q.shape[0]) or out.device != x.device:
+            raise ValueError(f"out must be [{m}, {w_q.shape[0]}] on {x.device}, got {tuple(out.shape)} on {out.device}")
+    if m == 0:
+        return out
+    return _base_path(x, w_q, w_scale, out)
+
+
 def _base_path(x, w_q, w_scale, out):
     """vLLM's FP8 linear without LoRA: its per-token quantization (our kernel, same codes and
     scales) and its CUTLASS GEMM (``vendor_fp8_gemm``), written into ``out``."""

@@ -548,3 +548,59 @@ def test_l2_flush_mode(monkeypatch):
     monkeypatch.setenv(timing.FLUSH_ENV, "zero")
     with pytest.raises(ValueError, match="EPILORA_L2_FLUSH"):
         timing.flush_mode()
+
+
+def test_no_adapter_calls_skip_the_dispatch_once_base_was_taken(tmp_path, monkeypatch):
+    """A batch the host knows has no adapter takes "base" (the only candidate under the default
+    policy); once a call of a shape, bucket and mode took it, the next ones skip the description
+    and the decision (host time per eager call). A forced path set later still wins; calls that
+    may have adapters, other buckets and the "timed" policy are described every time."""
+    from epilora_cute import bucket_warmup
+
+    monkeypatch.setattr(bucket_warmup, "enabled", lambda: False)
+    monkeypatch.setattr(d, "VERIFIED_PATHS", frozenset({"triton", "base"}))
+    for env in ("EPILORA_FORCE_PATH", "EPILORA_NO_LORA_PATH"):
+        monkeypatch.delenv(env, raising=False)
+    x, wq, ws, a, b, meta, _ = _linear_case()
+    described = []
+
+    def fake_describe(x_, w_, widths, rank, a_, b_, meta_):
+        described.append((x_.shape[0], meta_.host_num_adapters))
+        return call(k=x_.shape[1], slices=tuple(widths), rank=rank, tokens=x_.shape[0], max_loras=meta_.max_loras,
+                    host_adapters=meta_.host_num_adapters, decode_reason="fake: no decode kernels")
+    monkeypatch.setattr(d, "describe", fake_describe)
+    a_, b_, widths, rank = ops._validate_linear(x, wq, ws, a, b, meta, None)
+    monkeypatch.setattr(ops, "lora_linear_fp8", lambda *args, **kw: None)  # the timed candidate runs
+    d.set_dispatcher(d.Dispatcher(d.DispatchTable(tmp_path / "t.json"), lambda fn, mode: fn() or 1.0))
+    out = torch.empty(x.shape[0], sum(widths), dtype=torch.bfloat16)
+
+    def auto(x_, meta_):
+        return d.auto_path(x_, wq, ws, a_, b_, meta_, widths=widths, rank=rank, out=out)
+    meta.host_num_adapters = 0
+    assert [auto(x, meta) for _ in range(3)] == ["base"] * 3 and described == [(5, 0)]
+    assert auto(x[:3], meta) == "base" and described[-1] == (3, 0)  # bucket 4: its own first call
+    monkeypatch.setenv("EPILORA_FORCE_PATH", "triton")
+    assert auto(x, meta) == "triton" and len(described) == 3
+    monkeypatch.delenv("EPILORA_FORCE_PATH")
+    monkeypatch.setenv("EPILORA_NO_LORA_PATH", "timed")
+    auto(x, meta)  # timed among every no-adapter candidate: described
+    assert len(described) == 4
+    monkeypatch.delenv("EPILORA_NO_LORA_PATH")
+    meta.host_num_adapters = None
+    auto(x, meta), auto(x, meta)
+    assert len(described) == 6
+    assert d.base_is_the_no_adapter_path()
+    monkeypatch.setattr(d, "VERIFIED_PATHS", frozenset({"triton"}))  # "base" not allowed: no shortcut
+    assert not d.base_is_the_no_adapter_path()
+
+
+def test_base_linear_refuses_what_the_vendor_gemm_cannot_take():
+    x, wq, ws, *_ = _linear_case()
+    with pytest.raises(ValueError, match="CUDA GPU"):
+        ops.base_linear_fp8(x, wq, ws)  # CPU tensors
+    with pytest.raises(ValueError, match=r"w_q must be \[N, 64\]"):
+        ops.base_linear_fp8(x, wq[:, :32], ws)
+    with pytest.raises(ValueError, match="w_q must be"):
+        ops.base_linear_fp8(x, wq.float(), ws)
+    with pytest.raises((TypeError, ValueError), match="bfloat16"):
+        ops.base_linear_fp8(x.float(), wq, ws)

@@ -309,6 +309,11 @@ def test_hybrid_path_without_adapters_is_vllms_fp8_path(proj, m):
     # "base" is that path by name, and "auto" takes it for such a batch (EPILORA_NO_LORA_PATH unset).
     assert torch.equal(ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="base"), y)
     assert torch.equal(ops.lora_linear_fp8(x, wq, ws, a, b, meta), y)
+    assert torch.equal(ops.lora_linear_fp8(x, wq, ws, a, b, meta), y)  # its key known: the dispatch skipped
+    # The plugin's direct entry for flagged batches (no metadata, no dispatch): the same bits.
+    assert torch.equal(ops.base_linear_fp8(x, wq, ws), y)
+    out2 = torch.full_like(out, float("nan"))
+    assert ops.base_linear_fp8(x, wq, ws, out=out2) is out2 and torch.equal(out2, y)
 
 
 @pytest.mark.parametrize("m", [33, 256, 2048])

@@ -476,6 +476,7 @@ def test_vllm_no_lora_flag_makes_a_no_adapter_call(monkeypatch):
     monkeypatch.setattr(fused, "kernel_path", lambda d: "cute")
     monkeypatch.setattr(fused, "fused_op", lambda: fake_op)
     monkeypatch.delenv(fused.ENV_NO_LORA_SHORTCUT, raising=False)
+    monkeypatch.setenv("EPILORA_NO_LORA_PATH", "timed")  # the dispatch decides (not vLLM's path directly)
     fused.no_lora_shortcut_enabled.cache_clear()
     yes, no = torch.tensor([True]), torch.tensor([False])
     try:
@@ -488,6 +489,49 @@ def test_vllm_no_lora_flag_makes_a_no_adapter_call(monkeypatch):
     finally:
         fused.no_lora_shortcut_enabled.cache_clear()
     assert seen == [None, None, 0, None]
+
+
+def test_a_flagged_batch_goes_straight_to_vllms_fp8_path(monkeypatch):
+    """With vLLM's no-adapter flag set and the dispatch bound to take "base" for it (the default
+    policy, no forced path), the op runs vLLM's FP8 path directly (fused.base_linear_fp8: no
+    metadata, no dispatch — host time per eager call); the bias is added; a forced path, the
+    "timed" policy or an unset flag go through the dispatch as before."""
+    x, w_q, w_s, a, b, ids = _problem()
+    meta = build_meta(ids, max_loras=3, max_num_tokens=16)
+    base_calls, op_calls = [], []
+
+    def fake_base(x_, w_q_, w_scale, out=None):
+        base_calls.append(w_scale.shape)
+        return x_.new_full((x_.shape[0], w_q_.shape[0]), 2.0)
+
+    def fake_op(x_, w_q_, w_scale, lora_a, lora_b, meta_, *, chain_pdl):
+        op_calls.append(meta_.host_num_adapters)
+        return x_.new_zeros(x_.shape[0], w_q_.shape[0])
+
+    from epilora_cute import ops
+
+    monkeypatch.setattr(fused, "kernel_path", lambda d: "cute")
+    monkeypatch.setattr(fused, "fused_op", lambda: fake_op)
+    monkeypatch.setattr(ops, "base_linear_fp8", fake_base)
+    for env in (fused.ENV_NO_LORA_SHORTCUT, "EPILORA_NO_LORA_PATH", "EPILORA_FORCE_PATH"):
+        monkeypatch.delenv(env, raising=False)
+    fused.no_lora_shortcut_enabled.cache_clear()
+    yes, no = torch.tensor([True]), torch.tensor([False])
+    bias = torch.ones(w_q.shape[0], dtype=torch.bfloat16)
+    y = custom_op.lora_linear_fp8(x, w_q, w_s, a, b, meta, bias=bias, no_lora_flag_cpu=yes)
+    assert base_calls == [torch.Size([1])] and op_calls == [] and torch.equal(y, torch.full_like(y, 3.0))
+    custom_op.lora_linear_fp8(x, w_q, w_s, a, b, meta, no_lora_flag_cpu=no)
+    assert len(base_calls) == 1 and op_calls == [None]
+    monkeypatch.setenv("EPILORA_FORCE_PATH", "triton")
+    custom_op.lora_linear_fp8(x, w_q, w_s, a, b, meta, no_lora_flag_cpu=yes)
+    monkeypatch.delenv("EPILORA_FORCE_PATH")
+    monkeypatch.setenv("EPILORA_NO_LORA_PATH", "timed")
+    custom_op.lora_linear_fp8(x, w_q, w_s, a, b, meta, no_lora_flag_cpu=yes)
+    assert len(base_calls) == 1 and op_calls == [None, 0, 0]
+    monkeypatch.setattr(fused, "kernel_path", lambda d: "reference")  # no CuTe op here: never the shortcut
+    monkeypatch.delenv("EPILORA_NO_LORA_PATH")
+    y = custom_op.lora_linear_fp8(x, w_q, w_s, a, b, meta, no_lora_flag_cpu=yes)
+    assert len(base_calls) == 1 and y.shape == (x.shape[0], w_q.shape[0])
 
 
 def test_host_flags_are_registered_once_and_found_by_id():

@@ -138,6 +138,27 @@ def prepare_layer(lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor]
     prepare_tables(list(lora_a), list(lora_b))
 
 
+def base_shortcut_applies(x: torch.Tensor) -> bool:
+    """Whether a call vLLM flagged as having no adapter may go straight to vLLM's FP8 path
+    (``base_linear_fp8``): the CuTe op serves this device and its dispatch would take "base" anyway."""
+    if kernel_path(x.device) != "cute":
+        return False
+    from epilora_cute.dispatch import base_is_the_no_adapter_path
+
+    return base_is_the_no_adapter_path()
+
+
+def base_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = fp8(x) @ W^T (+ bias) with vLLM's own FP8 path, for a batch without adapters
+    (``epilora_cute.ops.base_linear_fp8``): what the op's dispatch takes for it, without building
+    the metadata, checking the adapter buffers or describing the call (host time per eager call)."""
+    y = _ops_module().base_linear_fp8(x, w_q, w_scale.reshape(1), out=out)
+    if bias is not None:
+        y = y.add_(bias) if out is not None else y + bias
+    return y
+
+
 def _reference(x, w_q, w_scale, lora_a, lora_b, meta: LoRABatchMeta) -> torch.Tensor:
     from epilora_cute.reference import lora_linear
 
