@@ -511,7 +511,7 @@ def base_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     m, k = x.shape
     if w_q.dim() != 2 or w_q.dtype != torch.float8_e4m3fn or w_q.shape[1] != k:
         raise ValueError(f"w_q must be [N, {k}] float8_e4m3fn, got {tuple(w_q.shape)} {w_q.dtype}")
-    if not x.is_cuda or w_q.device != x.device:
+    if not _on_gpu(x) or w_q.device != x.device:
         raise ValueError("the base path needs x and w_q on one CUDA GPU (the vendor FP8 GEMM)")
     if out is None:
         out = torch.empty(m, w_q.shape[0], dtype=torch.bfloat16, device=x.device)

@@ -501,6 +501,19 @@ def test_host_cpu_times_an_eager_call_with_the_gpu_faked():
     assert not hasattr(torch.cuda.current_stream, "__wrapped__") and ops._on_gpu(torch.zeros(1)) is False
 
 
+def test_host_cpu_times_the_plugins_op_on_a_flagged_batch():
+    """The "plugin_none" row: the plugin's op on a batch vLLM flagged as having no adapter goes
+    straight to vLLM's FP8 path (one launch: the quantization; the vendor GEMM is faked), and the
+    plugin's kernel-path choice is restored."""
+    from tools import host_cpu
+    from vllm_adapter import fused
+
+    before = fused.kernel_path
+    rows = host_cpu.measure(["plugin_none"], [1, 64])
+    assert [r.get("launches") for r in rows] == [1, 1], rows
+    assert all(r["host_us"] > 0 for r in rows) and fused.kernel_path is before
+
+
 # --- tools/bench_prefill_k2.py (the `prefill_k2` section): everything but the GPU timing --------
 
 

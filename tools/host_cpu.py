@@ -8,7 +8,7 @@ ones a GPU launch would get. Absolute numbers are this CPU's (the H200 machine's
 ~3-4x slower per call in run22/run23); the point is to compare versions of the host code here,
 before a GPU session confirms the gain with ``bench.py --sections launch``.
 
-    python3 tools/host_cpu.py [--paths decode_sq,decode,hybrid,auto:decode_sq,...] [--tokens 1,64]
+    python3 tools/host_cpu.py [--paths decode_sq,decode,hybrid,auto:decode_sq,plugin_none,...] [--tokens 1,64]
                               [--profile]
 """
 
@@ -121,12 +121,31 @@ def dispatch_decided(path: str):
             dispatch._device_name, bucket_warmup.enabled = saved[1], saved[2]
 
 
+@contextlib.contextmanager
+def plugin_op():
+    """The plugin's registered op (``vllm_adapter.custom_op``) as vLLM's compiled graph calls it,
+    with the CuTe op taken as this device's kernel path."""
+    from vllm_adapter import fused
+
+    saved = fused.kernel_path
+    fused.kernel_path = lambda device: "cute"
+    try:
+        with dispatch_decided("base"):  # where the op still asks the dispatch
+            yield
+    finally:
+        fused.kernel_path = saved
+
+
 def measure(paths, tokens, profile: bool = False) -> list[dict]:
     """Host µs per call of each path ("auto:<path>": through the timed dispatch, decided for
-    <path>) at each token count."""
+    <path>; "plugin_none": the plugin's op on a batch vLLM flagged as having no adapter) at each
+    token count."""
     from epilora_cute import ops
     from tools.bench import host_profile
     from tools.bench_decode import QWEN3_8B, LayerCase
+    from vllm_adapter import custom_op
+
+    no_lora_flag = torch.ones(1, dtype=torch.bool)
 
     rows = []
     launches: list = []
@@ -139,9 +158,15 @@ def measure(paths, tokens, profile: bool = False) -> list[dict]:
                 for name in paths:
                     path, _, decided = name.partition(":")
 
-                    def call():
-                        ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=c.y, path=path)
-                    ctx = dispatch_decided(decided) if decided else contextlib.nullcontext()
+                    if path == "plugin_none":
+                        def call():
+                            custom_op.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta,
+                                                      no_lora_flag_cpu=no_lora_flag)
+                        ctx = plugin_op()
+                    else:
+                        def call():
+                            ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=c.y, path=path)
+                        ctx = dispatch_decided(decided) if decided else contextlib.nullcontext()
                     try:
                         ctx.__enter__()
                         launches.clear()
