@@ -153,10 +153,14 @@ def base_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, b
     """y = fp8(x) @ W^T (+ bias) with vLLM's own FP8 path, for a batch without adapters
     (``epilora_cute.ops.base_linear_fp8``): what the op's dispatch takes for it, without building
     the metadata, checking the adapter buffers or describing the call (host time per eager call)."""
-    y = _ops_module().base_linear_fp8(x, w_q, w_scale.reshape(1), out=out)
-    if bias is not None:
-        y = y.add_(bias) if out is not None else y + bias
-    return y
+    return _with_bias(_ops_module().base_linear_fp8(x, w_q, w_scale.reshape(1), out=out), bias, out)
+
+
+def _with_bias(y: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+    """y + bias, in place when y is the caller's ``out``."""
+    if bias is None:
+        return y
+    return y.add_(bias) if out is not None else y + bias
 
 
 def _reference(x, w_q, w_scale, lora_a, lora_b, meta: LoRABatchMeta) -> torch.Tensor:
@@ -195,6 +199,4 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
         y = _reference(x, w_q, w_scale, lora_a, lora_b, meta)
         if out is not None:
             y = out.copy_(y)
-    if bias is not None:
-        y = y.add_(bias) if out is not None else y + bias
-    return y
+    return _with_bias(y, bias, out)
