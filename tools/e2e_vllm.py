@@ -182,12 +182,17 @@ class Ctx:
         outs = self.llm.generate([{"prompt_token_ids": s} for s in seqs], sp, lora_request=loras, use_tqdm=False)
         return outs
 
-    def greedy(self, seqs, max_tokens: int, loras=None) -> list[list[int]]:
+    def greedy_outputs(self, seqs, max_tokens: int, loras=None) -> list:
+        """vLLM's outputs of a greedy run (prefix cache not read), each checked to hold max_tokens."""
         sp = self.sampling(max_tokens, skip_reading_prefix_cache=True)
-        toks = [list(o.outputs[0].token_ids) for o in self.generate(seqs, sp, loras)]
-        if any(len(t) != max_tokens for t in toks):
-            raise RuntimeError(f"asked {max_tokens} tokens, got {sorted({len(t) for t in toks})}")
-        return toks
+        outs = self.generate(seqs, sp, loras)
+        lens = {len(o.outputs[0].token_ids) for o in outs}
+        if lens - {max_tokens}:
+            raise RuntimeError(f"asked {max_tokens} tokens, got {sorted(lens)}")
+        return outs
+
+    def greedy(self, seqs, max_tokens: int, loras=None) -> list[list[int]]:
+        return [list(o.outputs[0].token_ids) for o in self.greedy_outputs(seqs, max_tokens, loras)]
 
     def score(self, seqs, loras=None) -> dict:
         """Teacher-forced: per sequence, for positions 1..L-1, the logprob of the given token and
@@ -269,12 +274,9 @@ def phase_tpot(c: Ctx) -> dict:
         t1, tn, timings = [], [], []
 
         def run(max_tokens: int) -> float:
-            sp = c.sampling(max_tokens, skip_reading_prefix_cache=True)
             start = time.perf_counter()
-            outs = c.generate(p, sp, lo)
+            outs = c.greedy_outputs(p, max_tokens, lo)
             wall = time.perf_counter() - start
-            if len(outs[0].outputs[0].token_ids) != max_tokens:
-                raise RuntimeError(f"asked {max_tokens} tokens, got {len(outs[0].outputs[0].token_ids)}")
             timings.append((max_tokens, request_timing(outs[0])))
             return wall
 
