@@ -49,6 +49,17 @@ class IdentityMemo:
         self._d[key] = (tuple(weakref.ref(o) for o in objs), value)
         return value
 
+    def lookup(self, objs: Sequence, extra: tuple = ()):
+        """The value stored for these objects and ``extra``, or None (nothing made or stored)."""
+        hit = self._d.get((*map(id, objs), extra))
+        if hit is None:
+            return None
+        refs, value = hit
+        for r, o in zip(refs, objs):
+            if r() is not o:
+                return None
+        return value
+
     def clear(self) -> None:
         self._d.clear()
 

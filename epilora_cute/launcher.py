@@ -226,11 +226,77 @@ class Kernel:
         grid = tuple(grid)
         if min(grid) < 1:
             return  # empty launch: nothing to do (the driver would reject it)
-        dev, loaded = self._load()
         raw, slots, _, ptrs_addr = self._buffers()
         for (write, off), a in zip(slots, args):
             write(raw, off, a)
+        self._launch(ptrs_addr, grid, smem, pdl, cluster, stream)
+
+    def _launch(self, ptrs_addr: int, grid, smem: int, pdl: bool, cluster, stream) -> None:
+        """cuLaunchKernelEx with the parameters already written behind ``ptrs_addr``."""
+        dev, loaded = self._load()
         handle = (stream if stream is not None else torch.cuda.current_stream(dev)).cuda_stream
         self._ensure_attrs(loaded, dev, smem, cluster)
         cfg = self._config(grid, smem, pdl, cluster, handle)
         _check(_driver().cuLaunchKernelEx(cfg, loaded.function, ptrs_addr, 0))
+
+    def plan(self, static: dict[int, object]) -> "LaunchPlan":
+        """A launch plan: the parameters at the indices of ``static`` packed now, once (validated
+        by their declarations as in a launch); each launch of the plan writes only the others."""
+        return LaunchPlan(self, static)
+
+
+class LaunchPlan:
+    """A kernel's parameter buffer with its long-lived parameters written once.
+
+    An eager projection's launches differ from call to call only in a few parameters (the
+    activations, the outputs, the scratch between kernels); the rest (weights, adapter buffers,
+    the metadata's persistent tensors, flags) is the same tensors every call, and writing them
+    was most of a launch's host time. The plan keeps their packed bytes (never the tensors: a
+    plan may live in an identity memo, which must not keep buffers alive) and copies them into
+    each thread's buffer once; ``plan(*dynamic, ...)`` writes the remaining parameters in
+    declaration order and launches. The bytes of a plan's launch are those of
+    ``kernel(*all_args, ...)`` with the same values, bit for bit (tests/test_launch_plan.py)."""
+
+    def __init__(self, kernel: Kernel, static: dict[int, object]):
+        n = len(kernel.params)
+        if any(not 0 <= i < n for i in static):
+            raise IndexError(f"{kernel.artifact.family}: static parameter index out of 0..{n - 1}")
+        self.kernel = kernel
+        scratch = ctypes.create_string_buffer(kernel._buf_size + 64)
+        self._static = []
+        for i, v in static.items():
+            off, size = kernel._offsets[i], kernel.params[i].size
+            kernel._writers[i](scratch, off, v)
+            self._static.append((off, scratch.raw[off:off + size]))
+        self._dynamic_idx = tuple(i for i in range(n) if i not in static)
+        self._tls = threading.local()
+
+    @property
+    def num_dynamic(self) -> int:
+        return len(self._dynamic_idx)
+
+    def _buffers(self):
+        bufs = getattr(self._tls, "bufs", None)
+        if bufs is None:
+            k = self.kernel
+            raw = ctypes.create_string_buffer(k._buf_size + 64)
+            base = (ctypes.addressof(raw) + 63) // 64 * 64
+            shift = base - ctypes.addressof(raw)
+            for off, blob in self._static:
+                raw[shift + off:shift + off + len(blob)] = blob
+            ptrs = (ctypes.c_void_p * len(k.params))(*[base + o for o in k._offsets])
+            slots = tuple((k._writers[i], shift + k._offsets[i]) for i in self._dynamic_idx)
+            bufs = self._tls.bufs = (raw, slots, ptrs, ctypes.addressof(ptrs))
+        return bufs
+
+    def __call__(self, *dynamic, grid: tuple[int, int, int], smem: int = 0, pdl: bool = False,
+                 cluster: tuple[int, int, int] | None = None, stream: torch.cuda.Stream | None = None) -> None:
+        if len(dynamic) != len(self._dynamic_idx):
+            raise TypeError(f"{self.kernel.artifact.family}: {len(self._dynamic_idx)} dynamic arguments expected, "
+                            f"got {len(dynamic)}")
+        if min(grid) < 1:
+            return
+        raw, slots, _, ptrs_addr = self._buffers()
+        for (write, off), a in zip(slots, dynamic):
+            write(raw, off, a)
+        self.kernel._launch(ptrs_addr, tuple(grid), smem, pdl, cluster, stream)

@@ -559,8 +559,7 @@ def _hybrid_path(x, w_q, w_scale, a, b, meta, out, slot_ranks):
     """K1 (bit-exact quantization + split-K shrink, one launch), the vendor FP8 GEMM, then our
     expand-add into its output: three launches instead of vLLM's four. (A batch the host knows to
     have no adapter takes vLLM's FP8 path instead: lora_linear_fp8.)"""
-    from kernels_dsl.expand_add import expand_add
-    from kernels_dsl.k1_shrink import k1_quant_shrink
+    from .launch_plans import expand_add, k1_quant_shrink
 
     codes, scales, h = k1_quant_shrink(x, a, meta, slot_ranks=slot_ranks, h_dtype=hybrid_h_dtype())
     vendor_fp8_gemm(codes, scales, w_q, w_scale, out=out)
@@ -593,8 +592,7 @@ def _hybrid_par_path(x, w_q, w_scale, a, b, meta, out, slot_ranks, quant_first: 
     (quantization -> GEMM) does not queue behind K1's CTAs. Neither order wins everywhere (run22,
     vLLM's GEMM, 8 adapters: 64 tokens 145 vs 188 µs per layer, 256 tokens 219 vs 207): the timed
     dispatch takes either per key."""
-    from kernels_dsl.expand_add import expand_add
-    from kernels_dsl.k1_shrink import k1_quant_shrink
+    from .launch_plans import expand_add, k1_quant_shrink
 
     m, k = x.shape
     dev = x.device

@@ -8,7 +8,8 @@ ones a GPU launch would get. Absolute numbers are this CPU's (the H200 machine's
 ~3-4x slower per call in run22/run23); the point is to compare versions of the host code here,
 before a GPU session confirms the gain with ``bench.py --sections launch``.
 
-    python3 tools/host_cpu.py [--paths decode_sq,decode,hybrid,auto:decode_sq,plugin_none,...] [--tokens 1,64]
+    python3 tools/host_cpu.py [--paths decode_sq,decode,hybrid,auto:decode_sq,plugin_none,plugin:hybrid,...]
+                              [--tokens 1,64]
                               [--profile]
 """
 
@@ -122,15 +123,15 @@ def dispatch_decided(path: str):
 
 
 @contextlib.contextmanager
-def plugin_op():
+def plugin_op(decided: str = "base"):
     """The plugin's registered op (``vllm_adapter.custom_op``) as vLLM's compiled graph calls it,
-    with the CuTe op taken as this device's kernel path."""
+    with the CuTe op taken as this device's kernel path and the dispatch decided for ``decided``."""
     from vllm_adapter import fused
 
     saved = fused.kernel_path
     fused.kernel_path = lambda device: "cute"
     try:
-        with dispatch_decided("base"):  # where the op still asks the dispatch
+        with dispatch_decided(decided):  # where the op still asks the dispatch
             yield
     finally:
         fused.kernel_path = saved
@@ -138,14 +139,16 @@ def plugin_op():
 
 def measure(paths, tokens, profile: bool = False) -> list[dict]:
     """Host µs per call of each path ("auto:<path>": through the timed dispatch, decided for
-    <path>; "plugin_none": the plugin's op on a batch vLLM flagged as having no adapter) at each
-    token count."""
+    <path>; "plugin_none": the plugin's op on a batch vLLM flagged as having no adapter;
+    "plugin:<path>": the plugin's op on a batch with adapters, the dispatch decided for <path>) at
+    each token count."""
     from epilora_cute import ops
     from tools.bench import host_profile
     from tools.bench_decode import QWEN3_8B, LayerCase
     from vllm_adapter import custom_op
 
     no_lora_flag = torch.ones(1, dtype=torch.bool)
+    lora_flag = torch.zeros(1, dtype=torch.bool)
 
     rows = []
     launches: list = []
@@ -163,6 +166,11 @@ def measure(paths, tokens, profile: bool = False) -> list[dict]:
                             custom_op.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta,
                                                       no_lora_flag_cpu=no_lora_flag)
                         ctx = plugin_op()
+                    elif path == "plugin":
+                        def call():
+                            custom_op.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta,
+                                                      no_lora_flag_cpu=lora_flag)
+                        ctx = plugin_op(decided or "hybrid")
                     else:
                         def call():
                             ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=c.y, path=path)

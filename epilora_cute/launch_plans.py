@@ -1,0 +1,257 @@
+"""Launch plans for the hybrid paths' eager calls: K1 and the expand-add with their long-lived
+parameters packed once.
+
+An eager projection on the hybrid paths (a prefill chunk outside CUDA graphs) spent most of its
+host time checking and packing what is the same on every call of a layer: the adapter buffers,
+the metadata's persistent tensors, the slot ranks, the flags (run35: one adapter's 512-token TTFT
+1.46x stock's; `tools/host_cpu.py --paths plugin:hybrid`: 319 µs per call on the CPU here, K1's
+wrapper 98 and the expand-add's 66 of it). The first call with a set of such objects goes through
+the family's own entry (``k1_quant_shrink`` / ``expand_add``: every check, its error messages) and
+leaves a plan (``launcher.LaunchPlan``) keyed by those objects' identity (``IdentityMemo``: a plan
+is found only for the very objects it was made from, whose geometry never changes in place — the
+assumption of ops' layer memo). Later calls check only what changes between calls (the
+activations, the outputs, the token count) and write only those parameters. Anything unusual (a
+forced configuration, sorted codes, a shape the plan does not cover) takes the family's entry.
+
+The families' parameter order is restated here (``_k1_static`` / ``_expand_static``);
+tests/test_launch_plans.py checks that a planned launch's bytes are the family entry's, bit for
+bit, so a change to a family's parameters that is not made here fails there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import arch as _arch
+from .identity_memo import IdentityMemo, tensor_key
+
+_k1_plans = IdentityMemo()
+_expand_plans = IdentityMemo()
+K1_DYNAMIC = 4  # x, codes, scales, h: the parameters K1's plan writes per launch
+EXPAND_DYNAMIC = 2  # y, h
+
+
+class _Plan:
+    """A launch plan and the facts the family's checks established when it was made."""
+    __slots__ = ("launch", "max_loras", "rank", "widths", "n")
+
+    def __init__(self, launch, max_loras: int, rank: int, widths: tuple = ()):
+        self.launch, self.max_loras, self.rank = launch, max_loras, rank
+        self.widths, self.n = widths, sum(widths)
+
+
+def _objects(slices, meta_tensors, slot_ranks) -> tuple[tuple, tuple] | None:
+    """(objects, plain key part) identifying a call's long-lived arguments for IdentityMemo; None
+    when they are not what the ops pass (a list of 1..4 tensors)."""
+    if not isinstance(slices, (list, tuple)) or not 1 <= len(slices) <= 4:
+        return None
+    objs, extra = list(meta_tensors), [slot_ranks is not None]
+    if slot_ranks is not None:
+        objs.append(slot_ranks)
+    for t in slices:
+        if not isinstance(t, torch.Tensor):
+            return None
+        o, e = tensor_key(t)
+        objs += o
+        extra.append(e)
+    return tuple(objs), tuple(extra)
+
+
+def clear() -> None:
+    """Forget every plan (tests; a plan never outlives its objects anyway)."""
+    _k1_plans.clear()
+    _expand_plans.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# K1 (kernels_dsl.k1_shrink): x, codes, scales, h, then the long-lived parameters.
+
+def _k1_meta(meta) -> tuple:
+    return (meta.token_indices_sorted_by_lora_ids, meta.row_group, meta.active_lora_ids, meta.lora_token_start_loc)
+
+
+def _k1_static(lora_a_slices, meta, slot_ranks) -> tuple[list, int, int]:
+    """K1's parameters after the dynamic four, as ``k1_quant_shrink`` passes them (sorted_codes 0),
+    and (max_loras, rank)."""
+    from kernels_dsl.k1_shrink import _as_3d
+
+    as_ = [_as_3d(a, "lora_a") for a in lora_a_slices]
+    L, R, K = as_[0].shape
+    ranks = slot_ranks if slot_ranks is not None else meta.active_lora_ids
+    args = [*_k1_meta(meta), ranks, *[a.reshape(L * R, K) for a in as_], 1 if slot_ranks is not None else 0, 0]
+    return args, int(L), int(R)
+
+
+@functools.lru_cache(maxsize=8192)  # pure in its arguments, asked on every planned launch
+def _k1_grid(k: int, m: int, cfg, max_loras: int):
+    from kernels_dsl.k1_shrink import grid
+
+    return grid(k, m, cfg, max_loras=max_loras)
+
+
+def _k1_key(x, lora_a_slices, meta, slot_ranks, h_bf16: bool):
+    """(objects, key part, cfg, arch) of a K1 call, or None when no plan can serve it."""
+    from kernels_dsl.k1_shrink import select_for_h
+
+    key = _objects(lora_a_slices, _k1_meta(meta), slot_ranks)
+    if key is None or not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype is not torch.bfloat16:
+        return None
+    M, K = x.shape
+    if M == 0 or meta.num_tokens != M:
+        return None
+    arch = _arch.arch_of(x)
+    if arch is None:
+        return None
+    cfg = select_for_h(len(lora_a_slices), K, int(lora_a_slices[0].shape[-2]), M, h_bf16)
+    objs, extra = key
+    return objs, (*extra, K, cfg, arch, x.device), cfg, arch
+
+
+def k1_quant_shrink(x, lora_a_slices, meta, codes=None, scales=None, h=None, slot_ranks=None, *,
+                    h_dtype: torch.dtype = torch.float32):
+    """``kernels_dsl.k1_shrink.k1_quant_shrink`` (codes and scales in token order, the kernel's own
+    configuration), through a launch plan when one serves the call."""
+    from kernels_dsl import k1_shrink
+
+    h_bf16 = (h.dtype if h is not None else h_dtype) is torch.bfloat16
+    key = _k1_key(x, lora_a_slices, meta, slot_ranks, h_bf16)
+    plan = _k1_plans.lookup(key[0], key[1]) if key is not None else None
+    if plan is not None:
+        out = _k1_planned(plan, key[2], x, len(lora_a_slices), codes, scales, h, h_dtype)
+        if out is not None:
+            return out
+    if codes is None and scales is None and h is None:
+        out = k1_shrink.k1_quant_shrink(x, lora_a_slices, meta, slot_ranks=slot_ranks, h_dtype=h_dtype)
+    else:
+        out = k1_shrink.k1_quant_shrink(x, lora_a_slices, meta, codes, scales, h, slot_ranks=slot_ranks)
+    if key is not None:  # checked by the family's entry just now: plan the next calls
+        objs, extra, cfg, arch = key
+        _k1_plans.get(objs, lambda: _make_k1_plan(lora_a_slices, meta, slot_ranks, cfg, arch), extra)
+    return out
+
+
+def _make_k1_plan(lora_a_slices, meta, slot_ranks, cfg, arch) -> _Plan:
+    from kernels_dsl import k1_shrink
+
+    from .kernels import get_kernel
+
+    static, L, R = _k1_static(lora_a_slices, meta, slot_ranks)
+    kernel = get_kernel(k1_shrink, cfg, arch)
+    return _Plan(kernel.plan({K1_DYNAMIC + i: v for i, v in enumerate(static)}), L, R)
+
+
+def _k1_planned(plan: _Plan, cfg, x, num_slices: int, codes, scales, h, h_dtype):
+    """The planned launch after the per-call checks (the family entry's, for what changes between
+    calls); None sends the call to the family's entry (which raises where the input is wrong)."""
+    M, K = x.shape
+    if K % 8 or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        return None
+    dev = x.device
+    if codes is None:
+        codes = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=dev)
+    elif codes.dtype is not torch.float8_e4m3fn or codes.shape != (M, K) or codes.device != dev \
+            or codes.stride(1) != 1 or codes.stride(0) % 8 or codes.data_ptr() % 16:
+        return None
+    if scales is None:
+        scales = torch.empty((M, 1), dtype=torch.float32, device=dev)
+    elif scales.dtype is not torch.float32 or scales.numel() != M or scales.device != dev or \
+            (M > 1 and scales.reshape(-1).stride(0) != 1):
+        return None
+    R = plan.rank
+    if h is None:
+        if h_dtype not in (torch.float32, torch.bfloat16):
+            return None
+        h = torch.empty((num_slices, M, R), dtype=h_dtype, device=dev)
+    elif h.dtype not in (torch.float32, torch.bfloat16) or h.dim() != 3 or h.shape[0] != num_slices or h.shape[1] < M or h.shape[2] != R or h.device != dev \
+            or h.stride(2) != 1 or h.stride(1) != R or h.stride(0) % R or h.data_ptr() % 16:
+        return None
+    g, cl = _k1_grid(K, M, cfg, plan.max_loras)
+    plan.launch(x, codes.view(torch.int16), scales.reshape(-1), h, grid=g, cluster=cl, smem=cfg.smem_bytes)
+    return codes, scales, h
+
+
+# ---------------------------------------------------------------------------------------------
+# The expand-add (kernels_dsl.expand_add): y, h, then the long-lived parameters.
+
+def _expand_meta(meta) -> tuple:
+    return (meta.token_indices_sorted_by_lora_ids, meta.sorted_lora_ids, meta.row_group, meta.active_lora_ids,
+            meta.lora_token_start_loc)
+
+
+def _expand_static(lora_b_slices, meta, slot_ranks) -> tuple[list, int, int, tuple]:
+    """The expand-add's parameters after y and h, as ``expand_add`` passes them, and (max_loras,
+    rank, slice widths)."""
+    from kernels_dsl.expand_add import _as_3d
+
+    bs = [_as_3d(b, "lora_b") for b in lora_b_slices]
+    L, _, R = bs[0].shape
+    widths = [int(b.shape[1]) for b in bs]
+    ranks = slot_ranks if slot_ranks is not None else meta.active_lora_ids
+    args = [*_expand_meta(meta), ranks, *[b.reshape(L * w, R) for b, w in zip(bs, widths)], *widths,
+            1 if slot_ranks is not None else 0]
+    return args, int(L), int(R), tuple(widths)
+
+
+@functools.lru_cache(maxsize=8192)  # pure in its arguments, asked on every planned launch
+def _expand_grid(widths: tuple, m: int, cfg, max_loras: int):
+    from kernels_dsl.expand_add import grid
+
+    return grid(widths, m, cfg, max_loras=max_loras)
+
+
+def expand_add(y, h, lora_b_slices, meta, slot_ranks=None):
+    """``kernels_dsl.expand_add.expand_add`` (the kernel's own configuration), through a launch plan
+    when one serves the call. Returns y."""
+    from kernels_dsl import expand_add as ea
+
+    key = None
+    if isinstance(y, torch.Tensor) and y.dim() == 2 and y.dtype is torch.bfloat16 and isinstance(h, torch.Tensor) \
+            and h.dim() == 3 and h.dtype in (torch.float32, torch.bfloat16):
+        key = _expand_key(y, h, lora_b_slices, meta, slot_ranks)
+    plan = _expand_plans.lookup(key[0], key[1]) if key is not None else None
+    if plan is not None and _expand_planned(plan, key[2], y, h, len(lora_b_slices)):
+        return y
+    ea.expand_add(y, h, lora_b_slices, meta, slot_ranks=slot_ranks)
+    if key is not None:
+        objs, extra, cfg, arch = key
+        _expand_plans.get(objs, lambda: _make_expand_plan(lora_b_slices, meta, slot_ranks, cfg, arch), extra)
+    return y
+
+
+def _expand_key(y, h, lora_b_slices, meta, slot_ranks):
+    from kernels_dsl.expand_add import select_for_h
+
+    key = _objects(lora_b_slices, _expand_meta(meta), slot_ranks)
+    M = y.shape[0]
+    if key is None or M == 0 or meta.num_tokens != M:
+        return None
+    arch = _arch.arch_of(y)
+    if arch is None:
+        return None
+    cfg = select_for_h(len(lora_b_slices), M, int(lora_b_slices[0].shape[-1]), h.dtype is torch.bfloat16)
+    objs, extra = key
+    return objs, (*extra, cfg, arch, y.device), cfg, arch
+
+
+def _make_expand_plan(lora_b_slices, meta, slot_ranks, cfg, arch) -> _Plan:
+    from kernels_dsl import expand_add as ea
+
+    from .kernels import get_kernel
+
+    static, L, R, widths = _expand_static(lora_b_slices, meta, slot_ranks)
+    kernel = get_kernel(ea, cfg, arch)
+    return _Plan(kernel.plan({EXPAND_DYNAMIC + i: v for i, v in enumerate(static)}), L, R, widths)
+
+
+def _expand_planned(plan: _Plan, cfg, y, h, num_slices: int) -> bool:
+    M = y.shape[0]
+    R = plan.rank
+    if y.shape[1] != plan.n or y.stride(1) != 1 or y.stride(0) % 8 or y.data_ptr() % 16:
+        return False
+    if h.shape[0] != num_slices or h.shape[1] < M or h.shape[2] != R or h.device != y.device or h.stride(2) != 1 \
+            or h.stride(1) != R or h.stride(0) % R or h.data_ptr() % 16:
+        return False
+    plan.launch(y, h, grid=_expand_grid(plan.widths, M, cfg, plan.max_loras), smem=cfg.smem_bytes)
+    return True
