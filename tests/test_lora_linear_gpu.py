@@ -290,6 +290,32 @@ def test_hybrid_par_in_a_cuda_graph_with_new_inputs(path):
         assert torch.equal(out, ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="hybrid"))
 
 
+@pytest.mark.parametrize("path", ["hybrid", "hybrid_par", "hybrid_par_q"])
+@pytest.mark.parametrize("m", [1, 64, 300])
+@pytest.mark.parametrize("proj", ["qkv", "down"])
+def test_hybrid_paths_through_launch_plans_are_the_family_entries_bit_for_bit(proj, m, path):
+    """Calls after the first with the same adapter buffers and metadata launch K1 and the
+    expand-add through launch plans (epilora_cute/launch_plans.py): with new activations each
+    call, y is bit for bit what a call without plans (the families' own entries) computes."""
+    from epilora_cute import launch_plans
+
+    widths, k = QWEN3_8B[proj]
+    x, wq, ws, a, b, mapping = _case(widths, k, m, seed=m + 41)
+    meta = build_meta(mapping, 4)
+    launch_plans.clear()
+    ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path)  # the families' entries; plans made
+    assert len(launch_plans._k1_plans) and len(launch_plans._expand_plans)
+    for seed in (42, 43):
+        x2 = _case(widths, k, m, seed=seed)[0]
+        out = torch.full((m, sum(widths)), float("nan"), dtype=torch.bfloat16, device="cuda")
+        planned = ops.lora_linear_fp8(x2, wq, ws, a, b, meta, out=out, path=path)
+        launch_plans.clear()
+        cold = ops.lora_linear_fp8(x2, wq, ws, a, b, meta, path=path)
+        torch.cuda.synchronize()
+        assert planned.data_ptr() == out.data_ptr() and torch.equal(planned.view(torch.int16), cold.view(torch.int16))
+        assert _rel_err(planned, _reference(x2, wq, ws, a, b, mapping)) < 1e-2
+
+
 @pytest.mark.parametrize("m", [1, 33, 2048])
 @pytest.mark.parametrize("proj", ["qkv", "down"])
 def test_hybrid_path_without_adapters_is_vllms_fp8_path(proj, m):
