@@ -796,7 +796,7 @@ def test_profile_phase_with_stand_in_engine(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for config in ("stock", "ours"):
         prof = rep["runs"][config]["phases"]["profile"]
-        assert set(prof) == {"none", "one_adapter", "eight_adapters_b64"}, prof
+        assert set(prof) == {"none", "one_adapter", "eight_adapters_b64", "none_b64"}, prof
         for case in prof.values():
             assert case["wall_ms_per_token"] >= 0 and case["kernels_per_token"] == 0 and case["top"] == []
         # the batched case also keeps its 1-token run (the batch's prefill) as it is

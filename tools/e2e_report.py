@@ -424,8 +424,8 @@ def profile_markdown(runs: dict, top: int = 12) -> list[str]:
     if not any(prof.values()):
         return []
     L = ["", "## Where a generated token's time goes (`profile` phase: GPU worker's profiler, "
-         "(n-token run − 1-token run) / (n − 1); batch 1, and `eight_adapters_bN`: one decode step of the "
-         "throughput batch of N requests, per step)", "",
+         "(n-token run − 1-token run) / (n − 1); batch 1, and `eight_adapters_bN` / `none_bN`: one decode step "
+         "of the throughput batch of N requests with its 8 adapters / without adapters, per step)", "",
          "| engine, case | wall ms/token | kernels busy µs | kernels span µs | kernels per token |", "|---|---|---|---|---|"]
     for c, cases in prof.items():
         for case, r in (cases or {}).items():
