@@ -21,11 +21,22 @@ bit, so a change to a family's parameters that is not made here fails there.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from . import arch as _arch
 from .identity_memo import IdentityMemo, tensor_key
+
+ENV = "EPILORA_LAUNCH_PLANS"
+
+
+@functools.lru_cache(maxsize=1)
+def enabled() -> bool:
+    """EPILORA_LAUNCH_PLANS (default 1), read once per process: 0 sends every call to the families'
+    entries (a before / after of the host time in one process: ``enabled.cache_clear()``)."""
+    return os.environ.get(ENV, "1") != "0"
+
 
 _k1_plans = IdentityMemo()
 _expand_plans = IdentityMemo()
@@ -116,7 +127,7 @@ def k1_quant_shrink(x, lora_a_slices, meta, codes=None, scales=None, h=None, slo
     from kernels_dsl import k1_shrink
 
     h_bf16 = (h.dtype if h is not None else h_dtype) is torch.bfloat16
-    key = _k1_key(x, lora_a_slices, meta, slot_ranks, h_bf16)
+    key = _k1_key(x, lora_a_slices, meta, slot_ranks, h_bf16) if enabled() else None
     plan = _k1_plans.lookup(key[0], key[1]) if key is not None else None
     if plan is not None:
         out = _k1_planned(plan, key[2], x, len(lora_a_slices), codes, scales, h, h_dtype)
@@ -207,7 +218,7 @@ def expand_add(y, h, lora_b_slices, meta, slot_ranks=None):
     from kernels_dsl import expand_add as ea
 
     key = None
-    if isinstance(y, torch.Tensor) and y.dim() == 2 and y.dtype is torch.bfloat16 and isinstance(h, torch.Tensor) \
+    if enabled() and isinstance(y, torch.Tensor) and y.dim() == 2 and y.dtype is torch.bfloat16 and isinstance(h, torch.Tensor) \
             and h.dim() == 3 and h.dtype in (torch.float32, torch.bfloat16):
         key = _expand_key(y, h, lora_b_slices, meta, slot_ranks)
     plan = _expand_plans.lookup(key[0], key[1]) if key is not None else None

@@ -187,3 +187,19 @@ def test_launch_plan_rejects_bad_indices_and_counts():
         plan = kern.plan({len(kern.params) - 1: 0})
         with pytest.raises(TypeError, match="dynamic arguments"):
             plan(1, grid=(1, 1, 1))
+
+
+def test_plans_off_sends_every_call_to_the_family_entry(launches, monkeypatch):
+    """EPILORA_LAUNCH_PLANS=0: no plan is made or used (the same launches, through the entries)."""
+    monkeypatch.setenv(launch_plans.ENV, "0")
+    launch_plans.enabled.cache_clear()
+    try:
+        c = Case(QKV)
+        for _ in range(2):
+            x = c.x(64)
+            out = launch_plans.k1_quant_shrink(x, c.a, c.meta(64))
+            launch_plans.expand_add(torch.empty(64, 6144, dtype=torch.bfloat16), out[2], c.b, c.meta(64))
+        assert len(launch_plans._k1_plans) == 0 and len(launch_plans._expand_plans) == 0 and len(launches) == 4
+    finally:
+        monkeypatch.delenv(launch_plans.ENV)
+        launch_plans.enabled.cache_clear()
