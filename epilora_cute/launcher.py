@@ -255,7 +255,7 @@ class LaunchPlan:
     plan may live in an identity memo, which must not keep buffers alive) and copies them into
     each thread's buffer once; ``plan(*dynamic, ...)`` writes the remaining parameters in
     declaration order and launches. The bytes of a plan's launch are those of
-    ``kernel(*all_args, ...)`` with the same values, bit for bit (tests/test_launch_plan.py)."""
+    ``kernel(*all_args, ...)`` with the same values, bit for bit (tests/test_launch_plans.py)."""
 
     def __init__(self, kernel: Kernel, static: dict[int, object]):
         n = len(kernel.params)
@@ -270,10 +270,6 @@ class LaunchPlan:
             self._static.append((off, scratch.raw[off:off + size]))
         self._dynamic_idx = tuple(i for i in range(n) if i not in static)
         self._tls = threading.local()
-
-    @property
-    def num_dynamic(self) -> int:
-        return len(self._dynamic_idx)
 
     def _buffers(self):
         bufs = getattr(self._tls, "bufs", None)
