@@ -175,7 +175,8 @@ def _k1_planned(plan: _Plan, cfg, x, num_slices: int, codes, scales, h, h_dtype)
         if h_dtype not in (torch.float32, torch.bfloat16):
             return None
         h = torch.empty((num_slices, M, R), dtype=h_dtype, device=dev)
-    elif h.dtype not in (torch.float32, torch.bfloat16) or h.dim() != 3 or h.shape[0] != num_slices or h.shape[1] < M or h.shape[2] != R or h.device != dev \
+    elif h.dtype not in (torch.float32, torch.bfloat16) or h.dim() != 3 or h.shape[0] != num_slices \
+            or h.shape[1] < M or h.shape[2] != R or h.device != dev \
             or h.stride(2) != 1 or h.stride(1) != R or h.stride(0) % R or h.data_ptr() % 16:
         return None
     g, cl = _k1_grid(K, M, cfg, plan.max_loras)
@@ -218,8 +219,8 @@ def expand_add(y, h, lora_b_slices, meta, slot_ranks=None):
     from kernels_dsl import expand_add as ea
 
     key = None
-    if enabled() and isinstance(y, torch.Tensor) and y.dim() == 2 and y.dtype is torch.bfloat16 and isinstance(h, torch.Tensor) \
-            and h.dim() == 3 and h.dtype in (torch.float32, torch.bfloat16):
+    if enabled() and isinstance(y, torch.Tensor) and y.dim() == 2 and y.dtype is torch.bfloat16 \
+            and isinstance(h, torch.Tensor) and h.dim() == 3 and h.dtype in (torch.float32, torch.bfloat16):
         key = _expand_key(y, h, lora_b_slices, meta, slot_ranks)
     plan = _expand_plans.lookup(key[0], key[1]) if key is not None else None
     if plan is not None and _expand_planned(plan, key[2], y, h, len(lora_b_slices)):

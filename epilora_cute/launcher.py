@@ -142,17 +142,25 @@ class Kernel:
         self._buf_size = off + 64
 
     def _buffers(self):
-        """This thread's parameter buffer, the offset of its 64-byte aligned start, and the
-        address of the pointer array into it (made once per thread)."""
+        """This thread's parameter buffer, the (writer, offset) slot of every parameter in it, and
+        the pointer array into it with its address (made once per thread)."""
         bufs = getattr(self._tls, "bufs", None)
         if bufs is None:
-            raw = ctypes.create_string_buffer(self._buf_size + 64)
-            base = (ctypes.addressof(raw) + 63) // 64 * 64
-            ptrs = (ctypes.c_void_p * len(self.params))(*[base + o for o in self._offsets])
-            shift = base - ctypes.addressof(raw)
-            slots = tuple(zip(self._writers, [shift + o for o in self._offsets]))
-            bufs = self._tls.bufs = (raw, slots, ptrs, ctypes.addressof(ptrs))
+            bufs = self._tls.bufs = self._new_buffers(range(len(self.params)))
         return bufs
+
+    def _new_buffers(self, written, preset=()):
+        """A parameter buffer aligned to 64 bytes, ``preset`` (offset, bytes) pairs copied in, the
+        (writer, offset) slots of the parameter indices ``written``, the pointer array to every
+        parameter and its address."""
+        raw = ctypes.create_string_buffer(self._buf_size + 64)
+        base = (ctypes.addressof(raw) + 63) // 64 * 64
+        shift = base - ctypes.addressof(raw)
+        for off, blob in preset:
+            raw[shift + off:shift + off + len(blob)] = blob
+        ptrs = (ctypes.c_void_p * len(self.params))(*[base + o for o in self._offsets])
+        slots = tuple((self._writers[i], shift + self._offsets[i]) for i in written)
+        return raw, slots, ptrs, ctypes.addressof(ptrs)
 
     def _load(self) -> tuple[int, _Loaded]:
         dev = torch.cuda.current_device()
@@ -274,15 +282,7 @@ class LaunchPlan:
     def _buffers(self):
         bufs = getattr(self._tls, "bufs", None)
         if bufs is None:
-            k = self.kernel
-            raw = ctypes.create_string_buffer(k._buf_size + 64)
-            base = (ctypes.addressof(raw) + 63) // 64 * 64
-            shift = base - ctypes.addressof(raw)
-            for off, blob in self._static:
-                raw[shift + off:shift + off + len(blob)] = blob
-            ptrs = (ctypes.c_void_p * len(k.params))(*[base + o for o in k._offsets])
-            slots = tuple((k._writers[i], shift + k._offsets[i]) for i in self._dynamic_idx)
-            bufs = self._tls.bufs = (raw, slots, ptrs, ctypes.addressof(ptrs))
+            bufs = self._tls.bufs = self.kernel._new_buffers(self._dynamic_idx, self._static)
         return bufs
 
     def __call__(self, *dynamic, grid: tuple[int, int, int], smem: int = 0, pdl: bool = False,

@@ -64,13 +64,25 @@ def _family_k1(c, x, meta, codes, scales, h, slot_ranks):
     return k1.k1_quant_shrink(x, c.a, meta, codes, scales, h, slot_ranks=slot_ranks)
 
 
-@pytest.mark.parametrize("shape", [QKV, DOWN])
-@pytest.mark.parametrize("m", [1, 7, 64, 300])
-@pytest.mark.parametrize("ranks", [False, True])
-@pytest.mark.parametrize("h_dtype", [torch.bfloat16, torch.float32])
+def _planned_cases(test):
+    """The cases both families' planned launches are checked on: qkv / down, 1..300 tokens, with
+    and without slot ranks, bf16 / fp32 h."""
+    for mark in (pytest.mark.parametrize("h_dtype", [torch.bfloat16, torch.float32]),
+                 pytest.mark.parametrize("ranks", [False, True]),
+                 pytest.mark.parametrize("m", [1, 7, 64, 300]),
+                 pytest.mark.parametrize("shape", [QKV, DOWN])):
+        test = mark(test)
+    return test
+
+
+def _slot_ranks(on: bool):
+    return torch.tensor([64, 16, 0, 64, 64, 8, 64, 64], dtype=torch.int32) if on else None
+
+
+@_planned_cases
 def test_k1_planned_launch_is_the_family_entrys(launches, shape, m, ranks, h_dtype):
     c = Case(shape)
-    slot_ranks = torch.tensor([64, 16, 0, 64, 64, 8, 64, 64], dtype=torch.int32) if ranks else None
+    slot_ranks = _slot_ranks(ranks)
     meta = c.meta(m)
     launch_plans.k1_quant_shrink(c.x(m), c.a, meta, slot_ranks=slot_ranks, h_dtype=h_dtype)  # makes the plan
     for _ in range(2):  # fresh activations and outputs each call, as in an engine
@@ -98,13 +110,10 @@ def test_k1_planned_with_given_outputs(launches, m):
     assert launches[-2] == launches[-1]
 
 
-@pytest.mark.parametrize("shape", [QKV, DOWN])
-@pytest.mark.parametrize("m", [1, 7, 64, 300])
-@pytest.mark.parametrize("ranks", [False, True])
-@pytest.mark.parametrize("h_dtype", [torch.bfloat16, torch.float32])
+@_planned_cases
 def test_expand_planned_launch_is_the_family_entrys(launches, shape, m, ranks, h_dtype):
     c = Case(shape)
-    slot_ranks = torch.tensor([64, 16, 0, 64, 64, 8, 64, 64], dtype=torch.int32) if ranks else None
+    slot_ranks = _slot_ranks(ranks)
     n = sum(c.widths)
     h = torch.randn(len(c.widths), m, 64).to(h_dtype)
     launch_plans.expand_add(torch.empty(m, n, dtype=torch.bfloat16), h, c.b, c.meta(m), slot_ranks)
