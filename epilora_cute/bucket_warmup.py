@@ -30,6 +30,7 @@ ENV = "EPILORA_WARMUP_BUCKETS"
 
 _done: set[tuple] = set()
 _lock = threading.Lock()
+generation = 0  # bumped by reset(): the dispatch's memo of settled answers keys on it
 _default_on = False
 
 
@@ -101,5 +102,7 @@ def maybe_warm_up(call: Call, capacity: int, dispatcher: Dispatcher,
 
 def reset() -> None:
     """Forget which shapes were warmed (tests)."""
+    global generation
     with _lock:
         _done.clear()
+        generation += 1

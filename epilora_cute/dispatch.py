@@ -446,8 +446,9 @@ class Dispatcher:
         self._provisional: set[DispatchKey] = set()  # defaults taken under capture, to be timed
         self._timed: set[DispatchKey] = set()
         self._noted: set[tuple] = set()
-        # Keys of no-adapter calls that took "base" (see _base_shortcut_key): later calls skip the dispatch.
-        self.base_keys: set[tuple] = set()
+        # auto_path's settled answers by what they depend on (``_settled_signature``): a call that
+        # finds its signature here skips the description and the decision.
+        self.settled: dict[tuple, str] = {}
         self._lock = threading.RLock()
 
     @property
@@ -595,25 +596,27 @@ def auto_path(x, w_q, w_scale, lora_a, lora_b, meta, *, widths, rank, out, slot_
               chain_pdl=False) -> str:
     """The path ``lora_linear_fp8(path="auto")`` takes for this call: "reference" off CUDA, else
     the process dispatcher's decision (timing the candidates first if the key is new; the timed
-    runs write into a scratch output, never into ``out``)."""
+    runs write into a scratch output, never into ``out``). Once a call's decision is final, later
+    calls with the same ``_settled_signature`` take it without describing the call again."""
+    from . import ops
+
     d = dispatcher()
-    base_key = _base_shortcut_key(x, widths, rank, meta)
-    if base_key is not None and base_key in d.base_keys:
-        return "base"
+    is_capturing = capturing()
+    mode = current_mode(is_capturing)
+    sig = _settled_signature(x, w_q, widths, rank, lora_a, lora_b, meta, mode) if ops._on_gpu(x) else None
+    if sig is not None and (path := d.settled.get(sig)) is not None:
+        return path
     call = describe(x, w_q, widths, rank, lora_a, lora_b, meta)
     if call is None:
         return "reference"
     scratch = []
 
     def run(path: str) -> None:
-        from . import ops
-
         if not scratch:
             scratch.append(out.new_empty(out.shape))
         ops.lora_linear_fp8(x, w_q, w_scale, lora_a, lora_b, meta, out=scratch[0], slot_ranks=slot_ranks,
                             path=path, pdl=pdl, chain_pdl=chain_pdl)
 
-    is_capturing = capturing()
     if not is_capturing:
         from . import bucket_warmup
 
@@ -625,29 +628,43 @@ def auto_path(x, w_q, w_scale, lora_a, lora_b, meta, *, widths, rank, out, slot_
             return describe(xb, w_q, widths, rank, lora_a, lora_b, meta)._replace(tokens=b), run_b
 
         bucket_warmup.maybe_warm_up(call, int(meta.max_num_tokens), d, make_case)
-    path = d.path_for(call, run, mode=current_mode(is_capturing), capturing=is_capturing)
-    if base_key is not None and path == "base":
-        d.base_keys.add(base_key)
+    path = d.path_for(call, run, mode=mode, capturing=is_capturing)
+    # Remembered only outside capture: there path_for settles the bucket in every mode and the
+    # bucket warm-up has run for this shape (under capture a default would be timed later).
+    if sig is not None and not is_capturing:
+        if len(d.settled) >= SETTLED_MAX:
+            d.settled.clear()
+        d.settled[sig] = path
     return path
+
+
+# auto_path's memo holds at most this many signatures (one per projection shape, token count and
+# mode in use; cleared when full, e.g. after a long run of new prefill chunk sizes).
+SETTLED_MAX = 16384
+# Everything the environment contributes to a decision: the forced path, the no-adapter policy,
+# the opt-ins (read per call: a variable set later still takes effect on the next call).
+DECISION_ENV = (FORCE_ENV, NO_LORA_ENV, *sorted(set(OPT_IN_ENV.values())))
+
+
+def _settled_signature(x, w_q, widths, rank, lora_a, lora_b, meta, mode: str) -> tuple:
+    """What a call's decision depends on, cheap to compute: ``describe``'s inputs (the device and
+    its arch, the exact token count — which kernels apply can change inside a bucket: the top one
+    holds every count above 8192, the prefill K2 stops at 16384 —, the shape, the adapter
+    knowledge, whether x and the buffers have the layout the CuTe kernels need), the mode, the
+    switches (environment, the allowed set, the bucket warm-up: one turned on later still runs)."""
+    from . import bucket_warmup, ops
+
+    layout_ok = ops._buffer_layout_reason(x, w_q, lora_a, lora_b) is None
+    env = tuple(os.environ.get(v) for v in DECISION_ENV)
+    return (x.device, int(x.shape[0]), int(x.shape[1]), tuple(widths), int(rank), int(meta.max_loras),
+            getattr(meta, "host_num_adapters", None), mode, layout_ok, env, VERIFIED_PATHS,
+            bucket_warmup.enabled(), bucket_warmup.generation)
 
 
 def base_is_the_no_adapter_path() -> bool:
     """Whether "auto" takes "base" for every batch the host knows has no adapter: "base" allowed,
     the default no-LoRA policy and no forced path (read now, as the dispatch reads them per call)."""
     return not os.environ.get(FORCE_ENV) and no_lora_policy() == "base" and path_allowed("base")
-
-
-def _base_shortcut_key(x, widths, rank, meta) -> tuple | None:
-    """For a batch the host knows has no adapter, under the default no-LoRA policy and with no
-    forced path: the key under which a call that took "base" (vLLM's path, the only candidate,
-    nothing to time) lets later calls of the same shape, bucket and mode skip the dispatch. Its
-    description and decision cost ~20 µs of host time per eager call on the CPU here, ~3x that on
-    the GPU machines (run34: the no-adapter 512-token prefill's TTFT, 1.43x stock's). None for
-    every other call. The environment is read on every call, so a path forced later still wins."""
-    if getattr(meta, "host_num_adapters", None) != 0 or not base_is_the_no_adapter_path():
-        return None
-    return (x.device, int(x.shape[1]), tuple(widths), int(rank), token_bucket(int(x.shape[0])),
-            current_mode(capturing()))
 
 
 def _synthetic_runner(x, w_q, w_scale, lora_a, lora_b, meta, tokens: int, n: int, *, slot_ranks, pdl):

@@ -550,16 +550,17 @@ def test_l2_flush_mode(monkeypatch):
         timing.flush_mode()
 
 
-def test_no_adapter_calls_skip_the_dispatch_once_base_was_taken(tmp_path, monkeypatch):
-    """A batch the host knows has no adapter takes "base" (the only candidate under the default
-    policy); once a call of a shape, bucket and mode took it, the next ones skip the description
-    and the decision (host time per eager call). A forced path set later still wins; calls that
-    may have adapters, other buckets and the "timed" policy are described every time."""
+@pytest.fixture
+def settled_case(tmp_path, monkeypatch):
+    """auto_path as on a GPU (device facts faked on CPU tensors), counting the descriptions: a
+    call that finds its settled answer is not described. Returns (auto, described, x, meta)."""
     from epilora_cute import bucket_warmup
 
     monkeypatch.setattr(bucket_warmup, "enabled", lambda: False)
-    monkeypatch.setattr(d, "VERIFIED_PATHS", frozenset({"triton", "base"}))
-    for env in ("EPILORA_FORCE_PATH", "EPILORA_NO_LORA_PATH"):
+    monkeypatch.setattr(ops, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(d, "VERIFIED_PATHS", frozenset({"triton", "base", "hybrid"}))
+    monkeypatch.setattr(d, "capturing", lambda: False)
+    for env in ("EPILORA_FORCE_PATH", "EPILORA_NO_LORA_PATH", "EPILORA_HYBRID_PATH"):
         monkeypatch.delenv(env, raising=False)
     x, wq, ws, a, b, meta, _ = _linear_case()
     described = []
@@ -571,27 +572,73 @@ def test_no_adapter_calls_skip_the_dispatch_once_base_was_taken(tmp_path, monkey
     monkeypatch.setattr(d, "describe", fake_describe)
     a_, b_, widths, rank = ops._validate_linear(x, wq, ws, a, b, meta, None)
     monkeypatch.setattr(ops, "lora_linear_fp8", lambda *args, **kw: None)  # the timed candidate runs
-    d.set_dispatcher(d.Dispatcher(d.DispatchTable(tmp_path / "t.json"), lambda fn, mode: fn() or 1.0))
-    out = torch.empty(x.shape[0], sum(widths), dtype=torch.bfloat16)
+    us = {"graph": {"hybrid": 1.0, "triton": 2.0}, "eager": {"hybrid": 2.0, "triton": 1.0}}
 
-    def auto(x_, meta_):
-        return d.auto_path(x_, wq, ws, a_, b_, meta_, widths=widths, rank=rank, out=out)
-    meta.host_num_adapters = 0
+    def timer(fn, mode):  # fn: functools.partial(run, path)
+        return us[mode].get(fn.args[0], 3.0)
+    d.set_dispatcher(d.Dispatcher(d.DispatchTable(tmp_path / "t.json"), timer))
+
+    def auto(x_, meta_, mode="eager"):
+        out = torch.empty(x_.shape[0], sum(widths), dtype=torch.bfloat16)
+        with d.call_mode(mode):
+            return d.auto_path(x_, wq, ws, a_, b_, meta_, widths=widths, rank=rank, out=out)
+    yield auto, described, x, meta
+    d.set_dispatcher(None)
+
+
+def test_settled_answers_skip_the_description(settled_case, monkeypatch):
+    """Once a call's decision is final, the next calls with the same signature (device, exact
+    token count, shape, adapter knowledge, mode, layout, switches) skip the description and the
+    decision (host time per eager call); anything in the signature that changes is described."""
+    auto, described, x, meta = settled_case
+    meta.host_num_adapters = 0  # vLLM's path, the only candidate
     assert [auto(x, meta) for _ in range(3)] == ["base"] * 3 and described == [(5, 0)]
-    assert auto(x[:3], meta) == "base" and described[-1] == (3, 0)  # bucket 4: its own first call
-    monkeypatch.setenv("EPILORA_FORCE_PATH", "triton")
-    assert auto(x, meta) == "triton" and len(described) == 3
+    assert auto(x[:3], meta) == "base" and described[-1] == (3, 0)  # another token count
+    # The exact count, not its bucket (8 here): which kernels apply changes inside buckets
+    # (the prefill K2's 16384 tokens lie in the top bucket).
+    assert auto(torch.cat([x, x[:2]]), meta) == "base" and described[-1] == (7, 0)
+    assert auto(x, meta, "graph") == "base" and len(described) == 4  # another mode
+    monkeypatch.setenv("EPILORA_FORCE_PATH", "triton")  # a path forced later wins at once
+    assert [auto(x, meta) for _ in range(2)] == ["triton"] * 2 and len(described) == 5
     monkeypatch.delenv("EPILORA_FORCE_PATH")
+    assert auto(x, meta) == "base" and len(described) == 5  # back to the first signature
     monkeypatch.setenv("EPILORA_NO_LORA_PATH", "timed")
-    auto(x, meta)  # timed among every no-adapter candidate: described
-    assert len(described) == 4
-    monkeypatch.delenv("EPILORA_NO_LORA_PATH")
-    meta.host_num_adapters = None
-    auto(x, meta), auto(x, meta)
+    auto(x, meta)
     assert len(described) == 6
+    monkeypatch.delenv("EPILORA_NO_LORA_PATH")
+    meta.host_num_adapters = None  # may have adapters: timed once, then settled
+    assert auto(x, meta) == "triton" and auto(x, meta) == "triton" and len(described) == 7
+    assert auto(x, meta, "graph") == "hybrid" and auto(x, meta, "graph") == "hybrid" and len(described) == 8
+    xt = x.t().contiguous().t()  # same shape, not the layout the CuTe kernels take
+    auto(xt, meta)
+    assert len(described) == 9
+    monkeypatch.setenv("EPILORA_HYBRID_PATH", "0")  # an opt-out set later
+    assert auto(x, meta, "graph") == "triton" and len(described) == 10
+    monkeypatch.delenv("EPILORA_HYBRID_PATH")
+    monkeypatch.setattr(d, "VERIFIED_PATHS", frozenset({"triton", "base"}))  # the allowed set
+    assert auto(x, meta, "graph") == "triton" and len(described) == 11
     assert d.base_is_the_no_adapter_path()
     monkeypatch.setattr(d, "VERIFIED_PATHS", frozenset({"triton"}))  # "base" not allowed: no shortcut
     assert not d.base_is_the_no_adapter_path()
+
+
+def test_capture_defaults_are_not_settled_answers(settled_case, monkeypatch, tmp_path):
+    """A default taken under capture (not timed) is no final answer: each call under capture
+    is described, and the next call outside capture times the bucket, then settles it."""
+    auto, described, x, meta = settled_case
+    monkeypatch.setattr(d, "capturing", lambda: True)
+    assert auto(x, meta, "graph") == "triton" and auto(x, meta, "graph") == "triton"  # default order
+    assert len(described) == 2
+    meta.host_num_adapters = 0  # one candidate: final even under capture, still not remembered there
+    assert auto(x, meta, "graph") == "base" and auto(x, meta, "graph") == "base" and len(described) == 4
+    meta.host_num_adapters = None
+    described.clear()
+    monkeypatch.setattr(d, "capturing", lambda: False)
+    assert auto(x, meta, "graph") == "hybrid" and len(described) == 1  # timed now
+    assert auto(x, meta, "graph") == "hybrid" and auto(x, meta) == "triton" and len(described) == 2
+    d.set_dispatcher(d.Dispatcher(d.DispatchTable(tmp_path / "t2.json"), lambda fn, mode: 1.0))  # no memo
+    auto(x, meta, "graph")
+    assert len(described) == 3
 
 
 def test_base_linear_refuses_what_the_vendor_gemm_cannot_take():

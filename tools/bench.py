@@ -126,6 +126,37 @@ def _op_host_rows() -> list[dict]:
         except Exception as e:  # a path that cannot run here is reported, not fatal
             rows.append({"section": "launch", "what": f"ours lora_linear_fp8 path={path}",
                          "error": f"{type(e).__name__}: {e}"[:200]})
+    return rows + _dispatched_host_rows()
+
+
+def _dispatched_host_rows() -> list[dict]:
+    """The same call as an engine makes it once warmed up, at 1 and 512 tokens (a prefill chunk
+    outside CUDA graphs): path="auto" with the dispatch decided for the hybrid path (a throw-away
+    table, nothing timed), and the plugin's registered op on a batch with adapters (torch's
+    dispatcher, vLLM's host flag, the same decision)."""
+    from epilora_cute import ops
+    from tools.bench_decode import QWEN3_8B, LayerCase
+    from tools.host_cpu import dispatch_decided, plugin_op
+    from vllm_adapter import custom_op
+
+    flag = torch.zeros(1, dtype=torch.bool)  # vLLM's no-LoRA flag, unset
+    rows = []
+    for m in (1, 512):
+        c = LayerCase(QWEN3_8B[0], m, 64)
+        calls = {
+            "auto (decided: hybrid)": (dispatch_decided("hybrid"), lambda: ops.lora_linear_fp8(
+                c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=c.y, path="auto")),
+            "plugin op (decided: hybrid)": (plugin_op("hybrid"), lambda: custom_op.lora_linear_fp8(
+                c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, no_lora_flag_cpu=flag)),
+        }
+        for what, (ctx, call) in calls.items():
+            row = {"section": "launch", "what": f"ours {what}, qkv, {m} tokens"}
+            try:
+                with ctx:
+                    row.update(host_us=host_launch_us(call, reps=200), host_profile=host_profile(call))
+            except Exception as e:  # reported, not fatal
+                row["error"] = f"{type(e).__name__}: {e}"[:200]
+            rows.append(row)
     return rows
 
 
