@@ -655,10 +655,24 @@ def _settled_signature(x, w_q, widths, rank, lora_a, lora_b, meta, mode: str) ->
     from . import bucket_warmup, ops
 
     layout_ok = ops._buffer_layout_reason(x, w_q, lora_a, lora_b) is None
-    env = tuple(os.environ.get(v) for v in DECISION_ENV)
-    return (x.device, int(x.shape[0]), int(x.shape[1]), tuple(widths), int(rank), int(meta.max_loras),
-            getattr(meta, "host_num_adapters", None), mode, layout_ok, env, VERIFIED_PATHS,
-            bucket_warmup.enabled(), bucket_warmup.generation)
+    return (x.device, x.shape[0], x.shape[1], tuple(widths), rank, meta.max_loras,
+            getattr(meta, "host_num_adapters", None), mode, layout_ok, _environ_values(DECISION_ENV_KEYS),
+            VERIFIED_PATHS, bucket_warmup.enabled(), bucket_warmup.generation)
+
+
+# os.environ.get costs ~1 µs per unset name (os.environ raises and catches a KeyError), a third of
+# a settled call's host time for DECISION_ENV. On POSIX os.environ keeps its contents in a dict of
+# encoded names and values, which its setters (and monkeypatch) write: read that directly.
+_ENVIRON_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
+DECISION_ENV_KEYS = tuple(os.environ.encodekey(v) for v in DECISION_ENV) if _ENVIRON_DATA is not None \
+    else DECISION_ENV
+
+
+def _environ_values(keys: tuple) -> tuple:
+    """The current values of the variables ``keys`` (DECISION_ENV_KEYS), None where unset."""
+    if _ENVIRON_DATA is not None:
+        return tuple(map(_ENVIRON_DATA.get, keys))
+    return tuple(map(os.environ.get, keys))
 
 
 def base_is_the_no_adapter_path() -> bool:

@@ -13,9 +13,10 @@ assumption of ops' layer memo). Later calls check only what changes between call
 activations, the outputs, the token count) and write only those parameters. Anything unusual (a
 forced configuration, sorted codes, a shape the plan does not cover) takes the family's entry.
 
-The families' parameter order is restated here (``_k1_static`` / ``_expand_static``);
-tests/test_launch_plans.py checks that a planned launch's bytes are the family entry's, bit for
-bit, so a change to a family's parameters that is not made here fails there.
+The per-call checks and the parameter lists are the families' own (``check_x`` / ``outputs`` /
+``static_params`` in k1_shrink, ``check_y`` / ``check_h`` / ``static_params`` in expand_add), so
+bad input gets the entry's error and a plan packs exactly the entry's parameters;
+tests/test_launch_plans.py compares a planned launch's bytes with the family entry's, bit for bit.
 """
 
 from __future__ import annotations
@@ -40,8 +41,6 @@ def enabled() -> bool:
 
 _k1_plans = IdentityMemo()
 _expand_plans = IdentityMemo()
-K1_DYNAMIC = 4  # x, codes, scales, h: the parameters K1's plan writes per launch
-EXPAND_DYNAMIC = 2  # y, h
 
 
 class _Plan:
@@ -83,18 +82,6 @@ def _k1_meta(meta) -> tuple:
     return (meta.token_indices_sorted_by_lora_ids, meta.row_group, meta.active_lora_ids, meta.lora_token_start_loc)
 
 
-def _k1_static(lora_a_slices, meta, slot_ranks) -> tuple[list, int, int]:
-    """K1's parameters after the dynamic four, as ``k1_quant_shrink`` passes them (sorted_codes 0),
-    and (max_loras, rank)."""
-    from kernels_dsl.k1_shrink import _as_3d
-
-    as_ = [_as_3d(a, "lora_a") for a in lora_a_slices]
-    L, R, K = as_[0].shape
-    ranks = slot_ranks if slot_ranks is not None else meta.active_lora_ids
-    args = [*_k1_meta(meta), ranks, *[a.reshape(L * R, K) for a in as_], 1 if slot_ranks is not None else 0, 0]
-    return args, int(L), int(R)
-
-
 @functools.lru_cache(maxsize=8192)  # pure in its arguments, asked on every planned launch
 def _k1_grid(k: int, m: int, cfg, max_loras: int):
     from kernels_dsl.k1_shrink import grid
@@ -130,9 +117,7 @@ def k1_quant_shrink(x, lora_a_slices, meta, codes=None, scales=None, h=None, slo
     key = _k1_key(x, lora_a_slices, meta, slot_ranks, h_bf16) if enabled() else None
     plan = _k1_plans.lookup(key[0], key[1]) if key is not None else None
     if plan is not None:
-        out = _k1_planned(plan, key[2], x, len(lora_a_slices), codes, scales, h, h_dtype)
-        if out is not None:
-            return out
+        return _k1_planned(plan, key[2], x, len(lora_a_slices), codes, scales, h, h_dtype)
     if codes is None and scales is None and h is None:
         out = k1_shrink.k1_quant_shrink(x, lora_a_slices, meta, slot_ranks=slot_ranks, h_dtype=h_dtype)
     else:
@@ -148,37 +133,20 @@ def _make_k1_plan(lora_a_slices, meta, slot_ranks, cfg, arch) -> _Plan:
 
     from .kernels import get_kernel
 
-    static, L, R = _k1_static(lora_a_slices, meta, slot_ranks)
+    as_ = [k1_shrink._as_3d(a, "lora_a") for a in lora_a_slices]
+    static = k1_shrink.static_params(as_, meta, slot_ranks, sorted_codes=False)
     kernel = get_kernel(k1_shrink, cfg, arch)
-    return _Plan(kernel.plan({K1_DYNAMIC + i: v for i, v in enumerate(static)}), L, R)
+    L, R, _ = as_[0].shape
+    return _Plan(kernel.plan({k1_shrink.DYNAMIC_PARAMS + i: v for i, v in enumerate(static)}), int(L), int(R))
 
 
 def _k1_planned(plan: _Plan, cfg, x, num_slices: int, codes, scales, h, h_dtype):
-    """The planned launch after the per-call checks (the family entry's, for what changes between
-    calls); None sends the call to the family's entry (which raises where the input is wrong)."""
-    M, K = x.shape
-    if K % 8 or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        return None
-    dev = x.device
-    if codes is None:
-        codes = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=dev)
-    elif codes.dtype is not torch.float8_e4m3fn or codes.shape != (M, K) or codes.device != dev \
-            or codes.stride(1) != 1 or codes.stride(0) % 8 or codes.data_ptr() % 16:
-        return None
-    if scales is None:
-        scales = torch.empty((M, 1), dtype=torch.float32, device=dev)
-    elif scales.dtype is not torch.float32 or scales.numel() != M or scales.device != dev or \
-            (M > 1 and scales.reshape(-1).stride(0) != 1):
-        return None
-    R = plan.rank
-    if h is None:
-        if h_dtype not in (torch.float32, torch.bfloat16):
-            return None
-        h = torch.empty((num_slices, M, R), dtype=h_dtype, device=dev)
-    elif h.dtype not in (torch.float32, torch.bfloat16) or h.dim() != 3 or h.shape[0] != num_slices \
-            or h.shape[1] < M or h.shape[2] != R or h.device != dev \
-            or h.stride(2) != 1 or h.stride(1) != R or h.stride(0) % R or h.data_ptr() % 16:
-        return None
+    """The planned launch after the family's per-call checks (raising its errors), for what changes
+    between calls: x and the outputs."""
+    from kernels_dsl import k1_shrink
+
+    M, K = k1_shrink.check_x(x)
+    codes, scales, h = k1_shrink.outputs(x, num_slices, plan.rank, codes, scales, h, h_dtype)
     g, cl = _k1_grid(K, M, cfg, plan.max_loras)
     plan.launch(x, codes.view(torch.int16), scales.reshape(-1), h, grid=g, cluster=cl, smem=cfg.smem_bytes)
     return codes, scales, h
@@ -190,20 +158,6 @@ def _k1_planned(plan: _Plan, cfg, x, num_slices: int, codes, scales, h, h_dtype)
 def _expand_meta(meta) -> tuple:
     return (meta.token_indices_sorted_by_lora_ids, meta.sorted_lora_ids, meta.row_group, meta.active_lora_ids,
             meta.lora_token_start_loc)
-
-
-def _expand_static(lora_b_slices, meta, slot_ranks) -> tuple[list, int, int, tuple]:
-    """The expand-add's parameters after y and h, as ``expand_add`` passes them, and (max_loras,
-    rank, slice widths)."""
-    from kernels_dsl.expand_add import _as_3d
-
-    bs = [_as_3d(b, "lora_b") for b in lora_b_slices]
-    L, _, R = bs[0].shape
-    widths = [int(b.shape[1]) for b in bs]
-    ranks = slot_ranks if slot_ranks is not None else meta.active_lora_ids
-    args = [*_expand_meta(meta), ranks, *[b.reshape(L * w, R) for b, w in zip(bs, widths)], *widths,
-            1 if slot_ranks is not None else 0]
-    return args, int(L), int(R), tuple(widths)
 
 
 @functools.lru_cache(maxsize=8192)  # pure in its arguments, asked on every planned launch
@@ -223,8 +177,8 @@ def expand_add(y, h, lora_b_slices, meta, slot_ranks=None):
             and isinstance(h, torch.Tensor) and h.dim() == 3 and h.dtype in (torch.float32, torch.bfloat16):
         key = _expand_key(y, h, lora_b_slices, meta, slot_ranks)
     plan = _expand_plans.lookup(key[0], key[1]) if key is not None else None
-    if plan is not None and _expand_planned(plan, key[2], y, h, len(lora_b_slices)):
-        return y
+    if plan is not None:
+        return _expand_planned(plan, key[2], y, h, len(lora_b_slices))
     ea.expand_add(y, h, lora_b_slices, meta, slot_ranks=slot_ranks)
     if key is not None:
         objs, extra, cfg, arch = key
@@ -252,18 +206,21 @@ def _make_expand_plan(lora_b_slices, meta, slot_ranks, cfg, arch) -> _Plan:
 
     from .kernels import get_kernel
 
-    static, L, R, widths = _expand_static(lora_b_slices, meta, slot_ranks)
+    bs = [ea._as_3d(b, "lora_b") for b in lora_b_slices]
+    static = ea.static_params(bs, meta, slot_ranks)
     kernel = get_kernel(ea, cfg, arch)
-    return _Plan(kernel.plan({EXPAND_DYNAMIC + i: v for i, v in enumerate(static)}), L, R, widths)
+    L, _, R = bs[0].shape
+    widths = tuple(int(b.shape[1]) for b in bs)
+    return _Plan(kernel.plan({ea.DYNAMIC_PARAMS + i: v for i, v in enumerate(static)}), int(L), int(R), widths)
 
 
-def _expand_planned(plan: _Plan, cfg, y, h, num_slices: int) -> bool:
-    M = y.shape[0]
-    R = plan.rank
-    if y.shape[1] != plan.n or y.stride(1) != 1 or y.stride(0) % 8 or y.data_ptr() % 16:
-        return False
-    if h.shape[0] != num_slices or h.shape[1] < M or h.shape[2] != R or h.device != y.device or h.stride(2) != 1 \
-            or h.stride(1) != R or h.stride(0) % R or h.data_ptr() % 16:
-        return False
+def _expand_planned(plan: _Plan, cfg, y, h, num_slices: int):
+    """The planned launch after the family's per-call checks (raising its errors) of y and h."""
+    from kernels_dsl import expand_add as ea
+
+    M, N = ea.check_y(y)
+    if N != plan.n:
+        raise ValueError(f"slice widths {list(plan.widths)} do not add up to y's {N} columns")
+    ea.check_h(h, num_slices, M, plan.rank, y.device)
     plan.launch(y, h, grid=_expand_grid(plan.widths, M, cfg, plan.max_loras), smem=cfg.smem_bytes)
-    return True
+    return y

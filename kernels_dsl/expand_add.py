@@ -751,6 +751,61 @@ def check_slot_ranks(slot_ranks, max_loras: int, device):
         raise ValueError("slot_ranks must be on the device of y")
 
 
+def check_y(y) -> tuple[int, int]:
+    """(M, N) of the expand-add's output, or the error the entry raises for it."""
+    if not isinstance(y, torch.Tensor) or y.dim() != 2 or y.dtype != torch.bfloat16:
+        raise TypeError("y must be a 2-D bfloat16 tensor")
+    if y.stride(1) != 1 or y.stride(0) % 8 or y.data_ptr() % 16:
+        raise ValueError("y needs unit column stride, a row stride multiple of 8 and a 16-byte aligned base")
+    return y.shape
+
+
+def adapter_slices(lora_b_slices, y: torch.Tensor) -> list[torch.Tensor]:
+    """The B slices as [max_loras, n_s, R] views, checked against y (the entry's errors)."""
+    bs = [_as_3d(b, f"lora_b_slices[{i}]") for i, b in enumerate(
+        lora_b_slices if isinstance(lora_b_slices, (list, tuple)) else [lora_b_slices])]
+    if not 1 <= len(bs) <= 4:
+        raise ValueError(f"1..4 slices supported, got {len(bs)}")
+    L, _, R = bs[0].shape
+    widths = [int(b.shape[1]) for b in bs]
+    for i, b in enumerate(bs):
+        if b.dtype != torch.bfloat16 or b.device != y.device:
+            raise TypeError(f"lora_b_slices[{i}] must be bfloat16 on {y.device}")
+        if b.shape[0] != L or b.shape[2] != R:
+            raise ValueError(f"lora_b_slices[{i}] is {tuple(b.shape)}: every slice needs [{L}, n, {R}]")
+        if not b.is_contiguous() or b.data_ptr() % 16:
+            raise ValueError(f"lora_b_slices[{i}] must be contiguous and 16-byte aligned")
+        if widths[i] % 8:
+            raise ValueError(f"slice widths must be multiples of 8, got {widths}")
+    if sum(widths) != y.shape[1]:
+        raise ValueError(f"slice widths {widths} do not add up to y's {y.shape[1]} columns")
+    return bs
+
+
+def check_h(h, num_slices: int, m: int, rank: int, device) -> None:
+    """The entry's checks of h: [S, >= M, R] fp32 or bf16, row-major over [M, R], 16-byte aligned."""
+    if not isinstance(h, torch.Tensor) or h.dtype not in (torch.float32, torch.bfloat16) or h.dim() != 3:
+        raise TypeError("h must be a 3-D float32 or bfloat16 tensor [num_slices, M, rank]")
+    if h.shape[0] != num_slices or h.shape[1] < m or h.shape[2] != rank or h.device != device:
+        raise ValueError(f"h must be [{num_slices}, >= {m}, {rank}] on {device}, got {tuple(h.shape)}")
+    if h.stride(2) != 1 or h.stride(1) != rank or h.stride(0) % rank or h.data_ptr() % 16:
+        raise ValueError("h must be row-major over [M, rank] with a 16-byte aligned base")
+
+
+DYNAMIC_PARAMS = 2  # y, h: the parameters before static_params'
+
+
+def static_params(bs: list[torch.Tensor], meta, slot_ranks) -> list:
+    """The kernel's parameters after the DYNAMIC_PARAMS, in its order (also what a launch plan
+    packs once: epilora_cute/launch_plans.py)."""
+    L, _, R = bs[0].shape
+    widths = [int(b.shape[1]) for b in bs]
+    ranks = slot_ranks if slot_ranks is not None else meta.active_lora_ids  # never read when has_ranks = 0
+    return [meta.token_indices_sorted_by_lora_ids, meta.sorted_lora_ids, meta.row_group, meta.active_lora_ids,
+            meta.lora_token_start_loc, ranks, *[b.reshape(L * w, R) for b, w in zip(bs, widths)], *widths,
+            1 if slot_ranks is not None else 0]
+
+
 def expand_add(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks: torch.Tensor | None = None,
                *, config: Config | None = None, zsplit: int | None = None) -> torch.Tensor:
     """y[m, slice s] += h[s, m] . B_s[slot(m)]^T in place (fp32 accumulation, one bf16 rounding);
@@ -769,35 +824,12 @@ def expand_add(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks
     from epilora_cute.arch import arch_of
     from epilora_cute.kernels import get_kernel
 
-    if not isinstance(y, torch.Tensor) or y.dim() != 2 or y.dtype != torch.bfloat16:
-        raise TypeError("y must be a 2-D bfloat16 tensor")
-    bs = [_as_3d(b, f"lora_b_slices[{i}]") for i, b in enumerate(
-        lora_b_slices if isinstance(lora_b_slices, (list, tuple)) else [lora_b_slices])]
+    M, _ = check_y(y)
+    bs = adapter_slices(lora_b_slices, y)
     S = len(bs)
-    if not 1 <= S <= 4:
-        raise ValueError(f"1..4 slices supported, got {S}")
-    M, N = y.shape
     L, _, R = bs[0].shape
     widths = [int(b.shape[1]) for b in bs]
-    for i, b in enumerate(bs):
-        if b.dtype != torch.bfloat16 or b.device != y.device:
-            raise TypeError(f"lora_b_slices[{i}] must be bfloat16 on {y.device}")
-        if b.shape[0] != L or b.shape[2] != R:
-            raise ValueError(f"lora_b_slices[{i}] is {tuple(b.shape)}: every slice needs [{L}, n, {R}]")
-        if not b.is_contiguous() or b.data_ptr() % 16:
-            raise ValueError(f"lora_b_slices[{i}] must be contiguous and 16-byte aligned")
-        if widths[i] % 8:
-            raise ValueError(f"slice widths must be multiples of 8, got {widths}")
-    if sum(widths) != N:
-        raise ValueError(f"slice widths {widths} do not add up to y's {N} columns")
-    if y.stride(1) != 1 or y.stride(0) % 8 or y.data_ptr() % 16:
-        raise ValueError("y needs unit column stride, a row stride multiple of 8 and a 16-byte aligned base")
-    if not isinstance(h, torch.Tensor) or h.dtype not in (torch.float32, torch.bfloat16) or h.dim() != 3:
-        raise TypeError("h must be a 3-D float32 or bfloat16 tensor [num_slices, M, rank]")
-    if h.shape[0] != S or h.shape[1] < M or h.shape[2] != R or h.device != y.device:
-        raise ValueError(f"h must be [{S}, >= {M}, {R}] on {y.device}, got {tuple(h.shape)}")
-    if h.stride(2) != 1 or h.stride(1) != R or h.stride(0) % R or h.data_ptr() % 16:
-        raise ValueError("h must be row-major over [M, rank] with a 16-byte aligned base")
+    check_h(h, S, M, R, y.device)
     _check_meta(meta, M, y.device)
     check_slot_ranks(slot_ranks, L, y.device)
     h_bf16 = h.dtype == torch.bfloat16
@@ -815,15 +847,9 @@ def expand_add(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks
     if zsplit is not None and not 1 <= zsplit <= 65535:
         raise ValueError(f"zsplit must be 1..65535, got {zsplit}")
     kernel = get_kernel(sys.modules[__name__], cfg, arch)
-    ranks = slot_ranks if slot_ranks is not None else meta.active_lora_ids  # never read when has_ranks = 0
-    args = [y, h, meta.token_indices_sorted_by_lora_ids, meta.sorted_lora_ids, meta.row_group,
-            meta.active_lora_ids, meta.lora_token_start_loc, ranks]
-    args += [b.reshape(L * w, R) for b, w in zip(bs, widths)]
-    args += widths + [1 if slot_ranks is not None else 0]
-    kernel(*args, grid=grid(widths, M, cfg, max_loras=L, zsplit=zsplit), smem=cfg.smem_bytes)
+    kernel(y, h, *static_params(bs, meta, slot_ranks), grid=grid(widths, M, cfg, max_loras=L, zsplit=zsplit),
+           smem=cfg.smem_bytes)
     return y
-
-
 def emulate(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks=None,
             config: Config | None = None, zsplit: int | None = None) -> torch.Tensor:
     """Pure-torch model of the kernel's tiling and arithmetic (CPU): column tiles inside slices,

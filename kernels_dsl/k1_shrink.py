@@ -931,6 +931,76 @@ def _as_3d(a: torch.Tensor, name: str) -> torch.Tensor:
     return a
 
 
+def check_x(x) -> tuple[int, int]:
+    """(M, K) of K1's activations, or the error the entry raises for them."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
+        raise TypeError("x must be a 2-D bfloat16 tensor")
+    M, K = x.shape
+    if K % 8 or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        raise ValueError("x needs K % 8 == 0, unit column stride, a row stride multiple of 8, 16-byte alignment")
+    return M, K
+
+
+def adapter_slices(lora_a_slices, x: torch.Tensor) -> list[torch.Tensor]:
+    """The A slices as [max_loras, R, K] views, checked against x (the entry's errors)."""
+    K = x.shape[1]
+    as_ = [_as_3d(a, f"lora_a_slices[{i}]") for i, a in enumerate(
+        lora_a_slices if isinstance(lora_a_slices, (list, tuple)) else [lora_a_slices])]
+    if not 1 <= len(as_) <= 4:
+        raise ValueError(f"1..4 slices supported, got {len(as_)}")
+    L, R, _ = as_[0].shape
+    for i, a in enumerate(as_):
+        if a.dtype != torch.bfloat16 or a.device != x.device:
+            raise TypeError(f"lora_a_slices[{i}] must be bfloat16 on {x.device}")
+        if tuple(a.shape) != (L, R, K):
+            raise ValueError(f"lora_a_slices[{i}] is {tuple(a.shape)}: every slice needs [{L}, {R}, {K}]")
+        if a.stride(2) != 1 or a.stride(1) % 8 or a.stride(0) != a.stride(1) * R or a.data_ptr() % 16:
+            raise ValueError(f"lora_a_slices[{i}] must be row-major [max_loras * rank, K] (16-byte aligned rows)")
+    return as_
+
+
+def outputs(x: torch.Tensor, num_slices: int, rank: int, codes=None, scales=None, h=None,
+            h_dtype: torch.dtype = torch.float32):
+    """(codes, scales, h) for x: the given ones checked (the entry's errors), the missing ones made."""
+    M, K = x.shape
+    dev = x.device
+    if codes is None:
+        codes = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=dev)
+    else:
+        if codes.dtype is not torch.float8_e4m3fn or tuple(codes.shape) != (M, K) or codes.device != dev:
+            raise ValueError(f"codes must be float8_e4m3fn [{M}, {K}] on {dev}")
+        if codes.stride(1) != 1 or codes.stride(0) % 8 or codes.data_ptr() % 16:
+            raise ValueError("codes needs unit column stride, a row stride multiple of 8 and 16-byte alignment")
+    if scales is None:
+        scales = torch.empty((M, 1), dtype=torch.float32, device=dev)
+    elif scales.dtype is not torch.float32 or scales.numel() != M or scales.device != dev or \
+            (M > 1 and scales.reshape(-1).stride(0) != 1):
+        raise ValueError(f"scales must be a contiguous float32 [{M}, 1] on {dev}")
+    if h is None:
+        if h_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"h_dtype must be torch.float32 or torch.bfloat16, got {h_dtype}")
+        return codes, scales, torch.empty((num_slices, M, rank), dtype=h_dtype, device=dev)
+    if h.dtype not in (torch.float32, torch.bfloat16) or h.dim() != 3 or h.shape[0] != num_slices or \
+            h.shape[1] < M or h.shape[2] != rank:
+        raise ValueError(f"h must be float32 or bfloat16 [{num_slices}, >= {M}, {rank}]")
+    if h.device != dev or h.stride(2) != 1 or h.stride(1) != rank or h.stride(0) % rank or h.data_ptr() % 16:
+        raise ValueError("h must be row-major over [M, rank] with a 16-byte aligned base")
+    return codes, scales, h
+
+
+DYNAMIC_PARAMS = 4  # x, codes, scales, h: the parameters before static_params'
+
+
+def static_params(as_: list[torch.Tensor], meta, slot_ranks, sorted_codes: bool) -> list:
+    """The kernel's parameters after the DYNAMIC_PARAMS, in its order (also what a launch plan
+    packs once: epilora_cute/launch_plans.py)."""
+    L, R, K = as_[0].shape
+    ranks = slot_ranks if slot_ranks is not None else meta.active_lora_ids  # never read when has_ranks = 0
+    return [meta.token_indices_sorted_by_lora_ids, meta.row_group, meta.active_lora_ids, meta.lora_token_start_loc,
+            ranks, *[a.reshape(L * R, K) for a in as_], 1 if slot_ranks is not None else 0,
+            1 if sorted_codes else 0]
+
+
 def k1_quant_shrink(x: torch.Tensor, lora_a_slices, meta, codes: torch.Tensor | None = None,
                     scales: torch.Tensor | None = None, h: torch.Tensor | None = None,
                     slot_ranks: torch.Tensor | None = None, *, config: Config | None = None,
@@ -955,44 +1025,11 @@ def k1_quant_shrink(x: torch.Tensor, lora_a_slices, meta, codes: torch.Tensor | 
 
     from .expand_add import _check_meta, check_slot_ranks
 
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
-        raise TypeError("x must be a 2-D bfloat16 tensor")
-    M, K = x.shape
-    if K % 8 or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        raise ValueError("x needs K % 8 == 0, unit column stride, a row stride multiple of 8, 16-byte alignment")
-    as_ = [_as_3d(a, f"lora_a_slices[{i}]") for i, a in enumerate(
-        lora_a_slices if isinstance(lora_a_slices, (list, tuple)) else [lora_a_slices])]
+    M, K = check_x(x)
+    as_ = adapter_slices(lora_a_slices, x)
     S = len(as_)
-    if not 1 <= S <= 4:
-        raise ValueError(f"1..4 slices supported, got {S}")
     L, R, _ = as_[0].shape
-    for i, a in enumerate(as_):
-        if a.dtype != torch.bfloat16 or a.device != x.device:
-            raise TypeError(f"lora_a_slices[{i}] must be bfloat16 on {x.device}")
-        if tuple(a.shape) != (L, R, K):
-            raise ValueError(f"lora_a_slices[{i}] is {tuple(a.shape)}: every slice needs [{L}, {R}, {K}]")
-        if a.stride(2) != 1 or a.stride(1) % 8 or a.stride(0) != a.stride(1) * R or a.data_ptr() % 16:
-            raise ValueError(f"lora_a_slices[{i}] must be row-major [max_loras * rank, K] (16-byte aligned rows)")
-    if codes is None:
-        codes = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
-    if scales is None:
-        scales = torch.empty((M, 1), dtype=torch.float32, device=x.device)
-    if h is None:
-        if h_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"h_dtype must be torch.float32 or torch.bfloat16, got {h_dtype}")
-        h = torch.empty((S, M, R), dtype=h_dtype, device=x.device)
-    if codes.dtype != torch.float8_e4m3fn or tuple(codes.shape) != (M, K) or codes.device != x.device:
-        raise ValueError(f"codes must be float8_e4m3fn [{M}, {K}] on {x.device}")
-    if codes.stride(1) != 1 or codes.stride(0) % 8 or codes.data_ptr() % 16:
-        raise ValueError("codes needs unit column stride, a row stride multiple of 8 and 16-byte alignment")
-    if scales.dtype != torch.float32 or scales.numel() != M or scales.device != x.device or \
-            (M > 1 and scales.reshape(-1).stride(0) != 1):
-        raise ValueError(f"scales must be a contiguous float32 [{M}, 1] on {x.device}")
-    if h.dtype not in (torch.float32, torch.bfloat16) or h.dim() != 3 or h.shape[0] != S or h.shape[1] < M or \
-            h.shape[2] != R:
-        raise ValueError(f"h must be float32 or bfloat16 [{S}, >= {M}, {R}]")
-    if h.device != x.device or h.stride(2) != 1 or h.stride(1) != R or h.stride(0) % R or h.data_ptr() % 16:
-        raise ValueError("h must be row-major over [M, rank] with a 16-byte aligned base")
+    codes, scales, h = outputs(x, S, R, codes, scales, h, h_dtype)
     _check_meta(meta, M, x.device)
     check_slot_ranks(slot_ranks, L, x.device)
     h_bf16 = h.dtype == torch.bfloat16
@@ -1014,13 +1051,8 @@ def k1_quant_shrink(x: torch.Tensor, lora_a_slices, meta, codes: torch.Tensor | 
     if not 1 <= g[0] <= MAX_SPLITS or -(-nkb_total // g[0]) > cfg.nkb:
         raise ValueError(f"{g[0]} splits of K = {K} do not fit {cfg.name()} (<= {MAX_SPLITS} splits of <= {cfg.kc})")
     kernel = get_kernel(sys.modules[__name__], cfg, arch)
-    ranks = slot_ranks if slot_ranks is not None else meta.active_lora_ids  # never read when has_ranks = 0
-    args = [x, codes.view(torch.int16), scales.reshape(-1), h, meta.token_indices_sorted_by_lora_ids,
-            meta.row_group, meta.active_lora_ids, meta.lora_token_start_loc, ranks]
-    args += [a.reshape(L * R, K) for a in as_]
-    args.append(1 if slot_ranks is not None else 0)
-    args.append(1 if sorted_codes else 0)
-    kernel(*args, grid=g, cluster=cl, smem=cfg.smem_bytes)
+    kernel(x, codes.view(torch.int16), scales.reshape(-1), h, *static_params(as_, meta, slot_ranks, sorted_codes),
+           grid=g, cluster=cl, smem=cfg.smem_bytes)
     return codes, scales, h
 
 

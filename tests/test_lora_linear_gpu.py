@@ -213,6 +213,33 @@ def test_auto_above_decode_sizes_takes_the_triton_path(m):
     assert _rel_err(y, _reference(x, wq, ws, a, b, mapping)) < 1e-2
 
 
+@pytest.mark.parametrize("m", [1, 512])
+def test_auto_settled_answer_is_the_decided_path(m, tmp_path):
+    """path="auto" with a fresh dispatcher: the first eager call times the candidates and decides;
+    the next calls take the remembered answer (dispatch.auto_path's settled memo) and write the
+    decided path's result bit for bit into a poisoned output."""
+    from epilora_cute import dispatch
+
+    widths, k = QWEN3_8B["qkv"]
+    x, wq, ws, a, b, mapping = _case(widths, k, m, seed=m + 5)
+    meta = build_meta(mapping, 4)
+    saved = dispatch._default
+    dispatch.set_dispatcher(dispatch.Dispatcher(dispatch.DispatchTable(tmp_path / "dispatch.json")))
+    try:
+        first = ops.lora_linear_fp8(x, wq, ws, a, b, meta).clone()
+        d = dispatch.dispatcher()
+        assert len(d.settled) == 1
+        (path,) = d.settled.values()
+        out = torch.full_like(first, float("nan"))
+        again = ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out)
+        assert again is out and len(d.settled) == 1
+        explicit = ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path)
+    finally:
+        dispatch.set_dispatcher(saved)
+    assert torch.equal(again, first) and torch.equal(explicit, first), path
+    assert _rel_err(first, _reference(x, wq, ws, a, b, mapping)) < 1e-2
+
+
 @pytest.mark.parametrize("m", [33, 256, 2048])
 @pytest.mark.parametrize("proj", ["qkv", "down"])
 def test_hybrid_path_matches_reference(proj, m):
