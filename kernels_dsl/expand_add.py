@@ -850,6 +850,8 @@ def expand_add(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks
     kernel(y, h, *static_params(bs, meta, slot_ranks), grid=grid(widths, M, cfg, max_loras=L, zsplit=zsplit),
            smem=cfg.smem_bytes)
     return y
+
+
 def emulate(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks=None,
             config: Config | None = None, zsplit: int | None = None) -> torch.Tensor:
     """Pure-torch model of the kernel's tiling and arithmetic (CPU): column tiles inside slices,
