@@ -74,24 +74,6 @@ def push_b32(smem_addr, val, bar_addr, cta_rank, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def push_b64(smem_addr, lo, hi, bar_addr, cta_rank, *, loc=None, ip=None):
-    """push_b32 of two 32-bit words (lo at smem_addr, hi at smem_addr + 4; smem_addr 8-byte
-    aligned) in one st.async .v2.b32, completing 8 bytes on the mbarrier."""
-    llvm.inline_asm(
-        None,
-        [cutlass.Int32(smem_addr).ir_value(loc=loc, ip=ip), cutlass.Int32(lo).ir_value(loc=loc, ip=ip),
-         cutlass.Int32(hi).ir_value(loc=loc, ip=ip), cutlass.Int32(bar_addr).ir_value(loc=loc, ip=ip),
-         cutlass.Int32(cta_rank).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .u32 ra, rb;\n\tmapa.shared::cluster.u32 ra, $0, $4;\n\tmapa.shared::cluster.u32 rb, $3, $4;\n\t"
-        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [ra], {$1, $2}, [rb];\n\t}",
-        "r,r,r,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@dsl_user_op
 def mbarrier_wait_acquire_cluster(bar_addr, parity, *, loc=None, ip=None):
     """Wait until the mbarrier at `bar_addr` (32-bit shared::cta address) completes the phase of
     `parity`, with acquire semantics at cluster scope: the writes that peers released to it (the

@@ -69,7 +69,23 @@ try:  # the DSL is needed to compile, not to launch a cached build
     import cutlass.utils as utils
     import cutlass.utils.hopper_helpers as sm90_utils
 
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import dsl_user_op
+
     from . import _dsl as D
+
+    @dsl_user_op
+    def _push_pair(smem_addr, lo, hi, bar_addr, cta_rank, *, loc=None, ip=None):
+        """_dsl.push_b32 of two 32-bit words (lo at smem_addr, hi at smem_addr + 4; smem_addr
+        8-byte aligned) in one st.async .v2.b32, completing 8 bytes on the mbarrier (two_sums'
+        (base, adapter) partials; here rather than in _dsl.py, whose edits rebuild every family)."""
+        ins = [cutlass.Int32(v).ir_value(loc=loc, ip=ip) for v in (smem_addr, lo, hi, bar_addr, cta_rank)]
+        llvm.inline_asm(
+            None, ins,
+            "{\n\t.reg .u32 ra, rb;\n\tmapa.shared::cluster.u32 ra, $0, $4;\n\t"
+            "mapa.shared::cluster.u32 rb, $3, $4;\n\t"
+            "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [ra], {$1, $2}, [rb];\n\t}",
+            "r,r,r,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 except ImportError:  # pragma: no cover - GPU machines without nvidia-cutlass-dsl
     cutlass = cute = None
 
@@ -1265,7 +1281,7 @@ if cute is not None:
                     o = D.mulhi_u32((e + 1) * nsplit - 1, mag_n)
                     lo_o = D.mulhi_u32(o * n_el, mag_s)
                     if cutlass.const_expr(self.cfg.two_sums):
-                        D.push_b64(recv + (split * sh + e - lo_o) * 8, D.f32_bits(pv[i]), D.f32_bits(pl[i]), bar, o)
+                        _push_pair(recv + (split * sh + e - lo_o) * 8, D.f32_bits(pv[i]), D.f32_bits(pl[i]), bar, o)
                     else:
                         D.push_b32(recv + (split * sh + e - lo_o) * 4, D.f32_bits(pv[i]), bar, o)
             self._stamp(trace_row, 4, ctid)
