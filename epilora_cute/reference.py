@@ -146,19 +146,6 @@ def lora_linear(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
     * ``token_lora`` [M] int: the adapter slot of every token, -1 for none.
     * ``quantize_activations=False`` gives the W8A16 arithmetic (bf16 x against FP8 weights).
     """
-    base, adapter = lora_linear_parts(x, w_codes, w_scale, lora_a, lora_b, token_lora,
-                                      quantize_activations=quantize_activations)
-    return base + adapter
-
-
-def lora_linear_parts(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
-                      lora_a: Sequence[torch.Tensor] | torch.Tensor,
-                      lora_b: Sequence[torch.Tensor] | torch.Tensor,
-                      token_lora: torch.Tensor, *, quantize_activations: bool = True
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """lora_linear's two terms, fp32: (base GEMM, adapter term; 0 for tokens without adapter).
-    Kernels that round as stock vLLM does, bf16(bf16(base) + bf16(adapter)), are judged against
-    each term's magnitude as well as the sum's."""
     if quantize_activations:
         xq, sx = quantize_fp8_per_token(x)
         base = fp8_scaled_mm(xq, sx, w_codes, w_scale)
@@ -169,4 +156,4 @@ def lora_linear_parts(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Ten
     if sum(widths) != w_codes.shape[0]:
         raise ValueError(f"slice widths {widths} do not add up to the weight's {w_codes.shape[0]} rows")
     h = lora_shrink(x, a_list, token_lora)
-    return base, lora_expand(h, b_list, token_lora)
+    return base + lora_expand(h, b_list, token_lora)

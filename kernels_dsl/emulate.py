@@ -65,11 +65,6 @@ def z_group_slices(row_group, start, r0: int, rows: int, nz: int):
         yield range(g_first, g_first + n_groups), row_lo, row_hi
 
 
-def _bf16(t):
-    """fp32 -> bf16 (round to nearest even) -> fp32."""
-    return t.to(torch.bfloat16).float()
-
-
 def _squeeze(buf):
     return buf[:, 0] if buf.dim() == 4 else buf
 
@@ -173,10 +168,8 @@ def emulate_shrink(x, lora_a, token_lora, active_ids, num_active, slot_ranks, ra
 
 
 def emulate_k2(xq, sx, w_codes, w_scale, h, lora_b, token_lora, active_ids, num_active, slot_ranks,
-               rank, bm, bn, split, bk=128, lora=True, order_seed=None, stock_round=True):
-    """y [M, N] bf16 as K2 computes it (M <= bn). stock_round (adapter builds, Config.stock_round):
-    base and adapter partials summed separately, y = bf16(bf16(base) + bf16(adapter)); False: one
-    sum, y = bf16(base + adapter)."""
+               rank, bm, bn, split, bk=128, lora=True, order_seed=None):
+    """y [M, N] bf16 as K2 computes it (M <= bn)."""
     M, K = xq.shape
     N = w_codes.shape[0]
     assert M <= bn and N % bm == 0
@@ -199,7 +192,6 @@ def emulate_k2(xq, sx, w_codes, w_scale, h, lora_b, token_lora, active_ids, num_
         n0 = t * bm
         sl = max(i for i in range(len(widths)) if starts[i] <= n0)
         partials = [None] * split
-        partials_l = [None] * split
         order = list(range(split))
         if order_seed is not None:
             random.Random(order_seed + t).shuffle(order)
@@ -228,16 +220,11 @@ def emulate_k2(xq, sx, w_codes, w_scale, h, lora_b, token_lora, active_ids, num_
                 n_steps = (min(reff - c * chunk, chunk) + 15) // 16
                 acc_l += bchunk[:, :16 * n_steps] @ hm[:, :16 * n_steps].t()
             part = acc * scale
-            if lora and not stock_round:
+            if lora:
                 part = part + acc_l
             partials[s] = part
-            partials_l[s] = acc_l
         tot = torch.zeros(bm, M)
-        tot_l = torch.zeros(bm, M)
         for s in range(split):  # fixed order, whoever finished first
             tot = tot + partials[s]
-            tot_l = tot_l + partials_l[s]
-        if lora and stock_round:
-            tot = _bf16(tot) + _bf16(tot_l)
         y[:, n0:n0 + bm] = tot.t().to(torch.bfloat16)
     return y

@@ -3,9 +3,8 @@
 y already holds the base GEMM's bf16 output (e.g. vLLM's CUTLASS FP8 GEMM); h is the shrink's fp32
 [num_slices, M, R] (or K1's bf16 h, v0.71: the same bf16 operand without the conversion); B_s are
 vLLM's per-slice buffers [max_loras, 1, n_s, R] bf16. The result is
-bf16(fp32(y) + fp32(bf16(sum_k bf16(h)[m, k] * B[n, k]))) (fp32 accumulation, the adapter term
-rounded to bf16 before the add: stock vLLM's expand; Config.stock_round), rows of tokens without an
-adapter (slot -1) are neither read nor written.
+bf16(fp32(y) + sum_k bf16(h)[m, k] * B[n, k]) (fp32 accumulation, one rounding), rows of tokens
+without an adapter (slot -1) are neither read nor written.
 
 Tiling: the CONCATENATED output. blockIdx.x enumerates column tiles of BN columns slice by slice
 (a tile never straddles two slices: each slice has ceil(n_s / BN) tiles), blockIdx.y row tiles of
@@ -80,9 +79,7 @@ class Config:
     column tiles of one slice; the B tile of the next (tile, group) is in flight during the
     current MMAs and epilogue, and the epilogue tile has its own smem. 1: one tile per CTA.
     nb: depth of the B ring (v0.75): nb - 1 (tile, group) B tiles in flight ahead of the MMAs
-    (2: the double buffer); with ct = 1 the epilogue tile still reuses the ring.
-    stock_round: y = bf16(y + bf16(h.B^T)), the adapter term rounded to bf16 before the add, as
-    stock vLLM's Triton expand does (docs/perf.md v0.84); False: bf16(y + h.B^T) (suffix _r1)."""
+    (2: the double buffer); with ct = 1 the epilogue tile still reuses the ring."""
 
     rank: int = 64
     num_slices: int = 1
@@ -91,7 +88,6 @@ class Config:
     h_bf16: bool = False
     ct: int = 1
     nb: int = 2
-    stock_round: bool = True
 
     def __post_init__(self):
         if self.rank not in RANKS:
@@ -122,8 +118,7 @@ class Config:
         hb = "_hb" if self.h_bf16 else ""
         ct = f"_ct{self.ct}" if self.ct > 1 else ""
         nb = f"_nb{self.nb}" if self.nb != 2 else ""
-        r1 = "" if self.stock_round else "_r1"
-        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}{hb}{ct}{nb}{r1}"
+        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}{hb}{ct}{nb}"
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -474,10 +469,7 @@ if cute is not None:
                     r_c = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
                     cute.autovec_copy(cute.zipped_divide(sC[r, None], (8,))[None, cc], r_c)
                     r_o = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
-                    add = r_c.load()
-                    if cutlass.const_expr(self.cfg.stock_round):
-                        add = add.to(cutlass.BFloat16).to(cutlass.Float32)
-                    r_o.store((ys[it].load().to(cutlass.Float32) + add).to(cutlass.BFloat16))
+                    r_o.store((ys[it].load().to(cutlass.Float32) + r_c.load()).to(cutlass.BFloat16))
                     cute.autovec_copy(r_o, cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc])
 
         @cute.jit
@@ -864,8 +856,8 @@ def emulate(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks=No
             config: Config | None = None, zsplit: int | None = None) -> torch.Tensor:
     """Pure-torch model of the kernel's tiling and arithmetic (CPU): column tiles inside slices,
     BM-row tiles of the sorted tokens, the adapter groups of each tile, rows of other groups
-    zeroed, k16 steps below the effective rank, bf16(h), fp32 accumulation, the term rounded to
-    bf16 (stock_round), fp32 add to y and a rounding, rows with slot -1 untouched; with the group split (zsplit, default as the launch)
+    zeroed, k16 steps below the effective rank, bf16(h), fp32 accumulation, fp32 add to y and one
+    rounding, rows with slot -1 untouched; with the group split (zsplit, default as the launch)
     each z-chunk of a tile's groups accumulates and writes only its groups' rows. Returns a new y."""
     from .emulate import z_group_slices
 
@@ -919,7 +911,4 @@ def _emulate_tile(out, a_tile, bmat, act, start, sorted_ids, tok, slot_ranks, cf
     keep = sorted_ids[r0 + row_lo:r0 + row_hi] >= 0
     t = tok[r0 + row_lo:r0 + row_hi][keep]
     cols = slice(col0, col0 + ncols)
-    add = acc[row_lo:row_hi][keep][:, :ncols]
-    if cfg.stock_round:
-        add = add.to(torch.bfloat16).float()
-    out[t, cols] = (out[t, cols].float() + add).to(torch.bfloat16)
+    out[t, cols] = (out[t, cols].float() + acc[row_lo:row_hi][keep][:, :ncols]).to(torch.bfloat16)

@@ -69,23 +69,7 @@ try:  # the DSL is needed to compile, not to launch a cached build
     import cutlass.utils as utils
     import cutlass.utils.hopper_helpers as sm90_utils
 
-    from cutlass._mlir.dialects import llvm
-    from cutlass.cutlass_dsl import dsl_user_op
-
     from . import _dsl as D
-
-    @dsl_user_op
-    def _push_pair(smem_addr, lo, hi, bar_addr, cta_rank, *, loc=None, ip=None):
-        """_dsl.push_b32 of two 32-bit words (lo at smem_addr, hi at smem_addr + 4; smem_addr
-        8-byte aligned) in one st.async .v2.b32, completing 8 bytes on the mbarrier (two_sums'
-        (base, adapter) partials; here rather than in _dsl.py, whose edits rebuild every family)."""
-        ins = [cutlass.Int32(v).ir_value(loc=loc, ip=ip) for v in (smem_addr, lo, hi, bar_addr, cta_rank)]
-        llvm.inline_asm(
-            None, ins,
-            "{\n\t.reg .u32 ra, rb;\n\tmapa.shared::cluster.u32 ra, $0, $4;\n\t"
-            "mapa.shared::cluster.u32 rb, $3, $4;\n\t"
-            "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [ra], {$1, $2}, [rb];\n\t}",
-            "r,r,r,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 except ImportError:  # pragma: no cover - GPU machines without nvidia-cutlass-dsl
     cutlass = cute = None
 
@@ -196,25 +180,10 @@ class Config:
     # More (SQ_WIDE_KBLOCKS) lets a batch of fewer tokens take a longer K range per CTA: the
     # register bound is on M x k-blocks (SQ_UNITS), checked per launch (min_split with M).
     sq_xblocks: int = 0
-    # Adapter builds: how y's bf16 rounding meets the adapter term. True (default): the base GEMM and
-    # the adapter term are summed over the split-K CTAs separately and y = bf16(bf16(base) +
-    # bf16(adapter)) - stock vLLM's order (its CUTLASS GEMM writes bf16(base), its Triton expand adds
-    # bf16(h.B^T) to it), so y is stock's up to accumulation order (docs/perf.md v0.84). False: one
-    # rounding, y = bf16(base + adapter), more accurate but a bf16 ulp off stock in ~25 % of the
-    # elements (name suffix _r1; not prebuilt).
-    stock_round: bool = True
-
-    @property
-    def two_sums(self) -> bool:
-        """The epilogue reduces the base and the adapter partials separately (stock_round)."""
-        return self.lora and self.stock_round
 
     def __post_init__(self):
-        sums = 2 if self.two_sums else 1
-        if (self.bm + RED_PAD) * self.bn * 4 * sums > self.bm * self.bk * self.stages:
+        if (self.bm + RED_PAD) * self.bn * 4 > self.bm * self.bk * self.stages:
             raise ValueError("the reduction buffer must fit the weight stages it reuses")
-        if self.push_partials and (self.bm * self.bn + MAX_CLUSTER) * 4 * sums > self.bm * self.bk * self.stages:
-            raise ValueError("push_partials' receive buffer must fit the weight stages it reuses")
         if self.bn not in (8, 16, 32):
             raise ValueError("bn must be 8, 16 or 32")
         if self.bm not in (64, 128):
@@ -274,8 +243,7 @@ class Config:
                 + ("_sq" if self.self_quant else "") + ("_rowmax" if self.sq_rowmax else "")
                 + ("_fh" if self.fused_h else "")
                 + ("_pm" if self.push_maxima else "") + ("_pp" if self.push_partials else "")
-                + (f"_x{self.sq_xblocks}" if self.sq_xblocks else "") + ("_trace" if self.trace else "")
-                + ("_r1" if self.lora and not self.stock_round else ""))
+                + (f"_x{self.sq_xblocks}" if self.sq_xblocks else "") + ("_trace" if self.trace else ""))
 
     @property
     def consumer_regs(self) -> int:
@@ -513,10 +481,6 @@ if cute is not None:
             # has waited for every stage's TMA and every WGMMA that read one (red_fits_stages).
             sRed = cute.make_tensor(cute.recast_ptr(st.sW.data_ptr(), dtype=cutlass.Float32),
                                     cute.make_layout((BM, BN), stride=(1, BM + RED_PAD)))
-            sRedL = None
-            if cutlass.const_expr(cfg.two_sums):
-                sRedL = cute.make_tensor(cute.recast_ptr(st.sW.data_ptr(), dtype=cutlass.Float32) + (BM + RED_PAD) * BN,
-                                         cute.make_layout((BM, BN), stride=(1, BM + RED_PAD)))
 
             if tidx == 0:
                 for i in cutlass.range_constexpr(STAGES):
@@ -539,9 +503,7 @@ if cute is not None:
                     cute.arch.mbarrier_arrive_and_expect_tx(st.pbar.data_ptr(), nsplit * BN * 4)
                 if cutlass.const_expr(cfg.push_partials):
                     _, p_lo, p_hi = self._red_share(M, split, nsplit)
-                    # (two_sums: a pair of words per element, the base's and the adapter's partial)
-                    cute.arch.mbarrier_arrive_and_expect_tx(st.pbar.data_ptr() + 1,
-                                                            (p_hi - p_lo) * nsplit * (8 if cfg.two_sums else 4))
+                    cute.arch.mbarrier_arrive_and_expect_tx(st.pbar.data_ptr() + 1, (p_hi - p_lo) * nsplit * 4)
             cute.arch.sync_threads()
             if cutlass.const_expr(cfg.push_maxima):
                 # The first cluster phase only makes every CTA's mbarrier init visible before a
@@ -750,8 +712,7 @@ if cute is not None:
                     self._lora_epilogue(ctid, acc_l, tiled_mma_l, st, sB_layout, sH_layout, bfull, bempty,
                                         mH, sl, M, split, nsplit)
 
-                # partial = acc * s_x[token] * s_w (+ adapter), into this CTA's reduction buffer;
-                # two_sums: the adapter's partial into a second buffer right after the first.
+                # partial = acc * s_x[token] * s_w (+ adapter), into this CTA's reduction buffer.
                 s_w = mSw[0]
                 if cutlass.const_expr(not cfg.self_quant):
                     cute.arch.mbarrier_wait(sx_ready, 0)
@@ -768,17 +729,15 @@ if cute is not None:
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     r, j = tCcC[i]
                     v = acc[i] * (sxe[i] * s_w)
-                    if cutlass.const_expr(cfg.lora and not cfg.two_sums):
+                    if cutlass.const_expr(cfg.lora):
                         v = v + acc_l[i]
                     if cutlass.const_expr(cfg.push_partials):
                         pv[i] = v  # (tokens past M are not pushed)
                     else:
                         sRed[r, j] = cutlass.Float32(cutlass.select_(j < M, v, cutlass.Float32(0.0)))
-                        if cutlass.const_expr(cfg.two_sums):
-                            sRedL[r, j] = cutlass.Float32(cutlass.select_(j < M, acc_l[i], cutlass.Float32(0.0)))
 
                 if cutlass.const_expr(cfg.push_partials):
-                    self._push_reduce(ctid, pv, acc_l, tCcC, st, mY, M, n0, split, nsplit, trace_row)
+                    self._push_reduce(ctid, pv, tCcC, st, mY, M, n0, split, nsplit, trace_row)
                 else:
                     self._stamp(trace_row, 4, ctid)
                     if cutlass.const_expr(cfg.sq_rowmax):
@@ -803,11 +762,6 @@ if cute is not None:
                     # the loads went out one or two at a time (SASS, docs/perf.md v0.45).
                     vals = cute.make_rmem_tensor((RU,), cutlass.Float32)
                     vals.fill(0.0)
-                    # two_sums: the adapter partials' sums (their buffer follows the base's).
-                    NSUM = 2 if cfg.two_sums else 1
-                    lora_off = (BM + RED_PAD) * BN * 4
-                    vals_l = cute.make_rmem_tensor((RU if cfg.two_sums else 1,), cutlass.Float32)
-                    vals_l.fill(0.0)
                     n_mine = (hi - lo + 127) // 128  # this CTA's elements per thread (at most)
                     if n_mine <= FEW_RED and nsplit <= FEW_RED_SPLITS:
                         # Few elements (decode at 1..8 tokens): one round of loads over every split
@@ -818,19 +772,15 @@ if cute is not None:
                                 e = cutlass.min(lo + ctid + 128 * u, n_el - 1)
                                 j = e // BM
                                 r = e - j * BM
-                                parts = cute.make_rmem_tensor((NSUM * FEW_RED_SPLITS,), cutlass.Float32)
+                                parts = cute.make_rmem_tensor((FEW_RED_SPLITS,), cutlass.Float32)
                                 for q in cutlass.range_constexpr(FEW_RED_SPLITS):
-                                    for b in cutlass.range_constexpr(NSUM):
-                                        parts[b * FEW_RED_SPLITS + q] = cutlass.Float32(0.0)
-                                        if q < nsplit:
-                                            parts[b * FEW_RED_SPLITS + q] = D.ld_dsmem_f32(
-                                                red_base + b * lora_off + (r + j * (BM + RED_PAD)) * 4, q)
+                                    parts[q] = cutlass.Float32(0.0)
+                                    if q < nsplit:
+                                        parts[q] = D.ld_dsmem_f32(red_base + (r + j * (BM + RED_PAD)) * 4, q)
                                 # The same order as below (0, 1, ..., S-1); + 0.0 past S leaves the sum
                                 # as it is (it starts at +0.0, so it is never -0.0).
                                 for q in cutlass.range_constexpr(FEW_RED_SPLITS):
                                     vals[u] = vals[u] + parts[q]
-                                    if cutlass.const_expr(cfg.two_sums):
-                                        vals_l[u] = vals_l[u] + parts[FEW_RED_SPLITS + q]
                     else:
                         for q in cutlass.range(nsplit, unroll=1):
                             for u in cutlass.range_constexpr(RU):
@@ -838,11 +788,6 @@ if cute is not None:
                                 j = e // BM
                                 r = e - j * BM
                                 vals[u] = vals[u] + D.ld_dsmem_f32(red_base + (r + j * (BM + RED_PAD)) * 4, q)
-                                if cutlass.const_expr(cfg.two_sums):
-                                    vals_l[u] = vals_l[u] + D.ld_dsmem_f32(
-                                        red_base + lora_off + (r + j * (BM + RED_PAD)) * 4, q)
-                    if cutlass.const_expr(cfg.two_sums):
-                        self._stock_sum(vals, vals_l)
                     self._store_share(vals, lo, hi, ctid, mY, n0)
                     # Keep this CTA's smem alive until every CTA of the cluster has read it. Relaxed:
                     # nothing is published here (this thread's DSMEM loads have returned, their values
@@ -1253,15 +1198,14 @@ if cute is not None:
             return n_el, split * n_el // nsplit, (split + 1) * n_el // nsplit
 
         @cute.jit
-        def _push_reduce(self, ctid, pv, pl, tCcC, st, mY, M, n0, split, nsplit, trace_row):
+        def _push_reduce(self, ctid, pv, tCcC, st, mY, M, n0, split, nsplit, trace_row):
             """push_partials (consumer, after the partials pv are in registers): each valid element's
             partial goes by st.async to its owner o = reduction_owner(e) = ((e + 1) S - 1) // n_el
             (magic-number division), into slot split * sh + e - lo_o of o's freed weight stages
             (sh = ceil(n_el / S) slots per sender), completing 4 bytes on o's pbar[1], which
-            expects (hi - lo) * S * 4 (two_sums: a slot is a pair, the base's partial pv and the
-            adapter's pl, one 8-byte st.async; the owner expects twice the bytes and sums each of
-            the two). The owner waits (acquire.cluster) and sums its elements over the senders in
-            the order 0..S-1 from +0.0, as the DSMEM reduction does: bitwise the same y. Lifetime: a CTA's last st.async into a peer is complete once that peer is past
+            expects (hi - lo) * S * 4. The owner waits (acquire.cluster) and sums its elements over
+            the senders in the order 0..S-1 from +0.0, as the DSMEM reduction does: bitwise the
+            same y. Lifetime: a CTA's last st.async into a peer is complete once that peer is past
             its wait; the final relaxed cluster phase (arrived right after the wait, waited at the
             end) keeps every CTA alive until all of them are, so none exits with stores in flight."""
             BM, BN = self.bm, self.bn
@@ -1280,43 +1224,24 @@ if cute is not None:
                     e = j * BM + r
                     o = D.mulhi_u32((e + 1) * nsplit - 1, mag_n)
                     lo_o = D.mulhi_u32(o * n_el, mag_s)
-                    if cutlass.const_expr(self.cfg.two_sums):
-                        _push_pair(recv + (split * sh + e - lo_o) * 8, D.f32_bits(pv[i]), D.f32_bits(pl[i]), bar, o)
-                    else:
-                        D.push_b32(recv + (split * sh + e - lo_o) * 4, D.f32_bits(pv[i]), bar, o)
+                    D.push_b32(recv + (split * sh + e - lo_o) * 4, D.f32_bits(pv[i]), bar, o)
             self._stamp(trace_row, 4, ctid)
             D.mbarrier_wait_acquire_cluster(bar, 0)
             # Every st.async into this CTA is complete: arrive at the last phase now, wait at the end.
             cute.arch.cluster_arrive_relaxed()
             RU = BM * BN // 128
-            W = 2 if self.cfg.two_sums else 1  # words per slot
             sRv = cute.make_tensor(cute.recast_ptr(st.sW.data_ptr(), dtype=cutlass.Float32),
-                                   cute.make_layout(W * (BM * BN + MAX_CLUSTER)))
+                                   cute.make_layout(BM * BN + MAX_CLUSTER))
             vals = cute.make_rmem_tensor((RU,), cutlass.Float32)
             vals.fill(0.0)
-            vals_l = cute.make_rmem_tensor((RU if self.cfg.two_sums else 1,), cutlass.Float32)
-            vals_l.fill(0.0)
             for q in cutlass.range(nsplit, unroll=1):
                 for u in cutlass.range_constexpr(RU):
                     # Unconditional (clamped into the share; past it never stored), as in the
                     # DSMEM reduction: local smem loads now.
                     e = cutlass.min(lo + ctid + 128 * u, hi - 1)
-                    vals[u] = vals[u] + sRv[W * (q * sh + e - lo)]
-                    if cutlass.const_expr(self.cfg.two_sums):
-                        vals_l[u] = vals_l[u] + sRv[W * (q * sh + e - lo) + 1]
-            if cutlass.const_expr(self.cfg.two_sums):
-                self._stock_sum(vals, vals_l)
+                    vals[u] = vals[u] + sRv[q * sh + e - lo]
             self._store_share(vals, lo, hi, ctid, mY, n0)
             cute.arch.cluster_wait()
-
-        @cute.jit
-        def _stock_sum(self, vals, vals_l):
-            """two_sums: vals[u] = bf16(base) + bf16(adapter) in fp32 (exact for two bf16 values of
-            the magnitudes met here), which _store_share rounds once more: stock vLLM's
-            bf16(bf16(base) + bf16(h.B^T)). A token without adapter has an adapter sum of +0.0."""
-            for u in cutlass.range_constexpr(cute.size(vals)):
-                vals[u] = (vals[u].to(cutlass.BFloat16).to(cutlass.Float32)
-                           + vals_l[u].to(cutlass.BFloat16).to(cutlass.Float32))
 
         @cute.jit
         def _store_share(self, vals, lo, hi, ctid, mY, n0):
@@ -1697,10 +1622,9 @@ def _magic_u32(d: int) -> int:
     return ((0xFFFFFFFF // d) + 1) & 0xFFFFFFFF  # _dsl.div_magic_u32
 
 
-def push_plan(bm: int, m_valid: int, nsplit: int, words: int = 1) -> dict:
+def push_plan(bm: int, m_valid: int, nsplit: int) -> dict:
     """push_partials' plan, in the kernel's own integer arithmetic (magic-number divisions
-    included), for tests: {"sh": slots per sender (of `words` words: 2 for two_sums builds),
-    "expect": [bytes each owner expects],
+    included), for tests: {"sh": slots per sender, "expect": [bytes each owner expects],
     "pushes": [(sender, element, owner, slot)], "share": [(lo, hi)] per CTA}. Every sender pushes
     every valid element (e = token * bm + row, token < m_valid) of its partial tile."""
     n_el = bm * m_valid
@@ -1714,7 +1638,7 @@ def push_plan(bm: int, m_valid: int, nsplit: int, words: int = 1) -> dict:
             lo_o = ((o * n_el) * mag_s) >> 32
             pushes.append((q, e, o, q * sh + e - lo_o))
     return {"sh": sh, "share": share, "pushes": pushes,
-            "expect": [(hi - lo) * nsplit * 4 * words for lo, hi in share]}
+            "expect": [(hi - lo) * nsplit * 4 for lo, hi in share]}
 
 
 def fused_h_workspace_shape(config: Config, k: int) -> tuple[int, int, int]:

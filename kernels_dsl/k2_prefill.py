@@ -161,9 +161,6 @@ class Config:
       producer's stage ring and B ring run on across tiles, the output tile has its own bf16
       buffer, so the next tile's stages stream in during this tile's epilogue (v0.65). Needs
       vstore (an unaligned output takes the one-tile scalar-store build) and no PDL.
-    stock_round (adapter builds): y = bf16(bf16(base) + bf16(adapter)), stock vLLM's order (its GEMM
-      writes bf16, its expand adds the bf16 adapter term; docs/perf.md v0.84); False: one rounding
-      (suffix _r1).
     """
 
     bn: int = 128
@@ -178,7 +175,6 @@ class Config:
     accum: str = "serial"
     vstore: bool = False
     persistent: bool = False
-    stock_round: bool = True
 
     def __post_init__(self):
         if self.accum not in ACCUM_MODES:
@@ -228,7 +224,6 @@ class Config:
         s += "" if self.accum == "serial" else f"_{self.accum}"
         s += "_vs" if self.vstore else ""
         s += "_pers" if self.persistent else ""
-        s += "_r1" if self.lora and not self.stock_round else ""
         return s + ("_pdl" if self.pdl else "")
 
     @property
@@ -629,7 +624,7 @@ if cute is not None:
                     r, j = tCcC[i]
                     v = acc[i] * (sSx[j] * s_w)
                     if cutlass.const_expr(cfg.lora):
-                        v = self._add_adapter(v, acc_l[i])
+                        v = v + acc_l[i]
                     sRed[r, j] = v
                 cute.arch.barrier(barrier_id=_BAR_EPI, number_of_threads=CONSUMER_THREADS)
                 # Row scatter to the original token order, coalesced along the features.
@@ -863,12 +858,12 @@ if cute is not None:
                         sl, _, _ = self._slice_of(n0, mSliceStart)
                         qc = self._lora_epilogue(ctid, acc_l, tiled_mma_l, st, sB_layout, sH_layout, bfull, bempty,
                                                  sTok_t, mH, mActive, mNumActive, mStart, mSlotRanks, sl, p0, qc)
-                    # partial = acc * s_x[p] * s_w (+ adapter), rounded to bf16, token-major.
+                    # partial = acc * s_x[p] * s_w (+ adapter), rounded to bf16 once, token-major.
                     for i in cutlass.range_constexpr(cute.size(acc)):
                         r, j = tCcC[i]
                         v = acc[i] * (sSx_t[j] * s_w)
                         if cutlass.const_expr(cfg.lora):
-                            v = self._add_adapter(v, acc_l[i])
+                            v = v + acc_l[i]
                         sOut[j, r] = v.to(cutlass.BFloat16)
                     cute.arch.barrier(barrier_id=_BAR_EPI, number_of_threads=CONSUMER_THREADS)
                     # Row scatter to the original token order: 8 features of one token per thread.
@@ -1007,15 +1002,6 @@ if cute is not None:
                     if ok:
                         x = he
                     sH[j, rr + e, 0] = x.to(cutlass.BFloat16)
-
-        @cute.jit
-        def _add_adapter(self, v, a):
-            """base partial v + adapter partial a as y's rounding wants them (Config.stock_round:
-            bf16(base) + bf16(adapter) in fp32, rounded once more by the store: stock vLLM's order)."""
-            out = v + a
-            if cutlass.const_expr(self.cfg.stock_round):
-                out = v.to(cutlass.BFloat16).to(cutlass.Float32) + a.to(cutlass.BFloat16).to(cutlass.Float32)
-            return out
 
         @cute.jit
         def _lora_epilogue(self, ctid, acc_l, tiled_mma_l, st, sB_layout, sH_layout, bfull, bempty, sTok,
@@ -1361,8 +1347,7 @@ def emulate(config: Config, *, w_q, w_scale, x_q_sorted, x_scale_sorted, token_i
     """Pure-torch model of the kernel (CPU): (token tile, weight tile) CTAs, 128-deep k-blocks
     summed in fp32 (promotion), the tile's adapter items from the sorted group ranges, bf16 hmask
     (h gathered by token, zero outside the group), k16 steps cut at the effective rank, the fp32
-    partial acc.s_x.s_w + acc_lora rounded to bf16 (stock_round: each term rounded first) and
-    scattered to the original rows.
+    partial acc.s_x.s_w + acc_lora rounded once to bf16 and scattered to the original rows.
     y (optional) is written in place (poison it to check that every row of the batch is written)."""
     import random
 
@@ -1418,11 +1403,7 @@ def emulate(config: Config, *, w_q, w_scale, x_q_sorted, x_scale_sorted, token_i
                 acc_l += bchunk[:, :16 * n_steps] @ hm[:, :16 * n_steps].t()
         sxt = torch.zeros(bn)
         sxt[:valid] = sx[p0:p0 + valid]
-        part = acc * (sxt * sw)[None, :]
-        if config.lora and config.stock_round:
-            part = part.to(torch.bfloat16).float() + acc_l.to(torch.bfloat16).float()
-        else:
-            part = part + acc_l
+        part = acc * (sxt * sw)[None, :] + acc_l
         for j in range(valid):
             y[tok[p0 + j], n0:n0 + bm] = part[:, j].to(torch.bfloat16)
     return y

@@ -63,10 +63,6 @@ FAST_K2 = [
                            push_partials=True, sq_xblocks=32),
     k2_gemm.default_config(8, 128, lora=True, num_slices=1, rank=64, self_quant=True, sq_xblocks=32),
     k2_gemm.default_config(8, 128, lora=False, self_quant=True, push_partials=True, sq_xblocks=32),
-    # The single-rounding builds (stock_round=False, not prebuilt): DSMEM and pushed partials.
-    k2_gemm.Config(bn=32, lora=True, num_slices=3, rank=64, stock_round=False),
-    k2_gemm.default_config(8, 128, lora=True, num_slices=3, rank=64, self_quant=True, push_maxima=True,
-                           push_partials=True, stock_round=False),
 ]
 FAST_SHRINK = [
     lora_shrink.select(3, 16, 64),  # the decode path's build (8 stages)
@@ -196,18 +192,11 @@ def push_ptx_problems(cfg, ptx: str, dsmem_loads: bool) -> list[str]:
     if not (cfg.push_maxima or cfg.push_partials):
         return []
     bad = []
-    # One word per st.async (the maxima; the partials of builds without two sums), or the partials'
-    # (base, adapter) pairs in one 8-byte st.async (Config.two_sums).
-    pair = "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32"
-    word = "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32"
-    want = ([word] if cfg.push_maxima or (cfg.push_partials and not cfg.two_sums) else []) + (
-        [pair] if cfg.push_partials and cfg.two_sums else [])
-    for ins in want + ["mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64", "mbarrier.arrive.expect_tx",
-                       "barrier.cluster.arrive.relaxed"]:
+    for ins in ("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32",
+                "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64", "mbarrier.arrive.expect_tx",
+                "barrier.cluster.arrive.relaxed"):
         if ins not in ptx:
             bad.append(f"missing {ins}")
-    if pair in ptx and not cfg.two_sums:
-        bad.append("pairs pushed by a build with one sum")
     if cfg.push_partials:
         for ins in ("mul.hi.u32", "div.u32"):
             if ins not in ptx:

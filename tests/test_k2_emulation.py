@@ -11,10 +11,8 @@ import pytest
 import torch
 
 from epilora_cute.metadata import build_meta
-from epilora_cute.reference import lora_shrink, quantize_fp8_per_tensor
-from kernels_dsl import k2_gemm
+from epilora_cute.reference import lora_linear, lora_shrink, quantize_fp8_per_tensor
 from kernels_dsl.emulate import emulate_k2, emulate_shrink, k2_items, k_range, lora_items
-from tests.tolerance import assert_matches_lora_linear
 
 
 def _problem(M, widths, K, rank, n_adapters, max_loras, seed, slot_ranks=None, none_frac=0.3):
@@ -66,9 +64,9 @@ def test_emulation_matches_reference(case):
     M, widths, K, rank, na, L, bm, bn, ss, sk = case
     x, wc, ws, la, lb, tok, sr = _problem(M, widths, K, rank, na, L, seed=M * 7 + rank)
     y, h = _run(x, wc, ws, la, lb, tok, sr, rank, L, bm, bn, ss, sk)
-    # bf16 output rounding (2^-8 relative; each term's too: stock's order) plus bf16 h in the
-    # epilogue WGMMA.
-    assert_matches_lora_linear(y, x, wc, ws, la, lb, tok)
+    ref = lora_linear(x, wc, ws, la, lb, tok)
+    # bf16 output rounding (2^-8 relative) plus bf16 h in the epilogue WGMMA.
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
     href = lora_shrink(x, la, tok)
     for s in range(len(widths)):
         for m in range(M):
@@ -85,7 +83,8 @@ def test_mixed_effective_ranks_and_no_adapter_tokens():
     tok[0] = -1
     tok[1] = 4  # a slot with effective rank 0: adds nothing
     y, h = _run(x, wc, ws, la, lb, tok, sr, rank, L, 128, 16, 4, 3)
-    assert_matches_lora_linear(y, x, wc, ws, la, lb, tok)
+    ref = lora_linear(x, wc, ws, la, lb, tok)
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
 
 
 def test_order_independent_bits():
@@ -97,30 +96,6 @@ def test_order_independent_bits():
         y1, h1 = _run(x, wc, ws, la, lb, tok, sr, rank, L, 128, 16, 4, 3, order_seed=seed)
         assert torch.equal(y0.view(torch.int16), y1.view(torch.int16))
         assert torch.equal(torch.nan_to_num(h0, 7.0), torch.nan_to_num(h1, 7.0))
-
-
-@pytest.mark.parametrize("split", [1, 3])
-def test_stock_round_sums_base_and_adapter_apart(split):
-    """Config.stock_round (default): y = bf16(bf16(base) + bf16(adapter)), each the fixed-order
-    split sum of its own partials - the no-adapter build's y and the zero-weight y combined; the
-    single rounding (stock_round=False) differs from it in a large share of the elements."""
-    M, widths, K, rank, L = 9, (256, 128, 128), 512, 64, 4
-    x, wc, ws, la, lb, tok, sr = _problem(M, widths, K, rank, 3, L, seed=13)
-    tok[0] = 0
-    meta = build_meta(tok, L)
-    active, na = meta.active_lora_ids.tolist(), int(meta.num_active)
-    h, xq, sx = emulate_shrink(x, la, tok, active, na, sr, rank, 2)
-    args = (h, lb, tok, active, na, sr, rank, 128, 16, split)
-    y = emulate_k2(xq, sx, wc, ws, *args)
-    base = emulate_k2(xq, sx, wc, ws, None, None, tok, [], 0, [], rank, 128, 16, split, lora=False)
-    adapter = emulate_k2(xq, sx, torch.zeros_like(wc), ws, *args)
-    want = (base.float() + adapter.float()).to(torch.bfloat16)
-    assert torch.equal(y.view(torch.int16), want.view(torch.int16))
-    one = emulate_k2(xq, sx, wc, ws, *args, stock_round=False)
-    rows = tok >= 0
-    assert (one[rows] != y[rows]).float().mean().item() > 0.05
-    assert k2_gemm.Config(bn=16, rank=64, stock_round=False).name().endswith("_r1")
-    assert k2_gemm.Config(bn=16, rank=64).two_sums and not k2_gemm.Config(bn=16, lora=False).two_sums
 
 
 def test_no_adapter_variant():

@@ -9,9 +9,8 @@ self-quantizing K2 (x_q only in K2's smem); the quantization-planes pairing is t
 
 What is checked: x_q/s_x bit-exact against reference.quantize_fp8_per_token (the shrink's planes;
 the self-quantizing K2's codes through an identity weight, where y = bf16(code * s_x) exactly); h against
-reference.lora_shrink for tokens with an adapter; y against reference.lora_linear_parts (bf16
-output rounded in stock vLLM's order, bf16 h in the epilogue WGMMA; test_stock_rounding_order:
-exactly bf16(bf16(base) + bf16(adapter)) of the kernel's own sums); outputs are poisoned (NaN) before each call and must be fully
+reference.lora_shrink for tokens with an adapter; y against reference.lora_linear (bf16 output,
+bf16 h in the epilogue WGMMA); outputs are poisoned (NaN) before each call and must be fully
 written; 10 repeated calls give identical bits; the sync counters are back to zero after a call;
 the TMA descriptors our specs encode equal the bytes the DSL's own host code builds.
 """
@@ -27,9 +26,8 @@ import pytest
 import torch
 
 from epilora_cute.metadata import build_meta
-from epilora_cute.reference import lora_linear_parts, lora_shrink, quantize_fp8_per_tensor, quantize_fp8_per_token
+from epilora_cute.reference import lora_linear, lora_shrink, quantize_fp8_per_tensor, quantize_fp8_per_token
 from kernels_dsl import k2_gemm, lora_shrink as shrink_mod
-from tests.tolerance import assert_lora_close
 
 pytestmark = pytest.mark.gpu
 
@@ -163,7 +161,7 @@ class DecodePath:
         # The fp32 reference of y runs on the GPU (same torch code, fp32 without TF32): the CPU
         # references of the 72B shapes dominated this file's time on the H200 host.
         assert not torch.backends.cuda.matmul.allow_tf32
-        base, adapter = lora_linear_parts(x, self.w_codes, self.w_scale, self.lora_a, self.lora_b, tok.to(x.device))
+        ref = lora_linear(x, self.w_codes, self.w_scale, self.lora_a, self.lora_b, tok.to(x.device))
         if not self.self_quant:  # (the self-quantizing K2 keeps x_q in smem: test_self_quant_codes)
             xq_ref, sx_ref = quantize_fp8_per_token(x.cpu())
             assert torch.equal(self.x_q.cpu().view(torch.uint8), xq_ref.view(torch.uint8)), "x_q differs"
@@ -180,7 +178,7 @@ class DecodePath:
             for s in range(len(href)):
                 torch.testing.assert_close(self.h[s, j, :cols].cpu(), href[s][j, :cols], rtol=1e-4, atol=1e-4)
         assert not torch.isnan(y).any(), "y not fully written"
-        assert_lora_close(y, base, adapter)
+        torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
         assert self.sync.cpu().tolist() == [0, 0], "sync counters not re-armed"
 
 
@@ -322,35 +320,6 @@ def test_all_tokens_without_adapter(self_quant):
     dp = DecodePath(widths, K, 64, 4, 5, seed=9, self_quant=self_quant)
     x, tok = _x(5, K, 9), torch.full((5,), -1, dtype=torch.int32)
     dp.check(x, tok, dp.run(x, tok))
-
-
-@pytest.mark.parametrize("M,rank,self_quant,push,fused", [
-    (1, 64, True, None, False),  # decode_sq, the partials pushed as (base, adapter) pairs
-    (8, 64, True, "", False),  # decode_sq, DSMEM reduction (few elements per thread)
-    (16, 64, False, None, False),  # decode (quantization planes), pushed pairs
-    (31, 16, False, "", False),  # decode, DSMEM reduction, one round per split
-    (4, 64, True, None, True),  # decode_fh
-])
-def test_stock_rounding_order(M, rank, self_quant, push, fused):
-    """y = bf16(bf16(base) + bf16(adapter)) bit for bit (Config.stock_round, stock vLLM's order),
-    base and adapter being the kernel's own split-K sums: the same launch with every token
-    without adapter gives bf16(base), with zero weights bf16(adapter)."""
-    _hopper()
-    widths, K = (4096, 1024, 1024), 4096
-    dp = DecodePath(widths, K, rank, 4, M, seed=M, self_quant=self_quant, push=push, fused=fused)
-    x, tok = _x(M, K, M), _tokens(M, 4, M)
-    tok[0] = 0
-    y = dp.run(x, tok).clone()
-    assert dp.k_cfg.two_sums if not fused else dp.f_cfg.two_sums
-    base = dp.run(x, torch.full_like(tok, -1)).clone()
-    codes = dp.w_codes.clone()
-    dp.w_codes.view(torch.uint8).zero_()
-    adapter = dp.run(x, tok).clone()
-    dp.w_codes.copy_(codes)
-    want = (base.float() + adapter.float()).to(torch.bfloat16)
-    assert torch.equal(y.view(torch.int16), want.view(torch.int16))
-    rows = tok >= 0
-    assert not torch.equal(adapter[rows.cuda()], torch.zeros_like(adapter[rows.cuda()]))  # the adapter did add
 
 
 def test_bitwise_identical_over_10_runs():

@@ -32,7 +32,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kernels_dsl import k2_prefill as P  # noqa: E402
-from tests.tolerance import assert_matches_lora_linear  # noqa: E402
 from kernels_dsl._abi import ptx_entry_params  # noqa: E402
 from tests.dsl46 import SHARDS, run_dsl46  # noqa: E402
 from tests.ptxas import spill_problems, wgmma_overlap_problems  # noqa: E402
@@ -47,7 +46,6 @@ FAST = [
     P.Config(bn=128, lora=True, num_slices=3, rank=64, accum="overlap", vstore=True, persistent=True),
     P.Config(bm=64, bn=64, lora=True, num_slices=2, rank=128, accum="serial", vstore=True, persistent=True),
     P.Config(bn=128, lora=True, num_slices=3, rank=64, accum="overlap", vstore=True, stages=6, b_bufs=1),
-    P.Config(bn=128, lora=True, num_slices=3, rank=64, vstore=True, stock_round=False),  # one rounding
 ]
 
 
@@ -449,15 +447,20 @@ EMU_CASES = [
 
 @pytest.mark.parametrize("case", EMU_CASES, ids=lambda c: f"M{c[0]}_r{c[3]}_a{c[4]}_bm{c[6]}_bn{c[7]}")
 def test_emulation_matches_reference(case):
+    from epilora_cute.reference import lora_linear
+
     M, widths, K, rank, na, L, bm, bn = case
     x, wc, ws, la, lb, tok, sr = _problem(M, widths, K, rank, na, L, seed=M + rank)
     cfg = P.Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=rank)
     y = _emulate(cfg, x, wc, ws, la, lb, tok, sr, L, widths)
     assert not torch.isnan(y).any(), "rows not written"
-    assert_matches_lora_linear(y, x, wc, ws, la, lb, tok)
+    ref = lora_linear(x, wc, ws, la, lb, tok)
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
 
 
 def test_mixed_effective_ranks_and_no_adapter_tokens():
+    from epilora_cute.reference import lora_linear
+
     M, widths, K, rank, L = 300, QKV, 256, 128, 8
     sr = [128, 8, 64, 16, 0, 100, 33, 1]
     x, wc, ws, la, lb, tok, _ = _problem(M, widths, K, rank, L, L, seed=3, slot_ranks=sr, none_frac=0.3)
@@ -465,7 +468,8 @@ def test_mixed_effective_ranks_and_no_adapter_tokens():
     tok[40:45] = 4  # effective rank 0: adds nothing
     cfg = P.Config(bn=64, lora=True, num_slices=3, rank=rank)
     y = _emulate(cfg, x, wc, ws, la, lb, tok, sr, L, widths)
-    assert_matches_lora_linear(y, x, wc, ws, la, lb, tok)
+    ref = lora_linear(x, wc, ws, la, lb, tok)
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
 
 
 def test_all_tokens_without_adapter_and_no_adapter_variant():
@@ -721,18 +725,18 @@ class PrefillPath:
         return self.y
 
     def check(self, x, tok, y, lora=True):
-        from epilora_cute.reference import fp8_scaled_mm, quantize_fp8_per_token
+        from epilora_cute.reference import fp8_scaled_mm, lora_linear, quantize_fp8_per_token
 
         assert not torch.isnan(y).any(), "y not fully written"
         # The fp32 reference runs where the data is (the same torch code as on the CPU; fp32
         # matmuls without TF32): at 8192 tokens the CPU needed minutes per file on the H200 host.
         assert not torch.backends.cuda.matmul.allow_tf32
         if lora:
-            assert_matches_lora_linear(y, x, self.w_codes, self.w_scale, self.lora_a, self.lora_b, tok.to(x.device))
+            ref = lora_linear(x, self.w_codes, self.w_scale, self.lora_a, self.lora_b, tok.to(x.device))
         else:
             xq, sx = quantize_fp8_per_token(x)
             ref = fp8_scaled_mm(xq, sx, self.w_codes, self.w_scale)
-            torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
 
 
 def _tokens(M, n_adapters, seed, none_frac=0.25):
