@@ -189,6 +189,36 @@ def test_engine_env(tmp_path):
     assert base["EPILORA_DISABLE"] == "0"  # not modified
 
 
+def test_stock_env_reaches_the_stock_engine_only(tmp_path):
+    args = (tmp_path / "shim", tmp_path / "cache", tmp_path / "log.json")
+    stock = e.engine_env("stock", {}, args[0], args[1] / "s", args[2], {"A": "1"}, {"B": "2"})
+    ours = e.engine_env("ours", {}, args[0], args[1] / "o", args[2], {"A": "1"}, {"B": "2"})
+    assert stock["B"] == "2" and "A" not in stock
+    assert ours["A"] == "1" and "B" not in ours
+    # the stock engine's own switch wins over a --stock-env of the same name
+    assert e.engine_env("stock", {}, *args, {}, {"EPILORA_DISABLE": "0"})["EPILORA_DISABLE"] == "1"
+
+
+def _vllm_lookup(data, max_loras, num_slices, m, k, n):
+    """vllm/lora/ops/triton_ops/utils.py get_lora_op_configs' walk (0.26.0): the nearest key at
+    every level but num_slices."""
+    def near(d, v):
+        return d.get(str(v)) or d[min(d.keys(), key=lambda x: abs(int(x) - v))]
+    return near(near(near(near(data, max_loras)[str(num_slices)], m), k), n)
+
+
+def test_unsplit_shrink_configs_serve_every_call(tmp_path):
+    paths = e.write_unsplit_shrink_configs(tmp_path / "cfg", ["NVIDIA H200", "Some GPU-X"])
+    names = sorted(p.name for p in paths)
+    assert "NVIDIA_H200_SHRINK.json" in names and "Some_GPU_X_SHRINK.json" in names
+    assert "NVIDIA_H100_80GB_HBM3_SHRINK.json" in names
+    data = json.loads((tmp_path / "cfg" / "NVIDIA_H200_SHRINK.json").read_text())
+    for max_loras, slices, m, k, n in [(8, 1, 1, 4096, 64), (8, 3, 64, 4096, 64), (8, 2, 512, 4096, 64),
+                                       (1, 1, 8192, 12288, 16), (32, 2, 3, 4096, 256)]:
+        cfg = _vllm_lookup(data, max_loras, slices, m, k, n)
+        assert cfg["split_k"] == 1 and cfg == e.UNSPLIT_SHRINK
+
+
 def test_worker_probe_counts_lora_classes(monkeypatch):
     monkeypatch.setenv("EPILORA_DECODE_PATH", "1")
 
@@ -435,6 +465,16 @@ def test_sigterm_stops_workers_and_still_reports(tmp_path):
     rep = json.loads((tmp_path / "out" / "e2e.json").read_text())
     assert rep["notes"] == {"stock": "interrupted", "ours": "interrupted"}
     assert _leftover_processes(tmp_path) == []
+
+
+def test_deterministic_shrink_and_stock_env_in_the_report(tmp_path):
+    r, rep = _run_tool(tmp_path, "--phases", "greedy", "--deterministic-lora-shrink", "--stock-env", "FOO=1")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert rep["deterministic_lora_shrink"] is True and rep["stock_env"] == {"FOO": "1"}
+    md = (tmp_path / "out" / "e2e.md").read_text()
+    assert "- stock: env {'FOO': '1'}" in md and "unsplit (split_k = 1" in md
+    assert "VLLM_TUNED_CONFIG_FOLDER=" in r.stdout + r.stderr
+    assert list((tmp_path / "work").glob("run-*/lora_unsplit_shrink/NVIDIA_H200_SHRINK.json"))
 
 
 def test_time_budget_stops_workers_and_still_reports(tmp_path):

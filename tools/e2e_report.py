@@ -473,6 +473,9 @@ def write_markdown(rep: dict, path: Path) -> None:
          f"GPU {_get(runs, 'ours', 'probe', 'gpu') or _get(runs, 'stock', 'probe', 'gpu') or '—'}",
          f"- both engines inherit: {rep.get('shared_env') or '{}'}",
          f"- machine: {machine_line(runs)}",
+         *([f"- stock: env {rep['stock_env']}"] if rep.get("stock_env") else []),
+         *(["- vLLM's LoRA shrink unsplit (split_k = 1, no atomics) in both engines (--deterministic-lora-shrink): "
+            "a diagnostic; its timings are not stock's"] if rep.get("deterministic_lora_shrink") else []),
          f"- ours: env {rep['ours_env'] or '{}'}; engine start stock "
          f"{_f(_get(runs, 'stock', 'engine_start_s'), '{:.0f}')} s, ours {_f(_get(runs, 'ours', 'engine_start_s'), '{:.0f}')} s"
          + (" (started together)" if rep["concurrent"] else "") + _startup_note(rep)]

@@ -1,8 +1,8 @@
 """End to end in vLLM: stock vLLM against vLLM with the EpiLoRA plugin, in one command (issue #5).
 
     python tools/e2e_vllm.py [--out DIR] [--only stock|ours] [--layers N] [--skip-throughput]
-                             [--ours-env KEY=VAL ...] [--stock-from FILE] [--sequential] [--smoke]
-                             [--reference auto|on|off]
+                             [--ours-env KEY=VAL ...] [--stock-env KEY=VAL ...] [--stock-from FILE]
+                             [--deterministic-lora-shrink] [--sequential] [--smoke] [--reference auto|on|off]
     python tools/e2e_vllm.py --rescore E2E_JSON [--out DIR]     (the fp32 reference only)
 
 On the GPU machine (vLLM importable, the repository as working directory, not pip-installed):
@@ -13,6 +13,14 @@ max_lora_rank=64, skip_tokenizer_init=True)``) doing every measurement:
 
 * stock: the plugin's entry point visible but ``EPILORA_DISABLE=1``;
 * ours: the plugin on, plus the ``--ours-env`` variables (e.g. ``EPILORA_FORCE_TRITON=1``).
+
+``--stock-env`` sets variables in the stock engine only. ``--deterministic-lora-shrink`` makes vLLM's
+own LoRA shrink deterministic in both engines (a diagnostic for the greedy comparison): below 128
+tokens vLLM 0.26.0 splits its K 64 ways and sums the parts with relaxed atomics, so stock's h, and
+through its bf16 rounding stock's y, vary with the order the atomics land (docs/perf.md v0.84
+measured); the flag points VLLM_TUNED_CONFIG_FOLDER at a generated shrink configuration of
+split_k = 1 (vLLM's default tiles otherwise), which also slows stock's LoRA: use it with the
+greedy / logprobs phases, not for timings.
 
 The plugin is found through a generated dist-info (entry point ``vllm.general_plugins:
 epilora_cute``) put on PYTHONPATH with the repository root, so vLLM's engine-core process loads
@@ -514,7 +522,7 @@ def parse_env_pairs(pairs: list[str]) -> dict[str, str]:
 
 
 def engine_env(config: str, base: dict, shim: Path, cache_root: Path, logging_cfg: Path,
-               ours_env: dict[str, str]) -> dict[str, str]:
+               ours_env: dict[str, str], stock_env: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of one configuration's worker (and, inherited, of vLLM's processes)."""
     env = dict(base)
     env["PYTHONPATH"] = os.pathsep.join([str(shim), str(ROOT)] + [p for p in [base.get("PYTHONPATH")] if p])
@@ -525,11 +533,45 @@ def engine_env(config: str, base: dict, shim: Path, cache_root: Path, logging_cf
     env["PYTHONUNBUFFERED"] = "1"
     env.update(MULTICAST_OFF_ENV)
     if config == "stock":
-        env["EPILORA_DISABLE"] = "1"
+        env.update(stock_env or {})
+        env["EPILORA_DISABLE"] = "1"  # after --stock-env: stock stays stock
     else:
         env.pop("EPILORA_DISABLE", None)
         env.update(ours_env)
     return env
+
+
+# vLLM 0.26.0's default shrink configuration below 128 tokens (vllm/lora/ops/triton_ops/utils.py,
+# get_lora_op_configs) with split_k = 1: one program sums all of K, no atomics.
+UNSPLIT_SHRINK = {"block_m": 32, "block_n": 16, "block_k": 256, "split_k": 1, "num_warps": 4, "num_ctas": 1,
+                  "group_size_m": 8, "num_stages": 2, "max_nreg": None}
+# GPU names the configuration file is also written for (vLLM names the file after
+# torch.cuda.get_device_name() with blanks and dashes made underscores).
+KNOWN_GPUS = ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H100")
+
+
+def write_unsplit_shrink_configs(folder: Path, gpu_names=()) -> list[Path]:
+    """A VLLM_TUNED_CONFIG_FOLDER whose shrink configuration is UNSPLIT_SHRINK for every call.
+    vLLM looks a configuration up as data[max_loras][num_slices][m][k][n], the nearest key at every
+    level but num_slices (exact), so one entry per slice count serves every shape."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = {"1": {str(s): {"1": {"4096": {"64": UNSPLIT_SHRINK}}} for s in range(1, 5)}}
+    out = []
+    for name in dict.fromkeys(list(gpu_names) + list(KNOWN_GPUS)):
+        path = folder / f"{name.replace(' ', '_').replace('-', '_')}_SHRINK.json"
+        _write_json(path, data)
+        out.append(path)
+    return out
+
+
+def gpu_names() -> list[str]:
+    """The GPU names nvidia-smi reports (empty without it): no CUDA context in this process."""
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [ln.strip() for ln in r.stdout.splitlines() if ln.strip()] if r.returncode == 0 else []
 
 
 def entry_point_check(env: dict) -> str:
@@ -937,7 +979,9 @@ def build_report(args, spec: dict, runs: dict, notes: dict, ours_env: dict, t0: 
             for c in CONFIGS if (out / f"{c}.log").exists()}
     rep = {"tool": "tools/e2e_vllm.py", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "git": git,
            "command": " ".join(["python", "tools/e2e_vllm.py"] + (args.argv or [])), "seconds": time.time() - t0,
-           "concurrent": not args.sequential, "ours_env": ours_env, "shared_env": shared_env(os.environ),
+           "concurrent": not args.sequential, "ours_env": ours_env, "stock_env": getattr(args, "stock_env_dict", {}),
+           "deterministic_lora_shrink": bool(getattr(args, "deterministic_lora_shrink", False)),
+           "shared_env": shared_env(os.environ),
            "spec": spec, "notes": notes,
            "entry_point": entry_point,
            "targets": {"tpot_one_adapter_ms": e2e_report.TARGET_TPOT_ONE_ADAPTER_MS,
@@ -983,6 +1027,10 @@ def main(argv=None) -> int:
                     help="checkpoint, adapters, vLLM caches (kept for later runs on the same machine)")
     ap.add_argument("--only", choices=CONFIGS)
     ap.add_argument("--stock-from", type=Path, help="stock results of an earlier run (e2e.json or result_stock.json)")
+    ap.add_argument("--stock-env", action="append", default=[], metavar="KEY=VAL",
+                    help="an environment variable of the stock engine only (repeatable)")
+    ap.add_argument("--deterministic-lora-shrink", action="store_true",
+                    help="vLLM's LoRA shrink without split-K atomics in both engines (a diagnostic; slows stock's LoRA)")
     ap.add_argument("--ours-env", action="append", default=[], metavar="KEY=VAL",
                     help="environment of the 'ours' engine (repeatable), e.g. EPILORA_FORCE_TRITON=1")
     ap.add_argument("--size", choices=sorted(e2e_model.SIZES), default="qwen3-8b")
@@ -1038,6 +1086,7 @@ def main(argv=None) -> int:
     if set(phases) - set(PHASES + OPTIONAL_PHASES):
         ap.error(f"--phases: unknown {sorted(set(phases) - set(PHASES + OPTIONAL_PHASES))}")
     ours_env = parse_env_pairs(args.ours_env)
+    args.stock_env_dict = stock_env = parse_env_pairs(args.stock_env)
     engine_over = dict(SMOKE["engine"]) if args.smoke else {}
     engine_over.update({k: json.loads(v) for k, v in parse_env_pairs(args.engine_arg).items()})
     out, work = args.out.resolve(), args.work_dir.resolve()
@@ -1074,10 +1123,16 @@ def main(argv=None) -> int:
     _write_json(spec_path, spec)
 
     configs = [args.only] if args.only else list(CONFIGS)
+    base_env = dict(os.environ)
+    if args.deterministic_lora_shrink:
+        folder = control / "lora_unsplit_shrink"
+        write_unsplit_shrink_configs(folder, gpu_names())
+        base_env["VLLM_TUNED_CONFIG_FOLDER"] = str(folder)
+        log(f"vLLM's LoRA shrink unsplit (split_k = 1) in both engines: VLLM_TUNED_CONFIG_FOLDER={folder}")
     env_hash = _sha(ours_env)[:8]
-    workers = [Worker(c, spec_path, engine_env(c, dict(os.environ), shim,
+    workers = [Worker(c, spec_path, engine_env(c, base_env, shim,
                                                work / "vllm_cache" / (c if c == "stock" else f"ours-{env_hash}"),
-                                               logging_cfg, ours_env), out, control) for c in configs]
+                                               logging_cfg, ours_env, stock_env), out, control) for c in configs]
     entry = entry_point_check(workers[0].env)
     log(f"plugin entry point: {entry}")
     runs = {}
