@@ -362,6 +362,15 @@ def test_compare_logprobs():
     assert rpt.compare_logprobs({"lp": [], "top1": []}, {"lp": [], "top1": []}, 3) == {"positions": 0}
 
 
+def test_stock_floor_row():
+    cmp_ = {"logprobs": {"adapters": {"positions": 10, "mean_abs": 0.0025}},
+            "stock_floor_logprobs": {"adapters": {"positions": 10, "mean_abs": 0.0024}}}
+    (row,) = rpt._stock_floor_rows(cmp_)
+    assert "1.04×" in row and "0.0025 / 0.0024" in row
+    assert rpt._stock_floor_rows({**cmp_, "stock_floor_logprobs": {"adapters": {"positions": 10, "mean_abs": 0.0}}}) == []
+    assert rpt._stock_floor_rows({"logprobs": cmp_["logprobs"]}) == []
+
+
 def test_perf_rows_and_targets():
     runs = {"stock": {"phases": {"tpot": {"one_adapter": {"tpot_ms": 6.0}},
                                  "throughput": {"eight_adapters": {"output_tok_s": 3300.0, "total_tok_s": 16500.0}}}},
