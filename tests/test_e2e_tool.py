@@ -484,6 +484,10 @@ def test_deterministic_shrink_and_stock_env_in_the_report(tmp_path):
     assert "- stock: env {'FOO': '1'}" in md and "unsplit (split_k = 1" in md
     assert "VLLM_TUNED_CONFIG_FOLDER=" in r.stdout + r.stderr
     assert list((tmp_path / "work").glob("run-*/lora_unsplit_shrink/NVIDIA_H200_SHRINK.json"))
+    # a rescore of that run still says how it was run
+    r, rep2 = _run_tool(tmp_path, "--rescore", str(tmp_path / "out" / "e2e.json"), "--reference", "off", out="second")
+    assert rep2["deterministic_lora_shrink"] is True and rep2["stock_env"] == {"FOO": "1"}
+    assert "unsplit (split_k = 1" in (tmp_path / "second" / "e2e.md").read_text()
 
 
 def test_time_budget_stops_workers_and_still_reports(tmp_path):

@@ -979,9 +979,7 @@ def build_report(args, spec: dict, runs: dict, notes: dict, ours_env: dict, t0: 
             for c in CONFIGS if (out / f"{c}.log").exists()}
     rep = {"tool": "tools/e2e_vllm.py", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "git": git,
            "command": " ".join(["python", "tools/e2e_vllm.py"] + (args.argv or [])), "seconds": time.time() - t0,
-           "concurrent": not args.sequential, "ours_env": ours_env, "stock_env": getattr(args, "stock_env_dict", {}),
-           "deterministic_lora_shrink": bool(getattr(args, "deterministic_lora_shrink", False)),
-           "shared_env": shared_env(os.environ),
+           "concurrent": not args.sequential, "ours_env": ours_env, "shared_env": shared_env(os.environ),
            "spec": spec, "notes": notes,
            "entry_point": entry_point,
            "targets": {"tpot_one_adapter_ms": e2e_report.TARGET_TPOT_ONE_ADAPTER_MS,
@@ -1086,7 +1084,7 @@ def main(argv=None) -> int:
     if set(phases) - set(PHASES + OPTIONAL_PHASES):
         ap.error(f"--phases: unknown {sorted(set(phases) - set(PHASES + OPTIONAL_PHASES))}")
     ours_env = parse_env_pairs(args.ours_env)
-    args.stock_env_dict = stock_env = parse_env_pairs(args.stock_env)
+    stock_env = parse_env_pairs(args.stock_env)
     engine_over = dict(SMOKE["engine"]) if args.smoke else {}
     engine_over.update({k: json.loads(v) for k, v in parse_env_pairs(args.engine_arg).items()})
     out, work = args.out.resolve(), args.work_dir.resolve()
@@ -1129,9 +1127,10 @@ def main(argv=None) -> int:
         write_unsplit_shrink_configs(folder, gpu_names())
         base_env["VLLM_TUNED_CONFIG_FOLDER"] = str(folder)
         log(f"vLLM's LoRA shrink unsplit (split_k = 1) in both engines: VLLM_TUNED_CONFIG_FOLDER={folder}")
-    env_hash = _sha(ours_env)[:8]
-    workers = [Worker(c, spec_path, engine_env(c, base_env, shim,
-                                               work / "vllm_cache" / (c if c == "stock" else f"ours-{env_hash}"),
+    # vLLM's compile caches, one per configuration and environment (as --ours-env, --stock-env may
+    # change what vLLM compiles); the plain stock run keeps its "stock" cache.
+    cache_dirs = {"stock": "stock" + (f"-{_sha(stock_env)[:8]}" if stock_env else ""), "ours": f"ours-{_sha(ours_env)[:8]}"}
+    workers = [Worker(c, spec_path, engine_env(c, base_env, shim, work / "vllm_cache" / cache_dirs[c],
                                                logging_cfg, ours_env, stock_env), out, control) for c in configs]
     entry = entry_point_check(workers[0].env)
     log(f"plugin entry point: {entry}")
@@ -1163,7 +1162,7 @@ def main(argv=None) -> int:
         except (KeyboardInterrupt, SystemExit):
             fp32 = {"mode": args.reference, "skipped": "interrupted"}
     rep = build_report(args, spec, runs, {w.config: w.note for w in workers if w.note}, ours_env, t0, out, entry,
-                       fp32)
+                       fp32, extra={"stock_env": stock_env, "deterministic_lora_shrink": args.deterministic_lora_shrink})
     print((out / "e2e.md").read_text(), flush=True)
     ok = all(runs[w.config].get("done") for w in workers)
     log(f"done in {rep['seconds']:.0f} s; report: {out / 'e2e.md'}")
@@ -1210,7 +1209,8 @@ def rescore(args, t0: float) -> int:
                 "another checkpoint, not another computation")
     git = os.environ.get("EPILORA_GIT_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
-    keep = {k: prev[k] for k in ("date", "git", "command", "seconds", "concurrent", "plugin_log") if k in prev}
+    keep = {k: prev[k] for k in ("date", "git", "command", "seconds", "concurrent", "plugin_log", "stock_env",
+                                 "deterministic_lora_shrink") if k in prev}
     keep["rescored_from"] = {"file": str(args.rescore), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "git": git,
                              "command": " ".join(["python", "tools/e2e_vllm.py"] + (args.argv or [])),
                              "seconds": time.time() - t0}
