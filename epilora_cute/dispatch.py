@@ -315,7 +315,7 @@ def applicable_paths(call: Call) -> tuple[str, ...]:
     """Every path that can compute ``call`` (before the opt-in filter), in a fixed order.
 
     "base" (vLLM's FP8 path): the host knows no token has an adapter (it drops the adapters);
-    "decode": ≤ 32 tokens on sm_90a with shapes its kernels take; "decode_sq": the same at 1..8
+    "decode": ≤ 64 tokens on sm_90a with shapes its kernels take (two token tiles above 32); "decode_sq": the same at 1..8
     tokens where the self-quantizing K2 takes K, and "decode_fh" (K2 computing h too) with it;
     "no_adapter": the same as "decode", and the
     host knows no token has an adapter; "hybrid", "hybrid_par" (its K1 on a second stream beside
@@ -623,7 +623,7 @@ def auto_path(x, w_q, w_scale, lora_a, lora_b, meta, *, widths, rank, out, slot_
         def make_case(b: int) -> tuple[Call, Callable[[str], None]]:
             xb, run_b = _synthetic_runner(x, w_q, w_scale, lora_a, lora_b, meta, b, out.shape[1],
                                           slot_ranks=slot_ranks, pdl=pdl)
-            # b's own view of the call (the decode kernels apply only up to 32 tokens), keyed
+            # b's own view of the call (the decode kernels apply only up to 64 tokens), keyed
             # with the live call's adapter knowledge.
             return describe(xb, w_q, widths, rank, lora_a, lora_b, meta)._replace(tokens=b), run_b
 

@@ -113,7 +113,9 @@ def _reference_quant_into(x, codes, scales, warn_reason: str | None):
 # ---------------------------------------------------------------------------------------------
 # The fused LoRA linear: y = quant(x) @ W_q^T * s_x * s_w + per-token adapter update.
 
-DECODE_MAX_TOKENS = 32
+# The decode pair (shrink + K2) and the no-adapter K2: one token tile up to 32 tokens, two (the
+# token-tile builds, the second reading the weights from L2) at 33..64 (kernels_dsl.k2_gemm.WIDE_MAX_TOKENS).
+DECODE_MAX_TOKENS = 64
 PATHS = ("auto", "base", "decode", "decode_sq", "decode_fh", "no_adapter", "hybrid", "hybrid_par", "hybrid_par_q",
          "prefill", "triton", "reference")
 # The decode and no-adapter paths' variable for "auto" (dispatch.OPT_IN_ENV): "0" keeps them out of
@@ -367,7 +369,7 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     y bit for bit, with K1 on a second stream beside the quantization kernel + the GEMM;
     "hybrid_par_q": the same with the branch forked after the quantization), "prefill" (33..16384
     tokens, sm_90a: K1, the activations gathered into adapter-sorted order, the prefill K2 with the
-    grouped epilogue; a dispatch candidate only with EPILORA_PREFILL_PATH=1 until GPU-verified), "decode" (≤ 32 tokens, sm_90a: the shrink kernel, then K2
+    grouped epilogue; a dispatch candidate only with EPILORA_PREFILL_PATH=1 until GPU-verified), "decode" (≤ 64 tokens, sm_90a: the shrink kernel, then K2
     as its PDL dependent — two launches; ``pdl=False`` serializes them; the shrink's extra CTAs
     quantize x), "decode_sq" (the same at 1..8 tokens with K2 quantizing x itself and the shrink
     without quantization CTAs: docs/perf.md v0.29; the timed dispatch picks between the two per
@@ -681,7 +683,7 @@ def _k2_no_adapter(x, w_q, w_scale, widths, out, pdl: bool = True, chain: bool =
     codes, scales = quantize_fp8_per_token(x, pdl=chain)
     _, cfg = k2_gemm.select(widths, m)
     spec = k2_gemm.launch(cfg, w_q=w_q, w_scale=w_scale, x_q=codes, x_scale=scales, y=out,
-                          sync=sync, n_quant=0, split=k2_gemm.split_for(cfg, n, k))
+                          sync=sync, n_quant=0, split=k2_gemm.split_for(cfg, n, k, m))
     # K2 as the quantization kernel's PDL dependent: its weight stream starts under the
     # quantization (it waits with griddepcontrol.wait before reading x_q).
     _launch_spec(get_kernel(k2_gemm, cfg, "sm_90a"), spec, pdl=pdl)

@@ -180,6 +180,11 @@ class Config:
     # More (SQ_WIDE_KBLOCKS) lets a batch of fewer tokens take a longer K range per CTA: the
     # register bound is on M x k-blocks (SQ_UNITS), checked per launch (min_split with M).
     sq_xblocks: int = 0
+    # Token tiles (the decode pair at 33..WIDE_MAX_TOKENS tokens, x_q given, bn 32): the grid's y
+    # holds T = ceil(M / bn) token tiles per weight block, interleaved (y = weight block * T + t), so
+    # the T CTAs of one block are dispatched back to back and all but the first read its weights
+    # from L2; each CTA computes tokens t * bn .. t * bn + bn - 1 as a one-tile build computes 0..bn-1.
+    token_tiles: bool = False
 
     def __post_init__(self):
         if (self.bm + RED_PAD) * self.bn * 4 > self.bm * self.bk * self.stages:
@@ -210,6 +215,8 @@ class Config:
                                     and 128 // self.bn < self.sq_xblocks <= SQ_WIDE_KBLOCKS):
             raise ValueError(f"sq_xblocks is a variant of the self_quant builds (not sq_rowmax / fused_h), "
                              f"{128 // self.bn + 1}..{SQ_WIDE_KBLOCKS}")
+        if self.token_tiles and (self.bn != 32 or self.self_quant or self.trace or self.early):
+            raise ValueError("token_tiles is a variant of the bn 32 builds that take x_q (no trace / early)")
         if self.lora:
             if self.rank not in (8, 16, 32, 64, 128, 256):
                 raise ValueError("rank must be 8..256, a power of two")
@@ -243,7 +250,8 @@ class Config:
                 + ("_sq" if self.self_quant else "") + ("_rowmax" if self.sq_rowmax else "")
                 + ("_fh" if self.fused_h else "")
                 + ("_pm" if self.push_maxima else "") + ("_pp" if self.push_partials else "")
-                + (f"_x{self.sq_xblocks}" if self.sq_xblocks else "") + ("_trace" if self.trace else ""))
+                + (f"_x{self.sq_xblocks}" if self.sq_xblocks else "") + ("_tt" if self.token_tiles else "")
+                + ("_trace" if self.trace else ""))
 
     @property
     def consumer_regs(self) -> int:
@@ -450,10 +458,26 @@ if cute is not None:
             _, tile, _ = cute.arch.block_idx()
             split = cute.arch.make_warp_uniform(cute.arch.block_in_cluster_idx()[0])
             nsplit = cute.arch.make_warp_uniform(cute.arch.block_in_cluster_dim()[0])
-            n0 = tile * BM
 
             K = cute.size(mW, mode=[1])
             M = cute.size(mX, mode=[0])
+            t_tile = cutlass.Int32(0)  # this CTA's token tile (token_tiles builds; 0 otherwise)
+            if cutlass.const_expr(cfg.token_tiles):
+                # y = weight block * T + token tile. From here on this CTA sees its own tokens only:
+                # M counts those from its first one on (every use clamps it to BN), and the per-token
+                # tensors start at that token, so the code below is the one-tile kernel's.
+                n_tt = (M + BN - 1) // BN
+                by = tile
+                tile = by // n_tt
+                t_tile = by - tile * n_tt
+                t0 = t_tile * BN
+                M = M - t0
+                mSx = cute.domain_offset((t0,), mSx)
+                mY = cute.domain_offset((t0, 0), mY)
+                if cutlass.const_expr(cfg.lora):
+                    mH = cute.domain_offset((0, t0, 0), mH)
+                    mTok = cute.domain_offset((t0,), mTok)
+            n0 = tile * BM
             nk = (K + BK - 1) // BK
             kb_lo = split * nk // nsplit
             kb_hi = (split + 1) * nk // nsplit
@@ -523,7 +547,7 @@ if cute is not None:
                 tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
             stage_bytes = BM * BK
             if cutlass.const_expr(not cfg.self_quant):
-                gX = cute.local_tile(mX, (BN, BK), (0, None))
+                gX = cute.local_tile(mX, (BN, BK), (t_tile, None))
                 tXs, tXg = cute.nvgpu.cpasync.tma_partition(
                     tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
                 stage_bytes = BM * BK + BN * BK
@@ -1555,8 +1579,7 @@ def launch(config: Config, *, w_q, w_scale, y, split: int, x_q=None, x_scale=Non
         raise ValueError("this build takes x_q, x_scale and sync (x only with self_quant)")
     M, K = (x if config.self_quant else x_q).shape
     N = w_q.shape[0]
-    if M > config.bn:
-        raise ValueError(f"{M} tokens exceed the token tile {config.bn}")
+    n_tt = token_tiles_of(config, M)
     if N % config.bm:
         raise ValueError(f"N={N} is not a multiple of bm={config.bm}")
     if not 1 <= split <= 16:
@@ -1609,8 +1632,18 @@ def launch(config: Config, *, w_q, w_scale, y, split: int, x_q=None, x_scale=Non
         if trace is None or trace.shape != (split * (N // config.bm), TRACE_SLOTS) or trace.dtype != torch.int64:
             raise ValueError(f"a trace build needs trace = int64 [{split * (N // config.bm)}, {TRACE_SLOTS}]")
         args.append(trace)
-    return dict(args=tuple(args), grid=(split, N // config.bm, 1), block=config.block, cluster=(split, 1, 1),
-                smem=config.smem_bytes(), pdl=config.lora)
+    return dict(args=tuple(args), grid=(split, N // config.bm * n_tt, 1), block=config.block,
+                cluster=(split, 1, 1), smem=config.smem_bytes(), pdl=config.lora)
+
+
+def token_tiles_of(config: Config, m: int) -> int:
+    """The token tiles a launch of m tokens has (grid y = weight blocks x this): 1, or for
+    token_tiles builds ceil(m / bn) up to WIDE_MAX_TOKENS tokens."""
+    limit = WIDE_MAX_TOKENS if config.token_tiles else config.bn
+    if not 1 <= m <= limit:
+        raise ValueError(f"{m} tokens: this build takes 1..{limit} (token tile {config.bn}"
+                         + (", token tiles)" if config.token_tiles else ")"))
+    return -(-m // config.bn)
 
 
 def reduction_owner(e: int, n_el: int, nsplit: int) -> int:
@@ -1674,8 +1707,10 @@ def choose_split(n_out: int, k: int, bm: int = 128, bk: int = 128, sms: int = SM
 
 def split_for(cfg: "Config", n_out: int, k: int, m: int | None = None) -> int:
     """choose_split for a built configuration (its bm, bk and CTAs per SM), raised for self_quant
-    builds to min_split (for m tokens; None: a full tile)."""
-    return max(choose_split(n_out, k, cfg.bm, cfg.bk, ctas_per_sm=cfg.ctas), min_split(cfg, k, m))
+    builds to min_split (for m tokens; None: a full tile). token_tiles builds count each weight
+    block once per token tile (that many more CTAs share the GPU)."""
+    n_tt = token_tiles_of(cfg, m) if cfg.token_tiles and m is not None else 1
+    return max(choose_split(n_out * n_tt, k, cfg.bm, cfg.bk, ctas_per_sm=cfg.ctas), min_split(cfg, k, m))
 
 
 def min_split(cfg: "Config", k: int, m: int | None = None) -> int:
@@ -1690,8 +1725,10 @@ def min_split(cfg: "Config", k: int, m: int | None = None) -> int:
 
 
 def token_tile(m: int) -> int:
-    if not 1 <= m <= 32:
-        raise ValueError(f"the decode path takes 1..32 tokens, got {m}")
+    """The token tile (WGMMA N) of the decode K2 for m tokens: 8 / 16 / 32, and 32 with token
+    tiles (Config.token_tiles) at 33..WIDE_MAX_TOKENS."""
+    if not 1 <= m <= WIDE_MAX_TOKENS:
+        raise ValueError(f"the decode path takes 1..{WIDE_MAX_TOKENS} tokens, got {m}")
     return 8 if m <= 8 else 16 if m <= 16 else 32
 
 
@@ -1829,14 +1866,15 @@ def push_configs() -> list[Config]:
     select() returns under EPILORA_K2_PUSH)."""
     out = set()
     for _, _, _, widths, _ in projection_shapes():
-        for m in (1, 9, 17):  # the token tiles 8 / 16 / 32
+        for m in (1, 9, 17, 33):  # the token tiles 8 / 16 / 32, and 32 with token tiles
             for sq in ((False, True) if m <= max(SELF_QUANT_TILES) else (False,)):
                 for c in select(widths, m, 64, self_quant=sq, push=""):
                     for names in (("maxima",), ("partials",), ("maxima", "partials")):
                         v = push_variant(c, names)
                         if v != c:
                             out.add(v)
-    return sorted(out, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.self_quant, c.push_maxima, c.push_partials))
+    return sorted(out, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.self_quant, c.token_tiles, c.push_maxima,
+                                      c.push_partials))
 
 
 def select(widths, m: int, rank: int | None = None, ctas: int | None = None, stages: int | None = None,
@@ -1852,6 +1890,7 @@ def select(widths, m: int, rank: int | None = None, ctas: int | None = None, sta
     k, wide: with self_quant and K given, the wide builds (Config.sq_xblocks) where they let m
     tokens of K run at a smaller split than the default builds (sq_wide_applies; wide None reads
     EPILORA_K2_SQ_WIDE). Callers then take the split from split_for(cfg, n, k, m).
+    33..WIDE_MAX_TOKENS tokens (x_q given only): the bn 32 builds with token tiles.
     The ops call this once per decode launch: the answer is a pure function of the arguments and
     the environment's names, so it is cached on them (a few hundred keys at most)."""
     names = push_flags(push) if push is None or isinstance(push, str) else tuple(push)
@@ -1859,13 +1898,20 @@ def select(widths, m: int, rank: int | None = None, ctas: int | None = None, sta
     wm = None  # the wide builds' key: (tokens, K) where they are asked for
     if self_quant and not fused_h and k is not None and (sq_wide_enabled() if wide is None else wide):
         wm = (min(m, bn), k)
-    return _select(tuple(widths), bn, rank, ctas, stages, self_quant, fused_h, names, wm)
+    tt = m > max(TOKEN_TILES)
+    if tt and (self_quant or fused_h):
+        raise ValueError(f"{m} tokens: the self-quantizing builds take 1..{max(SELF_QUANT_TILES)}")
+    return _select(tuple(widths), bn, rank, ctas, stages, self_quant, fused_h, names, wm, tt)
 
 
 @functools.lru_cache(maxsize=4096)
 def _select(widths: tuple, bn: int, rank, ctas, stages, self_quant: bool, fused_h: bool, push: tuple,
-            wide_mk: tuple | None = None):
+            wide_mk: tuple | None = None, tt: bool = False):
     bm = bm_for(widths)
+    if tt:  # the token-tile builds: defaults only (no experiment builds of them)
+        kw = dict(token_tiles=True)
+        lora = default_config(bn, bm, lora=True, num_slices=len(widths), rank=rank, **kw) if rank else None
+        return push_variant(lora, push), push_variant(default_config(bn, bm, lora=False, **kw), push)
     if self_quant or fused_h:
         fh = dict(fused_h=True) if fused_h else {}
         pair = ((default_config(bn, bm, lora=True, num_slices=len(widths), rank=rank, self_quant=True, **fh)
@@ -1930,6 +1976,9 @@ def projection_shapes(tp_values=(1, 2)):
 
 RANKS = (8, 16, 32, 64, 128, 256)
 TOKEN_TILES = (8, 16, 32)
+# The decode pair's token limit: up to 32 one token tile; 33..64 the bn 32 builds with token tiles
+# (Config.token_tiles: two tiles, the second reading the weights from L2; docs/perf.md v0.85).
+WIDE_MAX_TOKENS = 64
 SELF_QUANT_TILES = (8,)  # token tiles with self-quantizing builds (1..8 tokens)
 
 
@@ -1962,6 +2011,10 @@ def prebuild_configs() -> list[Config]:
                           Config(bn=bn, bm=bm, lora=True, num_slices=len(widths), rank=64, **kw)):
                     if c.fits_ctas() and c.smem_bytes() <= 227 * 1024:
                         cfgs.add(c)
+        # 33..64 tokens: the bn 32 builds with token tiles.
+        cfgs.add(default_config(32, bm, lora=False, token_tiles=True))
+        for r in RANKS:
+            cfgs.add(default_config(32, bm, lora=True, num_slices=len(widths), rank=r, token_tiles=True))
         # The self-quantizing builds (1..8 tokens).
         for bn in SELF_QUANT_TILES:
             cfgs.add(default_config(bn, bm, lora=False, self_quant=True))
@@ -1975,7 +2028,7 @@ def prebuild_configs() -> list[Config]:
     cfgs.update(rowmax_configs())
     cfgs.update(push_configs())
     cfgs.update(wide_configs())
-    return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank, c.ctas, c.stages, c.trace,
+    return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank, c.ctas, c.stages, c.trace, c.token_tiles,
                                        c.fused_h, c.push_maxima, c.push_partials, c.sq_xblocks))
 
 

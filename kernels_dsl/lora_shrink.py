@@ -77,7 +77,7 @@ DEBUG_PRINT = False
 
 @dataclass(frozen=True)
 class Config:
-    """bn: token tile (8/16/32). rank: buffer rank R. num_slices: A buffers (one per output slice).
+    """bn: token tile (8/16/32, 64 beside K2's token-tile builds at 33..64 tokens). rank: buffer rank R. num_slices: A buffers (one per output slice).
     bk: bf16 K per stage (64 = one 128-byte swizzle row). stages: pipeline depth.
     quant: include the quantization (False: no quantization planes, no x_q / s_x / sync arguments;
     the down-projection alone, beside a K2 that quantizes x itself (k2_gemm.Config.self_quant),
@@ -92,8 +92,8 @@ class Config:
     trace: bool = False  # timeline stamps (%globaltimer) into an extra int64 [CTAs, 8] argument
 
     def __post_init__(self):
-        if self.bn not in (8, 16, 32):
-            raise ValueError("bn must be 8, 16 or 32")
+        if self.bn not in (8, 16, 32, 64):
+            raise ValueError("bn must be 8, 16, 32 or 64")
         if self.rank not in (8, 16, 32, 64, 128, 256):
             raise ValueError("rank must be 8..256, a power of two")
         if not 1 <= self.num_slices <= 4:
@@ -623,13 +623,26 @@ def quant_planes(m: int, per_plane: int) -> int:
 # trips are long, and on down (24 k-blocks per CTA) the shrink outlasted K2's main loop: 8.4 us of
 # the decode path exposed (docs/gpu_record/run5, stages: decode - k2_epilogue).
 STAGES = 8
+# 33..64 tokens (token tile 64): 6 stages (113 KiB instead of 145), so that an SM running a shrink
+# CTA still takes one of K2's token-tile CTAs (~98 KiB) beside it.
+WIDE_STAGES = 6
 
 
-def select(num_slices: int, m: int, rank: int, stages: int = STAGES, quant: bool = True) -> Config:
+def token_tile(m: int) -> int:
+    """The down-projection's token tile for m tokens: K2's (8 / 16 / 32), or 64 above 32 (all of
+    the batch's tokens are WGMMA's N side at once)."""
+    from .k2_gemm import token_tile as k2_tile
+
+    bn = k2_tile(m)  # (checks 1..WIDE_MAX_TOKENS)
+    return 64 if m > bn else bn
+
+
+def select(num_slices: int, m: int, rank: int, stages: int | None = None, quant: bool = True) -> Config:
     """The decode path's build; quant=False beside a self-quantizing K2."""
-    from .k2_gemm import token_tile
-
-    return Config(bn=token_tile(m), rank=rank, num_slices=num_slices, stages=stages, quant=quant)
+    bn = token_tile(m)
+    if stages is None:
+        stages = WIDE_STAGES if bn == 64 else STAGES
+    return Config(bn=bn, rank=rank, num_slices=num_slices, stages=stages, quant=quant)
 
 
 def choose_split(k: int, num_slices: int, rank: int, groups: int, bk: int = 64, sms: int = 132,
@@ -657,8 +670,8 @@ SMALL_SPLIT = 4
 def prebuild_configs() -> list[Config]:
     from .k2_gemm import RANKS, SELF_QUANT_TILES, TOKEN_TILES
 
-    cfgs = [Config(bn=bn, rank=r, num_slices=ns, stages=STAGES) for ns in (1, 2, 3) for bn in TOKEN_TILES
-            for r in RANKS]
+    cfgs = [select(ns, m, r) for ns in (1, 2, 3) for m in (1, 9, 17, 33) for r in RANKS]
+    assert {c.bn for c in cfgs} == {*TOKEN_TILES, 64}
     # Beside the self-quantizing K2 (its token tiles): the down-projection alone.
     cfgs += [Config(bn=bn, rank=r, num_slices=ns, stages=STAGES, quant=False) for ns in (1, 2, 3)
              for bn in SELF_QUANT_TILES for r in RANKS]

@@ -65,7 +65,8 @@ def _batch(M, widths, K, rank, L=4):
 
 
 @pytest.mark.parametrize("M,widths,K,rank", [(1, (4096, 1024, 1024), 4096, 64), (17, (14784, 14784), 8192, 16),
-                                             (32, (8192,), 29568, 256)])
+                                             (32, (8192,), 29568, 256), (33, (14784, 14784), 8192, 16),
+                                             (48, (4096, 1024, 1024), 4096, 64), (64, (8192,), 29568, 256)])
 def test_launch_builds_packable_arguments(M, widths, K, rank):
     L = 4
     N = sum(widths)
@@ -95,10 +96,58 @@ def test_launch_builds_packable_arguments(M, widths, K, rank):
                            slice_start=ss, lora_b=lora_b)
     assert len(kspec["args"]) == len(k2_gemm.params(k_cfg))
     _pack_non_tma(k2_gemm.params(k_cfg), kspec["args"])
-    assert kspec["grid"] == (split, N // k_cfg.bm, 1) and kspec["cluster"] == (split, 1, 1) and kspec["pdl"]
+    tiles = 1 if M <= 32 else 2  # 33..64 tokens: two token tiles per weight block (grid y)
+    assert k_cfg.token_tiles == n_cfg.token_tiles == (M > 32)
+    assert kspec["grid"] == (split, N // k_cfg.bm * tiles, 1) and kspec["cluster"] == (split, 1, 1) and kspec["pdl"]
     nspec = k2_gemm.launch(n_cfg, w_q=w, w_scale=torch.ones(1), x_q=x_q, x_scale=sx, y=y, sync=sync, n_quant=0,
                            split=split)
     assert len(nspec["args"]) == len(k2_gemm.params(n_cfg)) and not nspec["pdl"]
+
+
+def test_token_tile_builds_for_33_to_64_tokens():
+    """33..64 tokens: K2's bn 32 builds with token tiles (x_q given; not self-quantizing) beside the
+    shrink's 64-token tile; beyond 64, or with a one-tile build, a clear error."""
+    widths = (4096, 1024, 1024)
+    for m in (33, 40, 63, 64):
+        k_cfg, n_cfg = k2_gemm.select(widths, m, 64)
+        for c in (k_cfg, n_cfg):
+            assert c.token_tiles and c.bn == 32 and not c.self_quant and c.name().endswith("_tt")
+            assert k2_gemm.token_tiles_of(c, m) == 2
+        s_cfg = lora_shrink.select(len(widths), m, 64)
+        assert s_cfg.bn == 64 and s_cfg.stages == lora_shrink.WIDE_STAGES
+        # An SM running a shrink CTA still takes one of K2's CTAs beside it (the 6 stages' reason).
+        assert s_cfg.smem_bytes() + k_cfg.smem_bytes() + 2 * 1024 <= k2_gemm.SMEM_PER_SM
+    for m in (1, 8, 9, 32):
+        assert not any(c.token_tiles for c in k2_gemm.select(widths, m, 64))
+        assert lora_shrink.select(len(widths), m, 64).bn == k2_gemm.token_tile(m)
+    assert k2_gemm.token_tiles_of(k2_gemm.select(widths, 33, 64)[0], 32) == 1
+    with pytest.raises(ValueError, match="1..64"):
+        k2_gemm.select(widths, 65, 64)
+    with pytest.raises(ValueError, match="1..64"):
+        lora_shrink.select(3, 65, 64)
+    with pytest.raises(ValueError, match="self-quantizing"):
+        k2_gemm.select(widths, 33, 64, self_quant=True)
+    for bad in (dict(bn=16), dict(bn=16, self_quant=True), dict(bn=32, trace=True), dict(bn=32, early=1)):
+        with pytest.raises(ValueError, match="token_tiles"):
+            k2_gemm.Config(token_tiles=True, **bad)
+    # Launch limits: a one-tile build takes its tile, a token-tile build 1..64.
+    L, K, N = 4, 4096, sum(widths)
+    w, y65 = torch.zeros(N, K, dtype=torch.float8_e4m3fn), torch.zeros(65, N, dtype=torch.bfloat16)
+    xq65, sx65, sync = torch.zeros(65, K, dtype=torch.float8_e4m3fn), torch.zeros(65), torch.zeros(2, dtype=torch.int32)
+    one_tile = k2_gemm.select(widths, 32, None)[1]
+    with pytest.raises(ValueError, match="1..32"):
+        k2_gemm.launch(one_tile, w_q=w, w_scale=torch.ones(1), x_q=xq65[:33], x_scale=sx65[:33], y=y65[:33],
+                       sync=sync, split=1)
+    tt = k2_gemm.select(widths, 64, None)[1]
+    with pytest.raises(ValueError, match="1..64"):
+        k2_gemm.launch(tt, w_q=w, w_scale=torch.ones(1), x_q=xq65, x_scale=sx65, y=y65, sync=sync, split=1)
+    # Twice the CTAs per weight block: the split model sees twice the tiles (never a larger split).
+    for _, _, _, ws, k in k2_gemm.projection_shapes():
+        c1, c2 = k2_gemm.select(ws, 32, 64)[0], k2_gemm.select(ws, 64, 64)[0]
+        n = sum(ws)
+        assert k2_gemm.split_for(c2, n, k, 64) == k2_gemm.choose_split(2 * n, k, c2.bm, c2.bk, ctas_per_sm=c2.ctas)
+        assert k2_gemm.split_for(c2, n, k, 64) <= k2_gemm.split_for(c1, n, k, 32)
+        assert k2_gemm.split_for(c2, n, k, 33) == k2_gemm.split_for(c2, n, k, 64)
 
 
 def test_prebuild_geometry():

@@ -425,7 +425,7 @@ def test_prebuild_set_covers_decode_shapes():
     k2s, shs = set(k2_gemm.prebuild_configs()), set(lora_shrink.prebuild_configs())
     for model, tp, proj, widths, k in k2_gemm.projection_shapes():
         cfgs = k2_gemm.configs_for(widths)
-        for m in (1, 7, 8, 9, 16, 17, 31, 32):
+        for m in (1, 7, 8, 9, 16, 17, 31, 32, 33, 48, 64):
             for r in k2_gemm.RANKS:
                 c_l, c_n = k2_gemm.select(widths, m, r)
                 assert c_l in k2s and c_n in k2s, (model, tp, proj, m, r)

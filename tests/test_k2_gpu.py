@@ -30,6 +30,7 @@ from epilora_cute.reference import lora_linear, lora_shrink, quantize_fp8_per_te
 from kernels_dsl import k2_gemm, lora_shrink as shrink_mod
 
 pytestmark = pytest.mark.gpu
+WIDE = pytest.mark.decode_wide  # the decode pair at 33..64 tokens (K2's token tiles)
 
 DATA = Path(__file__).resolve().parent / "data" / "k2_tma_golden.json"
 
@@ -198,7 +199,7 @@ SHAPES = k2_gemm.projection_shapes()
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}-tp{s[1]}-{s[2]}")
-@pytest.mark.parametrize("M", [1, 7, 32])
+@pytest.mark.parametrize("M", [1, 7, 32, pytest.param(40, marks=WIDE), pytest.param(64, marks=WIDE)])
 def test_decode_path_model_shapes(shape, M):
     _hopper()
     _, _, _, widths, K = shape
@@ -207,7 +208,8 @@ def test_decode_path_model_shapes(shape, M):
     dp.check(x, tok, dp.run(x, tok))
 
 
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 7, 8, 16, 31, 32])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 7, 8, 16, 31, 32, pytest.param(33, marks=WIDE), pytest.param(48, marks=WIDE),
+                               pytest.param(64, marks=WIDE)])
 @pytest.mark.parametrize("rank", [8, 16, 64, 128, 256])
 @pytest.mark.parametrize("pdl", [True, False])
 def test_decode_path_tokens_ranks(M, rank, pdl):
@@ -313,13 +315,34 @@ def test_mixed_effective_ranks_and_no_adapter_tokens():
     dp.check(x, tok, dp.run(x, tok))
 
 
-@pytest.mark.parametrize("self_quant", [True, False])
-def test_all_tokens_without_adapter(self_quant):
+@pytest.mark.parametrize("self_quant,M", [(True, 5), (False, 5), pytest.param(False, 50, marks=WIDE)])
+def test_all_tokens_without_adapter(self_quant, M):
     _hopper()
     widths, K = (4096,), 4096
-    dp = DecodePath(widths, K, 64, 4, 5, seed=9, self_quant=self_quant)
-    x, tok = _x(5, K, 9), torch.full((5,), -1, dtype=torch.int32)
+    dp = DecodePath(widths, K, 64, 4, M, seed=9, self_quant=self_quant)
+    x, tok = _x(M, K, 9), torch.full((M,), -1, dtype=torch.int32)
     dp.check(x, tok, dp.run(x, tok))
+
+
+@WIDE
+@pytest.mark.parametrize("M", [33, 57, 64])
+def test_token_tiles_many_adapters_mixed_ranks(M):
+    """33..64 tokens (two token tiles per weight block): 8 adapters of mixed effective ranks with
+    tokens without adapter in both tiles, an adapter group straddling the tiles' boundary; bitwise
+    identical over 10 runs, with and without PDL."""
+    _hopper()
+    widths, K = (4096, 1024, 1024), 4096
+    sr = [128, 8, 64, 16, 0, 100, 128, 33]
+    dp = DecodePath(widths, K, 128, 8, M, seed=M, slot_ranks=sr)
+    x = _x(M, K, M)
+    tok = _tokens(M, 8, M, none_frac=0.2)
+    tok[30:36] = 3  # one group on both sides of token 32
+    tok[0], tok[M - 1] = -1, 5
+    first = dp.run(x, tok).clone()
+    dp.check(x, tok, first)
+    assert dp.k_cfg.token_tiles
+    for pdl in [True] * 9 + [False]:
+        assert torch.equal(dp.run(x, tok, pdl=pdl).view(torch.int16), first.view(torch.int16))
 
 
 def test_bitwise_identical_over_10_runs():
@@ -333,9 +356,32 @@ def test_bitwise_identical_over_10_runs():
         assert torch.equal(dp.run(x, tok).view(torch.int16), first.view(torch.int16))
 
 
-def test_no_adapter_variant():
+@WIDE
+@pytest.mark.parametrize("split", [1, 3])
+def test_token_tiles_are_the_one_tile_kernel_on_each_half(split):
+    """At 64 tokens each token tile computes exactly what the one-tile bn 32 build computes for its
+    32 tokens alone (same weights, same splits): y's halves bit for bit, h's rows too."""
     _hopper()
-    M, K, N = 8, 4096, 4096
+    widths, K = (12288, 12288), 4096  # Qwen3-8B gate/up
+    x, tok = _x(64, K, 77), _tokens(64, 4, 77)
+    tok[31:34] = 2  # a group across the boundary
+    both = DecodePath(widths, K, 64, 4, 64, seed=7)
+    y = both.run(x, tok, split_k2=split, split_shrink=2).clone()
+    assert both.k_cfg.token_tiles
+    for t in range(2):
+        half = DecodePath(widths, K, 64, 4, 32, seed=7)
+        rows = slice(32 * t, 32 * t + 32)
+        yh = half.run(x[rows].contiguous(), tok[rows].clone(), split_k2=split, split_shrink=2)
+        assert not half.k_cfg.token_tiles
+        assert torch.equal(yh.view(torch.int16), y[rows].view(torch.int16)), f"token tile {t} differs"
+        has = (tok[rows] >= 0).cuda()
+        assert torch.equal(half.h[:, has], both.h[:, rows][:, has]), f"h of token tile {t} differs"
+
+
+@pytest.mark.parametrize("M", [8, pytest.param(40, marks=WIDE)])
+def test_no_adapter_variant(M):
+    _hopper()
+    K, N = 4096, 4096
     dp = DecodePath((N,), K, 16, 2, M, seed=3)
     x = _x(M, K, 3)
     xq, sx = quantize_fp8_per_token(x)
@@ -343,7 +389,7 @@ def test_no_adapter_variant():
     dp.x_scale.copy_(sx.reshape(-1))
     _, cfg = k2_gemm.select((N,), M)
     spec = k2_gemm.launch(cfg, w_q=dp.w_codes, w_scale=dp.w_scale, x_q=dp.x_q, x_scale=dp.x_scale, y=dp.y,
-                          sync=dp.sync, n_quant=0, split=k2_gemm.split_for(cfg, N, K))
+                          sync=dp.sync, n_quant=0, split=k2_gemm.split_for(cfg, N, K, M))
     dp.y.fill_(float("nan"))
     _launch(_kernel(k2_gemm, cfg), spec, pdl=False)
     ref = (xq.float() * sx) @ (dp.w_codes.float() * dp.w_scale).t()

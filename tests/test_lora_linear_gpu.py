@@ -7,6 +7,7 @@ from epilora_cute import ops, reference
 from epilora_cute.metadata import build_meta
 
 pytestmark = pytest.mark.gpu
+WIDE = pytest.mark.decode_wide  # the decode pair at 33..64 tokens (K2's token tiles)
 
 QWEN3_8B = {"qkv": ((4096, 1024, 1024), 4096), "o": ((4096,), 4096), "gate_up": ((12288, 12288), 4096),
             "down": ((4096,), 12288)}
@@ -31,7 +32,8 @@ def _reference(x, wq, ws, a, b, mapping):
 
 
 @pytest.mark.parametrize("proj", list(QWEN3_8B))
-@pytest.mark.parametrize("m", [1, 3, 8, 16, 31, 32])
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 31, 32, pytest.param(33, marks=WIDE), pytest.param(48, marks=WIDE),
+                               pytest.param(64, marks=WIDE)])
 @pytest.mark.parametrize("path,chain", [("decode", False), ("decode", True), ("decode_sq", False), ("decode_sq", True),
                                         ("decode_fh", False), ("decode_fh", True), ("auto", False), ("auto", True)])
 def test_decode_path_matches_reference(proj, m, path, chain, monkeypatch):
@@ -49,8 +51,9 @@ def test_decode_path_matches_reference(proj, m, path, chain, monkeypatch):
     assert _rel_err(y, _reference(x, wq, ws, a, b, mapping)) < 1e-2
 
 
-@pytest.mark.parametrize("m,path", [(1, "decode"), (16, "decode"), (32, "decode"), (1, "decode_sq"), (8, "decode_sq"),
-                                    (1, "decode_fh"), (8, "decode_fh")])
+@pytest.mark.parametrize("m,path", [(1, "decode"), (16, "decode"), (32, "decode"), pytest.param(40, "decode", marks=WIDE),
+                                    pytest.param(64, "decode", marks=WIDE),
+                                    (1, "decode_sq"), (8, "decode_sq"), (1, "decode_fh"), (8, "decode_fh")])
 def test_pdl_off_is_identical_and_runs_are_bitwise_reproducible(m, path):
     widths, k = QWEN3_8B["qkv"]
     x, wq, ws, a, b, mapping = _case(widths, k, m, seed=100 + m)
@@ -63,13 +66,14 @@ def test_pdl_off_is_identical_and_runs_are_bitwise_reproducible(m, path):
         assert torch.equal(ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path, chain_pdl=True), y0)
 
 
+@pytest.mark.parametrize("m", [16, pytest.param(40, marks=WIDE)])
 @pytest.mark.parametrize("chain", [False, True])
-def test_no_adapter_path_is_the_base_gemm(chain):
+def test_no_adapter_path_is_the_base_gemm(chain, m):
     widths, k = QWEN3_8B["down"]
-    x, wq, ws, a, b, _ = _case(widths, k, 16, seed=7)
-    mapping = torch.full((16,), -1, dtype=torch.int32, device="cuda")
+    x, wq, ws, a, b, _ = _case(widths, k, m, seed=7)
+    mapping = torch.full((m,), -1, dtype=torch.int32, device="cuda")
     meta = build_meta(mapping, 4)
-    out = torch.full((16, sum(widths)), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = torch.full((m, sum(widths)), float("nan"), dtype=torch.bfloat16, device="cuda")
     y = ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path="no_adapter", chain_pdl=chain)
     ref = _reference(x, wq, ws, a, b, mapping)
     assert not torch.isnan(y).any() and _rel_err(y, ref) < 5e-3
@@ -78,19 +82,20 @@ def test_no_adapter_path_is_the_base_gemm(chain):
                        ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="decode"))
 
 
-@pytest.mark.parametrize("path", ["decode", "decode_sq", "decode_fh"])
-def test_decode_path_in_a_cuda_graph_with_new_inputs(path):
+@pytest.mark.parametrize("path,m", [("decode", 8), ("decode_sq", 8), ("decode_fh", 8),
+                                    pytest.param("decode", 48, marks=WIDE)])
+def test_decode_path_in_a_cuda_graph_with_new_inputs(path, m):
     widths, k = QWEN3_8B["gate_up"]
-    x, wq, ws, a, b, mapping = _case(widths, k, 8, seed=9)
-    meta = build_meta(mapping, 4, 8)
-    out = torch.empty(8, sum(widths), dtype=torch.bfloat16, device="cuda")
+    x, wq, ws, a, b, mapping = _case(widths, k, m, seed=9)
+    meta = build_meta(mapping, 4, m)
+    out = torch.empty(m, sum(widths), dtype=torch.bfloat16, device="cuda")
     ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path=path)  # load modules eagerly
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path=path)
     for seed in (10, 11):
-        x2, _, _, _, _, mapping2 = _case(widths, k, 8, seed=seed)
+        x2, _, _, _, _, mapping2 = _case(widths, k, m, seed=seed)
         x.copy_(x2)
         meta.prepare(mapping2)
         out.fill_(float("nan"))
@@ -167,7 +172,7 @@ class _Chain:
         return inputs, outs
 
 
-@pytest.mark.parametrize("m", [1, 8, 32])
+@pytest.mark.parametrize("m", [1, 8, 32, pytest.param(48, marks=WIDE)])
 def test_chained_projections_back_to_back(m):
     """Different projections back to back on one stream, each chained onto the previous one's K2
     (decode after decode, no-adapter after decode and the reverse; one sync buffer), reading the
@@ -205,7 +210,7 @@ def test_chained_projections_in_a_cuda_graph():
         c.assert_replay_equals_plain(g, outs, seed)
 
 
-@pytest.mark.parametrize("m", [33, 100, 511])
+@pytest.mark.parametrize("m", [65, 100, 511])
 def test_auto_above_decode_sizes_takes_the_triton_path(m):
     widths, k = QWEN3_8B["qkv"]
     x, wq, ws, a, b, mapping = _case(widths, k, m, seed=m)

@@ -315,31 +315,36 @@ def test_persistent_counts_only_the_tensors_it_makes(monkeypatch):
     assert p.made == 2
 
 
+@pytest.mark.parametrize("m", [4, 48])
 @pytest.mark.parametrize("path", ["decode", "no_adapter"])
-def test_chain_pdl_launches_the_first_kernel_with_pdl(path, monkeypatch):
+def test_chain_pdl_launches_the_first_kernel_with_pdl(path, m, monkeypatch):
     """chain_pdl puts PDL on the shrink / quantization launch (with pdl only), never on a call
-    that has just filled one of its cached tensors; K2 keeps pdl. Kernels faked, CPU tensors."""
+    that has just filled one of its cached tensors; K2 keeps pdl. Kernels faked, CPU tensors.
+    At 48 tokens K2 is the token-tile build (two tiles per weight block) beside the 64-token shrink."""
     from kernels_dsl import k2_gemm, lora_shrink
 
     launches = []
+    configs = []
 
     class FakeKernel:
-        def __init__(self, mod):
+        def __init__(self, mod, cfg):
             self.family = mod.FAMILY
+            self.cfg = cfg
 
         def __call__(self, *args, grid, smem, pdl, cluster):
             launches.append((self.family, pdl))
+            configs.append((self.family, self.cfg, grid))
 
     def fake_quant(x, codes=None, scales=None, *, pdl=False):
         launches.append(("fp8_quant", pdl))
         return reference.quantize_fp8_per_token(x)
 
     monkeypatch.setattr(ops, "_persistent", ops._Persistent())
-    monkeypatch.setattr(ops, "get_kernel", lambda mod, cfg, arch: FakeKernel(mod))
+    monkeypatch.setattr(ops, "get_kernel", lambda mod, cfg, arch: FakeKernel(mod, cfg))
     monkeypatch.setattr(ops, "_decode_reason", lambda *a: None)
     monkeypatch.setattr(ops, "_sync_buffer", lambda dev: torch.zeros(2, dtype=torch.int32))
     monkeypatch.setattr(ops, "quantize_fp8_per_token", fake_quant)
-    x, wq, ws, a, b, meta, _ = _linear_case(m=4, k=128, widths=(128,), rank=16)
+    x, wq, ws, a, b, meta, _ = _linear_case(m=m, k=128, widths=(128,), rank=16)
     first = lora_shrink.FAMILY if path == "decode" else "fp8_quant"
 
     def run(**kw):
@@ -352,3 +357,22 @@ def test_chain_pdl_launches_the_first_kernel_with_pdl(path, monkeypatch):
     assert run(chain_pdl=True) == [(first, True), (k2_gemm.FAMILY, True)]
     assert run() == [(first, False), (k2_gemm.FAMILY, True)]
     assert run(chain_pdl=True, pdl=False) == [(first, False), (k2_gemm.FAMILY, False)]
+    for family, cfg, grid in configs:
+        if family == k2_gemm.FAMILY:
+            assert cfg.token_tiles == (m > 32) and cfg.lora == (path == "decode")
+            assert grid[1] == 128 // cfg.bm * (2 if m > 32 else 1)
+        else:
+            assert cfg.bn == (64 if m > 32 else 8)
+
+
+def test_decode_reason_takes_1_to_64_tokens(monkeypatch):
+    """The decode pair's token limit (one token tile to 32, two to 64), as the dispatch sees it."""
+    monkeypatch.setattr(ops, "arch_of", lambda x: "sm_90a")
+    for m, ok in ((1, True), (32, True), (33, True), (64, True), (65, False)):
+        x, wq, ws, a, b, meta, _ = _linear_case(m=m, k=128, widths=(128,), rank=16)
+        reason = ops._decode_reason(x, wq, (128,), 16, a, b)
+        assert (reason is None) == ok, (m, reason)
+    assert reason == "65 tokens: the decode path takes 1..64"
+    from kernels_dsl import k2_gemm
+
+    assert ops.DECODE_MAX_TOKENS == k2_gemm.WIDE_MAX_TOKENS

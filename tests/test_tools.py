@@ -99,8 +99,11 @@ def test_prefill_settings():
     assert settings(False, {}) == ([32, 64, 128, 256, 512, 1024, 2048], [1, 32], ["triton", "hybrid", "prefill", "auto"])
     assert settings(True, {}) == ([32, 256, 2048], [1, 32], ["triton", "hybrid", "prefill", "auto"])
     env = {"EPILORA_BENCH_TOKENS": "64,512", "EPILORA_BENCH_ADAPTERS": "32",
-           "EPILORA_BENCH_OURS": "auto,decode,hybrid"}  # decode: a `layer` name, ignored here
+           "EPILORA_BENCH_OURS": "auto,decode_sq,hybrid"}  # decode_sq: a `layer` name, ignored here
     assert settings(True, env) == ([64, 512], [32], ["hybrid", "auto"])
+    # The extra paths only when named, after the default ones (the decode pair at 33..64 tokens).
+    env["EPILORA_BENCH_OURS"] = "decode,hybrid_par,auto"
+    assert settings(True, env) == ([64, 512], [32], ["auto", "hybrid_par", "decode"])
     with pytest.raises(ValueError, match="EPILORA_BENCH_ADAPTERS"):
         settings(False, {"EPILORA_BENCH_ADAPTERS": "1,x"})
 
@@ -244,7 +247,7 @@ def test_gpu_session_script_parses_and_keeps_calls_under_the_device_limit():
     script = ROOT / "tools" / "gpu_session.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     text = script.read_text()
-    modes = ("hybrid-identity)", "e2e-perf)", "out-variant)", "record)", "tests)", "tests-rest)", "e2e)", "e2e-smoke)", "e2e-rescore)", "verify)", "check)", "k1)", "h-bf16)", "retune)", "prefetch)", "profile)", "fh)",
+    modes = ("hybrid-identity)", "e2e-perf)", "out-variant)", "record)", "tests)", "tt)", "tests-rest)", "e2e)", "e2e-smoke)", "e2e-rescore)", "verify)", "check)", "k1)", "h-bf16)", "retune)", "prefetch)", "profile)", "fh)",
              "profile-decode)", "decode)", "push-tests)", "push-bench)", "wide-tests)", "wide-bench)", "prefill-k2)",
              "prefill-path)")
     for mode in modes:

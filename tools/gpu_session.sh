@@ -22,7 +22,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
+mode=${1:?record, tests, tt, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -102,6 +102,22 @@ case $mode in
     # 549 s for the lot. Then `tests-rest` for the others: the whole suite needs both calls.
     timeout -s KILL 580 python3 tools/gpu_record.py --out "$OUT" --quick --bench-sections launch \
       --suite main --file-timeout 290 --time-limit 560 2>&1 | tail -60
+    ;;
+  tt)
+    # perf.md v0.85 (session 38): the decode pair at 33..64 tokens (K2's token tiles, the shrink's
+    # 64-token tile; every earlier cubin byte-identical to run33's verified set, so only the new
+    # builds need the GPU): the `decode_wide` cases of K2's and the op's GPU files, racecheck of the
+    # pair at 40 tokens (split 2), then the Qwen3-8B layer at 32..64 tokens with 8 and 1 adapters:
+    # decode against hybrid_par / hybrid_par_q / vLLM, and the path "auto" takes (~9 min; carry
+    # .devvllm/2 and the slim cache).
+    unpack_vllm
+    timeout -s KILL 300 python3 -m pytest -q -rf -m "gpu and decode_wide" -p no:cacheprovider tests/test_k2_gpu.py \
+      tests/test_lora_linear_gpu.py > "$OUT/tests_tt.log" 2>&1; tail -30 "$OUT/tests_tt.log"
+    echo "== racecheck kernel_diag decode_tt 2" | tee "$OUT/racecheck_tt.log"
+    timeout -s KILL 60 compute-sanitizer --tool racecheck --report-api-errors no python3 tools/kernel_diag.py \
+      decode_tt 2 2>&1 | tail -5 | tee -a "$OUT/racecheck_tt.log"
+    EPILORA_BENCH_TOKENS=32,48,64 EPILORA_BENCH_ADAPTERS=8,1 EPILORA_BENCH_OURS=hybrid_par,hybrid_par_q,decode,auto \
+      timeout -s KILL 150 python3 tools/bench.py --sections prefill --out "$OUT/bench_tt" 2>&1 | tail -12
     ;;
   tests-rest)
     # Suite "rest": the prefill K2 (~180 s on an H100, run33), the L2 prefetch, the metadata kernel.

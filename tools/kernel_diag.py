@@ -5,7 +5,8 @@ or cuda-gdb (a hang or a fault then costs one small process, not a test file).
 
 CASE: k2_nolora (K2 alone, x_q given, no adapter, n_quant 0), shrink (the shrink+quant kernel
 alone), decode (shrink then the self-quantizing K2 with PDL, 3 tokens), decode_xq (shrink+quant
-then the x_q K2), decode_split2 (decode with the shrink split as K2), decode_wide (decode with the
+then the x_q K2), decode_split2 (decode with the shrink split as K2), decode_tt (the pair at 40 tokens:
+K2's token tiles), decode_wide (decode with the
 wide self-quantizing K2, K = 2176), expand (expand_add), expand_hb / expand_ct (its bf16-h and
 column-sweeping builds against the default, bit for bit), k1 (K1 quant+shrink), k1_hb / k1_wg (its
 bf16-h build; its WGMMA build against the selection), prefill_pers (K1 then the persistent prefill K2; SPLIT = its CTA count).
@@ -99,6 +100,18 @@ def decode_split2(split: int) -> float:
     return decode(split, split_shrink=split)
 
 
+def decode_tt(split: int) -> float:
+    """The decode pair at 40 tokens: the shrink's 64-token tile, then K2's token-tile build (two
+    tiles per weight block; the second one's x_q rows 32..39 and TMA zero fill past them, its
+    offset s_x / y / h / adapter table), the shrink split as K2."""
+    dp, x, tok = _decode_path(M=40, self_quant=False)
+    y = dp.run(x, tok, split_k2=split, split_shrink=split)
+    print("k2 build", dp.k_cfg.name(), flush=True)
+    torch.cuda.synchronize()
+    dp.check(x, tok, y)
+    return 0.0
+
+
 def decode_wide(split: int) -> float:
     """decode with the wide self-quantizing K2 (Config.sq_xblocks) on K = 2176: 17 k-blocks, more
     than a default build's CTA holds, so split 1 runs only this build (K = 2560 did not finish
@@ -177,7 +190,7 @@ def prefill_pers(ctas: int) -> float:
     return 0.0
 
 
-CASES = {f.__name__: f for f in (k2_nolora, shrink, decode, decode_xq, decode_split2, decode_wide, expand, k1,
+CASES = {f.__name__: f for f in (k2_nolora, shrink, decode, decode_xq, decode_split2, decode_tt, decode_wide, expand, k1,
                                  expand_hb, expand_ct, k1_hb, k1_wg, prefill_pers)}
 
 if __name__ == "__main__":
