@@ -98,7 +98,7 @@ class DecodeStages:
         self.s_spec_st4 = lora_shrink.launch(self.s_cfg_st4, sync=self.sync_alone, **shrink_args)
         l_cfg, n_cfg = k2_gemm.select(widths, m, c.rank)
         self.l_cfg, self.n_cfg = l_cfg, n_cfg
-        split = k2_gemm.split_for(l_cfg, n, k)
+        split = k2_gemm.split_for(l_cfg, n, k, m)
         k2_common = dict(w_q=c.w_q, w_scale=c.w_s, x_q=self.x_q, x_scale=self.x_scale, y=c.y, split=split)
         lora_args = dict(h=self.h, slice_start=_slice_start(widths, dev), lora_b=c.lora_b, **common)
         self.k2_spec = k2_gemm.launch(n_cfg, sync=self.sync_alone, n_quant=0, **k2_common)
@@ -137,7 +137,7 @@ class DecodeStages:
                 sync_v = torch.zeros(2, dtype=torch.int32, device=dev)
                 sspec = lora_shrink.launch(s_cfg, sync=sync_v, **shrink_args)
                 kspec = k2_gemm.launch(lv, sync=sync_v, n_quant=sspec["n_quant"],
-                                       **dict(k2_common, split=k2_gemm.split_for(lv, n, k)), **lora_args)
+                                       **dict(k2_common, split=k2_gemm.split_for(lv, n, k, m)), **lora_args)
                 self.pairs[f"decode_{tag}"] = (s_cfg, sspec, lv, kspec)
         # K2 requesting one weight stage, not all, before x_q is ready (Config.early, perf.md v0.27).
         le = dataclasses.replace(l_cfg, early=1, push_maxima=False, push_partials=False)
@@ -181,7 +181,7 @@ class DecodeStages:
         self.variants = {}
         for tag, kw in (("c1", dict(ctas=1, stages=4)), ("c1st8", dict(ctas=1, stages=8))):
             lv, nv = k2_gemm.select(widths, m, c.rank, **kw)
-            common_v = dict(k2_common, split=k2_gemm.split_for(lv, n, k))
+            common_v = dict(k2_common, split=k2_gemm.split_for(lv, n, k, m))
             if nv != n_cfg:
                 self.variants[f"k2_{tag}"] = (nv, k2_gemm.launch(nv, sync=self.sync_alone, n_quant=0, **common_v))
             if lv != l_cfg:

@@ -22,7 +22,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, tt, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
+mode=${1:?record, tests, tt, tt-diag, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -118,6 +118,29 @@ case $mode in
       decode_tt 2 2>&1 | tail -5 | tee -a "$OUT/racecheck_tt.log"
     EPILORA_BENCH_TOKENS=32,48,64 EPILORA_BENCH_ADAPTERS=8,1 EPILORA_BENCH_OURS=hybrid_par,hybrid_par_q,decode,auto \
       timeout -s KILL 150 python3 tools/bench.py --sections prefill --out "$OUT/bench_tt" 2>&1 | tail -12
+    ;;
+  tt-diag)
+    # perf.md v0.85 measured (session 38, after `tt`): racecheck of the token-tile pair (40 tokens)
+    # against the one-tile bn 32 / bn 8 pairs (32 / 8 tokens) and with the pushes off: is the
+    # hazard on the adapter table (written by producer warp 1's lanes, released by lane 0's
+    # mbarrier arrive after a __syncwarp) the known s_x-style report or new? Then `stages` at 32 and
+    # 64 tokens with 8 adapters: where the pair's time goes (K2 alone, with the epilogue, the shrink).
+    # vLLM unpacked first for the e2e call that follows (~7 min; carry .devvllm/2 and the slim cache).
+    unpack_vllm
+    echo "== racecheck decode_tt 2 40" | tee "$OUT/racecheck_diag.log"
+    timeout -s KILL 60 compute-sanitizer --tool racecheck --report-api-errors no python3 tools/kernel_diag.py \
+      decode_tt 2 40 2>&1 | tail -4 | tee -a "$OUT/racecheck_diag.log"
+    echo "== racecheck decode_xq 2 32" | tee -a "$OUT/racecheck_diag.log"
+    timeout -s KILL 60 compute-sanitizer --tool racecheck --report-api-errors no python3 tools/kernel_diag.py \
+      decode_xq 2 32 2>&1 | tail -4 | tee -a "$OUT/racecheck_diag.log"
+    echo "== racecheck decode_xq 2 8" | tee -a "$OUT/racecheck_diag.log"
+    timeout -s KILL 60 compute-sanitizer --tool racecheck --report-api-errors no python3 tools/kernel_diag.py \
+      decode_xq 2 8 2>&1 | tail -4 | tee -a "$OUT/racecheck_diag.log"
+    echo "== racecheck EPILORA_K2_PUSH=none decode_tt 2 40" | tee -a "$OUT/racecheck_diag.log"
+    EPILORA_K2_PUSH=none timeout -s KILL 60 compute-sanitizer --tool racecheck --report-api-errors no \
+      python3 tools/kernel_diag.py decode_tt 2 40 2>&1 | tail -4 | tee -a "$OUT/racecheck_diag.log"
+    EPILORA_BENCH_TOKENS=32,64 EPILORA_BENCH_ADAPTERS=8 timeout -s KILL 200 python3 tools/bench.py \
+      --sections stages --out "$OUT/stages_tt" 2>&1 | tail -12
     ;;
   tests-rest)
     # Suite "rest": the prefill K2 (~180 s on an H100, run33), the L2 prefetch, the metadata kernel.

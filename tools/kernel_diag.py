@@ -82,8 +82,8 @@ def shrink(split: int) -> float:
     return (dp.x_scale - sx.reshape(-1)).abs().max().item()
 
 
-def decode(split: int, self_quant: bool = True, split_shrink: int = 1) -> float:
-    dp, x, tok = _decode_path(self_quant=self_quant)
+def decode(split: int, self_quant: bool = True, split_shrink: int = 1, M: int = 3) -> float:
+    dp, x, tok = _decode_path(M=M, self_quant=self_quant)
     y = dp.run(x, tok, split_k2=split, split_shrink=split_shrink)
     print("k2 build", dp.k_cfg.name(), flush=True)
     torch.cuda.synchronize()
@@ -91,8 +91,9 @@ def decode(split: int, self_quant: bool = True, split_shrink: int = 1) -> float:
     return 0.0
 
 
-def decode_xq(split: int) -> float:
-    return decode(split, self_quant=False)
+def decode_xq(split: int, M: int = 3) -> float:
+    """decode with the quantization in the shrink (x_q given to K2); M tokens (one token tile: <= 32)."""
+    return decode(split, self_quant=False, M=M)
 
 
 def decode_split2(split: int) -> float:
@@ -100,11 +101,11 @@ def decode_split2(split: int) -> float:
     return decode(split, split_shrink=split)
 
 
-def decode_tt(split: int) -> float:
+def decode_tt(split: int, M: int = 40) -> float:
     """The decode pair at 40 tokens: the shrink's 64-token tile, then K2's token-tile build (two
     tiles per weight block; the second one's x_q rows 32..39 and TMA zero fill past them, its
     offset s_x / y / h / adapter table), the shrink split as K2."""
-    dp, x, tok = _decode_path(M=40, self_quant=False)
+    dp, x, tok = _decode_path(M=M, self_quant=False)
     y = dp.run(x, tok, split_k2=split, split_shrink=split)
     print("k2 build", dp.k_cfg.name(), flush=True)
     torch.cuda.synchronize()
@@ -198,6 +199,6 @@ if __name__ == "__main__":
         sys.exit(f"usage: python tools/kernel_diag.py CASE [SPLIT]; CASE one of {', '.join(CASES)}")
     case = sys.argv[1]
     split = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-    extra = [int(a) for a in sys.argv[3:]]  # k2_nolora: M N K
+    extra = [int(a) for a in sys.argv[3:]]  # k2_nolora: M N K; decode_xq / decode_tt: M
     err = CASES[case](split, *extra)
     print(f"{case} ok (split {split}) max error {err:.3g}", flush=True)
