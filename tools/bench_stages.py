@@ -140,8 +140,9 @@ class DecodeStages:
                                        **dict(k2_common, split=k2_gemm.split_for(lv, n, k, m)), **lora_args)
                 self.pairs[f"decode_{tag}"] = (s_cfg, sspec, lv, kspec)
         # K2 requesting one weight stage, not all, before x_q is ready (Config.early, perf.md v0.27).
-        le = dataclasses.replace(l_cfg, early=1, push_maxima=False, push_partials=False)
-        if le in k2_gemm.early_configs():
+        le = (None if l_cfg.token_tiles  # (no early builds with token tiles)
+              else dataclasses.replace(l_cfg, early=1, push_maxima=False, push_partials=False))
+        if le is not None and le in k2_gemm.early_configs():
             sync_v = torch.zeros(2, dtype=torch.int32, device=dev)
             sspec = lora_shrink.launch(s_cfg, sync=sync_v, **shrink_args)
             kspec = k2_gemm.launch(le, sync=sync_v, n_quant=sspec["n_quant"], **k2_common, **lora_args)
