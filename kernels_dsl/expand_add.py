@@ -88,11 +88,6 @@ class Config:
     h_bf16: bool = False
     ct: int = 1
     nb: int = 2
-    # Epilogue prefetch (v0.86, bench-only until the GPU has timed it), ct = 1, nb = 2 only: 1 = the
-    # epilogue's token indices are loaded at the CTA's start, beside h and the first B (one dependent
-    # round trip off the end of the CTA's chain, +8 registers); 2 = their y chunks too (both round
-    # trips; 234 registers at bm 64 x bn 128: two CTAs per SM instead of three).
-    yp: int = 0
 
     def __post_init__(self):
         if self.rank not in RANKS:
@@ -109,10 +104,6 @@ class Config:
             raise ValueError(f"ct must be one of {COLUMN_TILES_PER_CTA}")
         if self.nb not in B_RING_DEPTHS:
             raise ValueError(f"nb must be one of {B_RING_DEPTHS}")
-        if self.yp not in (0, 1, 2):
-            raise ValueError("yp must be 0, 1 or 2")
-        if self.yp and (self.ct != 1 or self.nb != 2):
-            raise ValueError("yp (the epilogue prefetch) is built for ct 1, nb 2 only")
 
     @property
     def rank_pad(self) -> int:
@@ -127,8 +118,7 @@ class Config:
         hb = "_hb" if self.h_bf16 else ""
         ct = f"_ct{self.ct}" if self.ct > 1 else ""
         nb = f"_nb{self.nb}" if self.nb != 2 else ""
-        yp = f"_yp{self.yp}" if self.yp else ""
-        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}{hb}{ct}{nb}{yp}"
+        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}{hb}{ct}{nb}"
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -322,13 +312,6 @@ if cute is not None:
                     self._load_b(g_first, 0, mActive, mRanks, has_ranks, mBs, sl, n_s, c0, ncols, tiled_copy_b, tBsB,
                                  tBcB)
                 cute.arch.cp_async_commit_group()
-                # yp: the epilogue's token indices (and, yp 2, its y chunks: y is complete, the GEMM
-                # before us on the stream wrote it) requested now, in flight during h's staging and
-                # the MMAs.
-                y_pre = None
-                if cutlass.const_expr(cfg.yp > 0):
-                    y_pre = self._epilogue_loads(mY, mTok, mSorted, r0, row_lo, row_hi, ncols, col_base, c0, tidx,
-                                                 load_y=cfg.yp == 2)
 
                 if n_groups > 0:  # a z-CTA without groups only passes the barriers
                     self._stage_h(mH, mTok, sA, sl, r0, rows, tidx)
@@ -368,8 +351,7 @@ if cute is not None:
                     # ---- epilogue: acc -> smem (fp32) -> y += tile, one rounding, 16-byte accesses
                     cute.arch.cp_async_wait_group(0)
                     cute.arch.barrier()
-                    self._epilogue(mY, mTok, mSorted, sC, acc, thr_mma, r0, row_lo, row_hi, ncols, col_base, c0, tidx,
-                                   y_pre)
+                    self._epilogue(mY, mTok, mSorted, sC, acc, thr_mma, r0, row_lo, row_hi, ncols, col_base, c0, tidx)
                 else:
                     # (tile j, group gi) pairs in order through the ring of NB B tiles: pair p + NB - 1's
                     # B (across tiles: the next tile's first groups after a tile's last) is requested
@@ -442,11 +424,9 @@ if cute is not None:
                         cute.gemm(tiled_mma, acc, tCrA[None, None, kk], tCrB[None, None, kk], acc)
 
         @cute.jit
-        def _epilogue(self, mY, mTok, mSorted, sC, acc, thr_mma, r0, row_lo, row_hi, ncols, col_base, c0, tidx,
-                      y_pre=None):
+        def _epilogue(self, mY, mTok, mSorted, sC, acc, thr_mma, r0, row_lo, row_hi, ncols, col_base, c0, tidx):
             """acc -> sC (fp32) -> y += tile for the rows [row_lo, row_hi) with an adapter and the
-            tile's ncols columns from y's column col_base + c0: one rounding, 16-byte accesses.
-            y_pre: (token indices, y chunks) from _epilogue_loads at the CTA's start (yp builds)."""
+            tile's ncols columns from y's column col_base + c0: one rounding, 16-byte accesses."""
             BM, BN, NT = self.BM, self.BN, self.threads
             tCcC = thr_mma.partition_C(cute.make_identity_tensor((BM, BN)))
             for i in cutlass.range_constexpr(cute.size(acc)):
@@ -454,16 +434,33 @@ if cute is not None:
                 sC[rc[0], rc[1]] = acc[i]
             cute.arch.barrier()
 
-            if cutlass.const_expr(y_pre is None):
-                toks, ys = self._epilogue_loads(mY, mTok, mSorted, r0, row_lo, row_hi, ncols, col_base, c0, tidx)
-            elif cutlass.const_expr(y_pre[1] is None):
-                toks, ys = self._epilogue_loads(mY, mTok, mSorted, r0, row_lo, row_hi, ncols, col_base, c0, tidx,
-                                                toks=y_pre[0])
-            else:
-                toks, ys = y_pre
+            # Three passes over this thread's NIT chunks so that the memory round trips overlap
+            # instead of queueing chunk after chunk: (1) every chunk's sorted slot and token
+            # index, (2) every chunk's 16-byte y load, (3) add, round once, store. Same
+            # arithmetic per element as one pass; rows of slot -1 neither read nor written.
             CPR = BN // 8
             NIT = BM * CPR // NT
             j0 = (col_base + c0) // 8
+            toks = []
+            for it in cutlass.range_constexpr(NIT):
+                v = it * NT + tidx
+                r = v // CPR
+                cc = v - r * CPR
+                t = cutlass.Int32(-1)
+                if r >= row_lo and r < row_hi and cc * 8 < ncols:
+                    srt = mSorted[r0 + r]
+                    tk = mTok[r0 + r]
+                    if srt >= 0:
+                        t = tk
+                toks.append(t)
+            ys = []
+            for it in cutlass.range_constexpr(NIT):
+                v = it * NT + tidx
+                cc = v - (v // CPR) * CPR
+                r_y = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
+                if toks[it] >= 0:
+                    cute.autovec_copy(cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc], r_y)
+                ys.append(r_y)
             for it in cutlass.range_constexpr(NIT):
                 v = it * NT + tidx
                 r = v // CPR
@@ -474,43 +471,6 @@ if cute is not None:
                     r_o = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
                     r_o.store((ys[it].load().to(cutlass.Float32) + r_c.load()).to(cutlass.BFloat16))
                     cute.autovec_copy(r_o, cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc])
-
-        @cute.jit
-        def _epilogue_loads(self, mY, mTok, mSorted, r0, row_lo, row_hi, ncols, col_base, c0, tidx, toks=None,
-                            load_y: cutlass.Constexpr = True):
-            """(token index, 16-byte y chunk) of each of this thread's NIT epilogue chunks (-1: the
-            chunk's row has no adapter or lies outside the tile; its y is neither read nor written).
-            Two passes so that the memory round trips overlap instead of queueing chunk after chunk:
-            (1) every chunk's sorted slot and token index (unless `toks` are given), (2) every
-            chunk's y load (load_y; else None)."""
-            BM, BN, NT = self.BM, self.BN, self.threads
-            CPR = BN // 8
-            NIT = BM * CPR // NT
-            j0 = (col_base + c0) // 8
-            if cutlass.const_expr(toks is None):
-                toks = []
-                for it in cutlass.range_constexpr(NIT):
-                    v = it * NT + tidx
-                    r = v // CPR
-                    cc = v - r * CPR
-                    t = cutlass.Int32(-1)
-                    if r >= row_lo and r < row_hi and cc * 8 < ncols:
-                        srt = mSorted[r0 + r]
-                        tk = mTok[r0 + r]
-                        if srt >= 0:
-                            t = tk
-                    toks.append(t)
-            ys = None
-            if cutlass.const_expr(load_y):
-                ys = []
-                for it in cutlass.range_constexpr(NIT):
-                    v = it * NT + tidx
-                    cc = v - (v // CPR) * CPR
-                    r_y = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
-                    if toks[it] >= 0:
-                        cute.autovec_copy(cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc], r_y)
-                    ys.append(r_y)
-            return toks, ys
 
         @cute.jit
         def _k_eff(self, lid, mRanks, has_ranks):
@@ -663,7 +623,7 @@ def prebuild_configs() -> list[Config]:
     for s in SWEEP_SLICES:
         cfgs.update(sweep_configs(s, 64).values())
     cfgs.update(CT_TEST_CONFIGS)
-    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.bn, c.h_bf16, c.ct, c.nb, c.yp))
+    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.bn, c.h_bf16, c.ct, c.nb))
 
 
 # The bench's expand-add sweep (`hybrid_stages` with EPILORA_BENCH_K1SWEEP=1), rank 64, Qwen3-8B's
@@ -696,11 +656,6 @@ def sweep_configs(num_slices: int, rank: int) -> dict[str, Config]:
     for bn, nb in ((128, 3), (128, 4), (64, 3)):
         out[f"bm64_bn{bn}_nb{nb}"] = tile(bn, nb=nb)
     out["bm64_bn64_ct4_nb3"] = tile(64, ct=4, nb=3)
-    # v0.86: the epilogue's token indices (yp 1) and y chunks (yp 2) loaded at the CTA's start, on
-    # select()'s decode-size tile with fp32 and bf16 h
-    for yp in (1, 2):
-        for hb in (False, True):
-            out[f"bm64_bn128{'_hb' if hb else ''}_yp{yp}"] = tile(128, h_bf16=hb, yp=yp)
     return out
 
 

@@ -39,8 +39,7 @@ needs_dsl = pytest.mark.skipif(dsl_version() is None, reason="nvidia-cutlass-dsl
 FAST = [E.Config(rank=64, num_slices=3), E.Config(rank=8, num_slices=1, bm=128), E.Config(rank=256, num_slices=2, bn=64),
         E.Config(rank=64, num_slices=2, bn=64, h_bf16=True), E.Config(rank=8, num_slices=1, h_bf16=True),
         E.Config(rank=64, num_slices=2, bn=64, ct=4), E.Config(rank=8, num_slices=1, bn=128, nb=3),
-        E.Config(rank=64, num_slices=3, bn=64, ct=4, nb=3), E.Config(rank=64, num_slices=3, yp=1),
-        E.Config(rank=64, num_slices=1, h_bf16=True, yp=2)]
+        E.Config(rank=64, num_slices=3, bn=64, ct=4, nb=3)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,27 +236,6 @@ def test_column_sweep_and_ring_configs():
         assert sweep["bm64_bn64"] == E.Config(rank=64, num_slices=s, bm=64, bn=64)  # the one-tile build
         assert {c.nb for c in sweep.values()} == set(E.B_RING_DEPTHS)
         assert sweep["bm64_bn64_hb_ct4"].h_bf16 and all(c.bn == 64 for c in sweep.values() if c.ct > 1)
-
-
-def test_epilogue_prefetch_configs():
-    """v0.86's builds (the epilogue's token indices / y chunks loaded at the CTA's start): a name
-    suffix only off the default (yp 0: names and cache entries unchanged), ct 1 / nb 2 only, in the
-    bench's sweep and prebuilt at rank 64 for 1..3 slices with fp32 and bf16 h; select() does not
-    take them (bench-only until the GPU has timed them)."""
-    assert E.Config(rank=64, num_slices=3).name() == "r64_s3_bm64_bn128"
-    assert E.Config(rank=64, num_slices=3, yp=1).name() == "r64_s3_bm64_bn128_yp1"
-    assert E.Config(rank=64, num_slices=3, h_bf16=True, yp=2).name() == "r64_s3_bm64_bn128_hb_yp2"
-    assert E.Config(yp=2).smem_bytes == E.Config().smem_bytes  # registers, not shared memory
-    for bad in (dict(yp=3), dict(yp=1, ct=2, bn=64), dict(yp=2, nb=3)):
-        with pytest.raises(ValueError, match="yp"):
-            E.Config(**bad)
-    pre = set(E.prebuild_configs())
-    for s in E.SWEEP_SLICES:
-        yps = {n: c for n, c in E.sweep_configs(s, 64).items() if c.yp}
-        assert sorted(yps) == ["bm64_bn128_hb_yp1", "bm64_bn128_hb_yp2", "bm64_bn128_yp1", "bm64_bn128_yp2"]
-        assert set(yps.values()) <= pre
-        assert all(c.bm == 64 and c.bn == 128 and c.ct == 1 and c.nb == 2 for c in yps.values())
-    assert not any(E.select(s, m, r).yp for s in E.SLICE_COUNTS for r in E.RANKS for m in (1, 64, 8192))
 
 
 def test_select_and_prebuild_set():
@@ -618,20 +596,15 @@ CT_GPU_CASES = [  # (M, adapters, rank, widths, the column-sweeping / deep-ring 
     (64, 8, 64, (12288, 12288), E.Config(rank=64, num_slices=2, bm=64, bn=64, nb=3)),
     (300, 4, 8, (4096,), E.CT_TEST_CONFIGS[0]),
     (777, 8, 256, (1024, 512, 512, 256), E.CT_TEST_CONFIGS[1]),
-    # v0.86: the epilogue's token indices / y chunks loaded at the CTA's start (bit for bit the default)
-    (64, 8, 64, (4096, 1024, 1024), E.Config(rank=64, num_slices=3, bm=64, bn=128, yp=1)),
-    (33, 8, 64, (12288, 12288), E.Config(rank=64, num_slices=2, bm=64, bn=128, yp=2)),
-    (300, 32, 64, (4096,), E.Config(rank=64, num_slices=1, bm=64, bn=128, h_bf16=True, yp=1)),
-    (64, 8, 64, (4096,), E.Config(rank=64, num_slices=1, bm=64, bn=128, h_bf16=True, yp=2)),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,L,R,widths,cfg", CT_GPU_CASES, ids=lambda v: getattr(v, "name", lambda: str(v))())
 def test_gpu_sweep_and_ring_builds_are_bitwise_one_tile(M, L, R, widths, cfg):
-    """v0.72 / v0.75 / v0.86: a CTA sweeping cfg.ct column tiles (h staged once, the next B in flight
-    during the epilogue), running a cfg.nb-deep B ring or loading its epilogue's token indices / y
-    at its start (cfg.yp) writes the y of the default build of the same tile, bit for bit: mixed effective ranks, tokens without an adapter (their y and h rows
+    """v0.72 / v0.75: a CTA sweeping cfg.ct column tiles (h staged once, the next B in flight
+    during the epilogue) or running a cfg.nb-deep B ring writes the y of the default build of the
+    same tile, bit for bit: mixed effective ranks, tokens without an adapter (their y and h rows
     poisoned, left untouched), the default and forced group splits; and that y within the
     reference's tolerance."""
     import dataclasses
@@ -643,13 +616,12 @@ def test_gpu_sweep_and_ring_builds_are_bitwise_one_tile(M, L, R, widths, cfg):
     case["h"][:, neg] = float("nan")
     y0 = case["y"].clone()
     y0[neg] = float("nan")
-    one = dataclasses.replace(cfg, ct=1, nb=2, yp=0)
-    h = case["h"].bfloat16() if cfg.h_bf16 else case["h"]  # (bf16 h: the same bf16 operand)
+    one = dataclasses.replace(cfg, ct=1, nb=2)
     ref = y0.clone()
-    E.expand_add(ref, h, case["bs"], case["meta"], ranks, config=one)
+    E.expand_add(ref, case["h"], case["bs"], case["meta"], ranks, config=one)
     for z in (None, 1, 5):
         y = y0.clone()
-        out = E.expand_add(y, h, case["bs"], case["meta"], ranks, config=cfg, zsplit=z)
+        out = E.expand_add(y, case["h"], case["bs"], case["meta"], ranks, config=cfg, zsplit=z)
         assert out is y
         torch.cuda.synchronize()
         assert torch.equal(y.view(torch.int16), ref.view(torch.int16)), z

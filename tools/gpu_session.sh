@@ -22,7 +22,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, tt, tt-diag, yp, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
+mode=${1:?record, tests, tt, tt-diag, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -141,16 +141,6 @@ case $mode in
       python3 tools/kernel_diag.py decode_tt 2 40 2>&1 | tail -4 | tee -a "$OUT/racecheck_diag.log"
     EPILORA_BENCH_TOKENS=32,64 EPILORA_BENCH_ADAPTERS=8 timeout -s KILL 200 python3 tools/bench.py \
       --sections stages --out "$OUT/stages_tt" 2>&1 | tail -12
-    ;;
-  yp)
-    # perf.md v0.86 (session 38): the expand-add's epilogue loads at the CTA's start (Config.yp,
-    # bench-only builds) — their bitwise GPU cases, then hybrid_stages with the expand-add's sweep at
-    # 32 / 64 tokens x 8 and 1 adapters (no vLLM needed: the GEMM column falls back to torch; ~4 min;
-    # carry the slim cache).
-    timeout -s KILL 150 python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/test_expand_add.py \
-      -k "sweep_and_ring" > "$OUT/tests_yp.log" 2>&1; tail -8 "$OUT/tests_yp.log"
-    EPILORA_BENCH_EASWEEP=1 EPILORA_BENCH_TOKENS=32,64 EPILORA_BENCH_ADAPTERS=8,1 timeout -s KILL 300 \
-      python3 tools/bench.py --sections hybrid_stages --out "$OUT/hs_yp" 2>&1 | grep -E "layer|Error|error" | cut -c1-1500
     ;;
   tests-rest)
     # Suite "rest": the prefill K2 (~180 s on an H100, run33), the L2 prefetch, the metadata kernel.
