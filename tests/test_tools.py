@@ -247,7 +247,7 @@ def test_gpu_session_script_parses_and_keeps_calls_under_the_device_limit():
     script = ROOT / "tools" / "gpu_session.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     text = script.read_text()
-    modes = ("hybrid-identity)", "e2e-perf)", "out-variant)", "record)", "tests)", "tt)", "tt-diag)", "tests-rest)", "e2e)", "e2e-smoke)", "e2e-rescore)", "verify)", "check)", "k1)", "h-bf16)", "retune)", "prefetch)", "profile)", "fh)",
+    modes = ("hybrid-identity)", "e2e-perf)", "out-variant)", "record)", "tests)", "tt)", "tt-diag)", "layer-parts)", "tests-rest)", "e2e)", "e2e-smoke)", "e2e-rescore)", "verify)", "check)", "k1)", "h-bf16)", "retune)", "prefetch)", "profile)", "fh)",
              "profile-decode)", "decode)", "push-tests)", "push-bench)", "wide-tests)", "wide-bench)", "prefill-k2)",
              "prefill-path)")
     for mode in modes:
@@ -675,3 +675,26 @@ def test_bench_prefetch_runs_the_engine_order_with_the_next_weight_prefetched(mo
     forks = [e for e in pf2 if e[0] == "fork"]
     assert [e[1] is cases[order[(i + 1) % 8]].w_q for i, e in enumerate(forks)] == [True] * 8
     assert [e[2] for e in forks] == [32 * mb, 8 * mb, 8 * mb, 8 * mb] * 2
+
+
+def test_layer_parts_settings_derive_and_format():
+    """tools/bench_layer_parts.py's CPU side: the knobs, the derived differences (left out when a
+    part is missing) and the printed row; the section is registered with tools/bench.py."""
+    from tools import bench
+    from tools import bench_layer_parts as lp
+
+    assert lp.settings({}) == ([32, 64], [8, 1])
+    assert lp.settings({"EPILORA_BENCH_TOKENS": "48", "EPILORA_BENCH_ADAPTERS": "4"}) == ([48], [4])
+    with pytest.raises(ValueError, match="EPILORA_BENCH_TOKENS"):
+        lp.settings({"EPILORA_BENCH_TOKENS": "0"})
+    row = {"M": 64, "adapters": 8, "op_us": 155.0, "mirror_us": 156.0, "no_expand_us": 130.0, "no_k1_us": 140.0,
+           "serial_us": 180.0, "base_us": 100.0}
+    d = lp.derive(row)
+    assert d == {"adapter_cost_us": 56.0, "expand_exposed_us": 26.0, "k1_exposed_us": 16.0, "fork_saves_us": 24.0}
+    del row["base_us"]
+    assert "adapter_cost_us" not in lp.derive(row) and "k1_exposed_us" in lp.derive(row)
+    row.update(lp.derive(row), gemm_error="boom")
+    text = lp.format_row(row)
+    assert text.startswith("layer_parts M=   64 A= 8") and "base ERROR" in text and "expand_exposed +26.0" in text
+    bench._optional_sections()
+    assert bench.SECTIONS["layer_parts"] is lp.bench_layer_parts

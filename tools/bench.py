@@ -187,7 +187,7 @@ def _optional_sections() -> None:
     """Sections that exist once their kernels do (tools/bench_*.py modules with a ``SECTIONS`` dict)."""
     for name in ("tools.bench_decode", "tools.bench_stages", "tools.bench_k2sweep", "tools.bench_triton",
                  "tools.bench_prefill", "tools.bench_prefill_k2", "tools.bench_hybrid_stages", "tools.bench_timeline",
-                 "tools.bench_prefetch"):
+                 "tools.bench_prefetch", "tools.bench_layer_parts"):
         try:
             mod = importlib.import_module(name)
         except ModuleNotFoundError:

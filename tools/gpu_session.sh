@@ -22,7 +22,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, tt, tt-diag, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
+mode=${1:?record, tests, tt, tt-diag, layer-parts, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -141,6 +141,15 @@ case $mode in
       python3 tools/kernel_diag.py decode_tt 2 40 2>&1 | tail -4 | tee -a "$OUT/racecheck_diag.log"
     EPILORA_BENCH_TOKENS=32,64 EPILORA_BENCH_ADAPTERS=8 timeout -s KILL 200 python3 tools/bench.py \
       --sections stages --out "$OUT/stages_tt" 2>&1 | tail -12
+    ;;
+  layer-parts)
+    # Issue 5's throughput lever (perf.md "v0.86 measured", gpu_record README's plan): hybrid_par's
+    # whole layer with one part left out at a time, beside the prefill section's layer rows (vLLM's
+    # FP8 and LoRA layers, hybrid_par, auto) at 32 / 64 tokens x 8 / 1 adapters (~3 min; carry
+    # .devvllm/2 and the slim cache after a call that carried .devvllm/1).
+    unpack_vllm
+    EPILORA_BENCH_TOKENS=32,64 EPILORA_BENCH_ADAPTERS=8,1 EPILORA_BENCH_OURS=hybrid_par,auto timeout -s KILL 300 \
+      python3 tools/bench.py --sections layer_parts,prefill --out "$OUT/layer_parts" 2>&1 | grep -E "^layer_parts|^prefill M" | cut -c1-900
     ;;
   tests-rest)
     # Suite "rest": the prefill K2 (~180 s on an H100, run33), the L2 prefetch, the metadata kernel.

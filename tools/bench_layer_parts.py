@@ -1,0 +1,198 @@
+"""Bench section `layer_parts`: hybrid_par's whole Qwen3-8B layer taken apart, one part left out at a time.
+
+    EPILORA_BENCH_TOKENS=64 EPILORA_BENCH_ADAPTERS=8,1 python tools/bench.py --sections layer_parts
+
+Why: the per-projection rows of `hybrid_stages` are graphs of a single kernel each and carry a
+~5-6 µs launch-and-ramp floor (docs/perf.md v0.86 measured), so their sums overstate what a stage
+costs inside the layer, where the engine runs it (one CUDA graph per decode step). Here every column
+is ONE graph of the four projections (qkv, o, gate_up, down), L2 flushed before each replay, median
+(tools/gpu_timing.time_graph), built from the hybrid path's own pieces (`launch_plans.k1_quant_shrink`,
+`ops.quantize_fp8_per_token`, `ops.vendor_fp8_gemm`, `launch_plans.expand_add`) with the op's
+stream order, rank 64, tokens dealt round-robin over the adapters (max_loras = max(8, adapters)):
+
+  op_us          lora_linear_fp8(path="hybrid_par"): the op as the dispatch runs it
+  mirror_us      this module's re-composition of it: K1 on a side stream forked before the
+                 quantization, quantization + GEMM on the main stream, the join, the expand-add
+                 (should equal op_us: the check that the parts below are the op's)
+  no_expand_us   mirror without the expand-add
+  no_k1_us       mirror without K1's branch (the expand-add reads an h made beforehand)
+  serial_us      K1, then quantization + GEMM, then the expand-add on one stream (the hybrid path's
+                 order: what the fork saves)
+  base_us        quantization + GEMM only (vLLM's FP8 layer)
+  quant_us, gemm_us, k1_us, expand_us   each part alone, four projections in one graph
+
+and, derived (µs): adapter_cost = mirror - base; expand_exposed = mirror - no_expand;
+k1_exposed = mirror - no_k1; fork_saves = serial - mirror. Without vLLM the GEMM is cuBLAS
+(torch._scaled_mm), which is slower than vLLM's CUTLASS at these sizes: compare within a run.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tools.bench_decode import QWEN3_8B, LayerCase  # noqa: E402
+from tools.bench_prefill import _int_list, max_loras_for  # noqa: E402
+from tools.gpu_timing import time_graph  # noqa: E402
+
+RANK = 64
+DEFAULT_TOKENS = (32, 64)
+DEFAULT_ADAPTERS = (8, 1)
+PARTS = ("op", "mirror", "no_expand", "no_k1", "serial", "base", "quant", "gemm", "k1", "expand")
+# derived column -> (minuend, subtrahend)
+DERIVED = {"adapter_cost": ("mirror", "base"), "expand_exposed": ("mirror", "no_expand"),
+           "k1_exposed": ("mirror", "no_k1"), "fork_saves": ("serial", "mirror")}
+
+
+def settings(env: Mapping[str, str] | None = None) -> tuple[list[int], list[int]]:
+    """(token counts, adapter counts) from EPILORA_BENCH_TOKENS / EPILORA_BENCH_ADAPTERS."""
+    env = os.environ if env is None else env
+    tokens = (_int_list(env["EPILORA_BENCH_TOKENS"], "EPILORA_BENCH_TOKENS") if env.get("EPILORA_BENCH_TOKENS")
+              else list(DEFAULT_TOKENS))
+    adapters = (_int_list(env["EPILORA_BENCH_ADAPTERS"], "EPILORA_BENCH_ADAPTERS")
+                if env.get("EPILORA_BENCH_ADAPTERS") else list(DEFAULT_ADAPTERS))
+    return tokens, adapters
+
+
+def derive(row: dict) -> dict:
+    """The derived differences of a row whose parts were timed (a part missing: its differences too)."""
+    out = {}
+    for name, (a, b) in DERIVED.items():
+        if f"{a}_us" in row and f"{b}_us" in row:
+            out[f"{name}_us"] = row[f"{a}_us"] - row[f"{b}_us"]
+    return out
+
+
+def format_row(row: dict) -> str:
+    head = f"layer_parts M={row['M']:5d} A={row['adapters']:2d}"
+    cells = [f"{p} {row[f'{p}_us']:.1f}" if f"{p}_us" in row else f"{p} ERROR" for p in PARTS]
+    cells += [f"{d} {row[f'{d}_us']:+.1f}" for d in DERIVED if f"{d}_us" in row]
+    return head + "  " + "  ".join(cells) + "  (us)"
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU side.
+
+class LayerParts:
+    """One projection's buffers and the hybrid path's pieces as launchers (no validation on the
+    timed path beyond what the op's own entries do)."""
+
+    def __init__(self, c: LayerCase, side: torch.cuda.Stream):
+        from epilora_cute import ops
+
+        self.c, self.side = c, side
+        m, k = c.x.shape
+        dev = c.x.device
+        self.codes = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=dev)
+        self.scales = torch.empty((m, 1), dtype=torch.float32, device=dev)
+        self.scratch_codes = torch.empty_like(self.codes)
+        self.scratch_scales = torch.empty_like(self.scales)
+        self.h = torch.empty((len(c.lora_a), m, RANK), dtype=ops.hybrid_h_dtype(), device=dev)
+        self.out = torch.empty(m, c.proj.n, dtype=torch.bfloat16, device=dev)
+        self.k1()  # h for the parts that read it without K1 (and the builds loaded)
+        self.quant()
+        torch.cuda.synchronize()
+
+    def op(self) -> None:
+        from epilora_cute import ops
+
+        c = self.c
+        ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=self.out, path="hybrid_par")
+
+    def quant(self) -> None:
+        from epilora_cute import ops
+
+        ops.quantize_fp8_per_token(self.c.x, self.codes, self.scales)
+
+    def gemm(self) -> None:
+        from epilora_cute import ops
+
+        ops.vendor_fp8_gemm(self.codes, self.scales, self.c.w_q, self.c.w_s, out=self.out)
+
+    def k1(self) -> None:
+        from epilora_cute.launch_plans import k1_quant_shrink
+
+        c = self.c
+        k1_quant_shrink(c.x, c.lora_a, c.meta, self.scratch_codes, self.scratch_scales, self.h)
+
+    def expand(self) -> None:
+        from epilora_cute.launch_plans import expand_add
+
+        expand_add(self.out, self.h, self.c.lora_b, self.c.meta)
+
+    def forked(self, expand: bool = True, k1: bool = True) -> None:
+        """hybrid_par's order (ops._hybrid_par_path, quant_first=False), parts optional."""
+        main = torch.cuda.current_stream()
+        if k1:
+            self.side.wait_stream(main)
+            with torch.cuda.stream(self.side):
+                self.k1()
+        self.quant()
+        self.gemm()
+        if k1:
+            main.wait_stream(self.side)
+        if expand:
+            self.expand()
+
+    def serial(self) -> None:
+        self.k1()
+        self.quant()
+        self.gemm()
+        self.expand()
+
+    def launchers(self) -> dict[str, Callable[[], None]]:
+        return {"op": self.op, "mirror": self.forked, "no_expand": lambda: self.forked(expand=False),
+                "no_k1": lambda: self.forked(k1=False), "serial": self.serial,
+                "base": lambda: (self.quant(), self.gemm()), "quant": self.quant, "gemm": self.gemm,
+                "k1": self.k1, "expand": self.expand}
+
+
+def measure_row(m: int, adapters: int, side: torch.cuda.Stream,
+                timer: Callable[[Callable[[], None]], float] = time_graph) -> dict:
+    row = {"section": "layer_parts", "model": "Qwen3-8B", "M": m, "adapters": adapters, "rank": RANK}
+    parts: Sequence[LayerParts] = []
+    try:
+        max_loras = max_loras_for(adapters)
+        parts = [LayerParts(LayerCase(p, m, RANK, num_adapters=adapters, max_loras=max_loras), side)
+                 for p in QWEN3_8B]
+        per = [lp.launchers() for lp in parts]
+        for name in PARTS:
+            try:
+                row[f"{name}_us"] = timer(lambda name=name: [fns[name]() for fns in per])
+            except Exception as e:  # noqa: BLE001 - a part that can't run is reported, not fatal
+                row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
+    except Exception as e:  # noqa: BLE001
+        row["error"] = f"{type(e).__name__}: {e}"[:200]
+    finally:
+        del parts
+        gc.collect()
+        torch.cuda.empty_cache()
+    row.update(derive(row))
+    return row
+
+
+def bench_layer_parts(quick: bool) -> list[dict]:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        print("layer_parts: needs an sm_90 GPU; skipped")
+        return []
+    tokens, adapters = settings()
+    side = torch.cuda.Stream()
+    rows = []
+    for a in adapters:
+        for m in tokens:
+            row = measure_row(m, a, side)
+            rows.append(row)
+            print(format_row(row), flush=True)
+    return rows
+
+
+SECTIONS = {"layer_parts": bench_layer_parts}
