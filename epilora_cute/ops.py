@@ -114,7 +114,7 @@ def _reference_quant_into(x, codes, scales, warn_reason: str | None):
 # The fused LoRA linear: y = quant(x) @ W_q^T * s_x * s_w + per-token adapter update.
 
 # The decode pair (shrink + K2) and the no-adapter K2: one token tile up to 32 tokens, two (the
-# token-tile builds, the second reading the weights from L2) at 33..64 (kernels_dsl.k2_gemm.WIDE_MAX_TOKENS).
+# token-tile builds, the second reading the weights from L2) at 33..64 (k2_gemm.WIDE_MAX_TOKENS).
 DECODE_MAX_TOKENS = 64
 PATHS = ("auto", "base", "decode", "decode_sq", "decode_fh", "no_adapter", "hybrid", "hybrid_par", "hybrid_par_q",
          "prefill", "triton", "reference")
@@ -369,14 +369,14 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     y bit for bit, with K1 on a second stream beside the quantization kernel + the GEMM;
     "hybrid_par_q": the same with the branch forked after the quantization), "prefill" (33..16384
     tokens, sm_90a: K1, the activations gathered into adapter-sorted order, the prefill K2 with the
-    grouped epilogue; a dispatch candidate only with EPILORA_PREFILL_PATH=1 until GPU-verified), "decode" (≤ 64 tokens, sm_90a: the shrink kernel, then K2
-    as its PDL dependent — two launches; ``pdl=False`` serializes them; the shrink's extra CTAs
-    quantize x), "decode_sq" (the same at 1..8 tokens with K2 quantizing x itself and the shrink
-    without quantization CTAs: docs/perf.md v0.29; the timed dispatch picks between the two per
-    projection), "decode_fh" (1..8 tokens, one launch: K2 quantizes x and computes h itself,
-    docs/perf.md v0.43), "no_adapter" (the quantization kernel + K2 without the epilogue add: for batches
-    where no token has an adapter), "triton" (the
-    portable two-kernel path), "reference" (torch, any device). "auto" takes the reference off
+    grouped epilogue; a dispatch candidate only with EPILORA_PREFILL_PATH=1 until GPU-verified),
+    "decode" (≤ 64 tokens, sm_90a: the shrink kernel, then K2 as its PDL dependent — two launches;
+    ``pdl=False`` serializes them; the shrink's extra CTAs quantize x), "decode_sq" (the same at
+    1..8 tokens with K2 quantizing x itself and the shrink without quantization CTAs: docs/perf.md
+    v0.29; the timed dispatch picks between the two per projection), "decode_fh" (1..8 tokens,
+    one launch: K2 quantizes x and computes h itself, docs/perf.md v0.43), "no_adapter" (the
+    quantization kernel + K2 without the epilogue add, ≤ 64 tokens: for batches where no token has
+    an adapter), "triton" (the portable two-kernel path), "reference" (torch, any device). "auto" takes the reference off
     CUDA; on a GPU the timed dispatch (``dispatch.py``) takes the fastest applicable path per
     (shape, token bucket, adapter bucket, graph/eager), measured once and remembered across starts.
     Its candidates are the applicable GPU-verified paths (``dispatch.VERIFIED_PATHS``: base,

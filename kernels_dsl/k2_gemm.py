@@ -1,9 +1,10 @@
-"""K2 for the decode path (<= 32 tokens): y = x_q.s_x.(W_q.s_w)^T + sum_s h_s.B_s^T, Hopper, CuTe-DSL.
+"""K2 for the decode path (<= 64 tokens): y = x_q.s_x.(W_q.s_w)^T + sum_s h_s.B_s^T, Hopper, CuTe-DSL.
 
 Swap-AB: the FP8 weight rows are WGMMA's M side (BM = 64/128 rows per CTA), the tokens its N
-side (BN = 8/16/32, one N tile covers the whole decode batch). Split-K over a thread-block
-cluster: the S CTAs of a cluster (cluster dims (S,1,1), S chosen at launch, 1..8, or up to 16
-with the non-portable attribute) stream disjoint K ranges of the same BM rows; their fp32
+side (BN = 8/16/32, one N tile covers the whole decode batch; at 33..64 tokens the token-tile
+builds, Config.token_tiles, run two 32-token tiles per weight block, interleaved in grid y).
+Split-K over a thread-block cluster: the S CTAs of a cluster (cluster dims (S,1,1), S chosen at
+launch, 1..8, or up to 16 with the non-portable attribute) stream disjoint K ranges of the same BM rows; their fp32
 partials meet in distributed shared memory and every element of y is summed in the fixed order
 split 0, 1, ..., S-1 and written exactly once, by one CTA. No workspace, no atomics on data, so
 results are bitwise reproducible.
@@ -2028,8 +2029,8 @@ def prebuild_configs() -> list[Config]:
     cfgs.update(rowmax_configs())
     cfgs.update(push_configs())
     cfgs.update(wide_configs())
-    return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank, c.ctas, c.stages, c.trace, c.token_tiles,
-                                       c.fused_h, c.push_maxima, c.push_partials, c.sq_xblocks))
+    return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank, c.ctas, c.stages, c.trace,
+                                       c.token_tiles, c.fused_h, c.push_maxima, c.push_partials, c.sq_xblocks))
 
 
 def early_configs() -> list[Config]:

@@ -77,7 +77,8 @@ DEBUG_PRINT = False
 
 @dataclass(frozen=True)
 class Config:
-    """bn: token tile (8/16/32, 64 beside K2's token-tile builds at 33..64 tokens). rank: buffer rank R. num_slices: A buffers (one per output slice).
+    """bn: token tile (8/16/32; 64 beside K2's token-tile builds at 33..64 tokens). rank: buffer rank R.
+    num_slices: A buffers (one per output slice).
     bk: bf16 K per stage (64 = one 128-byte swizzle row). stages: pipeline depth.
     quant: include the quantization (False: no quantization planes, no x_q / s_x / sync arguments;
     the down-projection alone, beside a K2 that quantizes x itself (k2_gemm.Config.self_quant),

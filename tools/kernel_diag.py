@@ -5,10 +5,10 @@ or cuda-gdb (a hang or a fault then costs one small process, not a test file).
 
 CASE: k2_nolora (K2 alone, x_q given, no adapter, n_quant 0), shrink (the shrink+quant kernel
 alone), decode (shrink then the self-quantizing K2 with PDL, 3 tokens), decode_xq (shrink+quant
-then the x_q K2), decode_split2 (decode with the shrink split as K2), decode_tt (the pair at 40 tokens:
-K2's token tiles), decode_wide (decode with the
-wide self-quantizing K2, K = 2176), expand (expand_add), expand_hb / expand_ct (its bf16-h and
-column-sweeping builds against the default, bit for bit), k1 (K1 quant+shrink), k1_hb / k1_wg (its
+then the x_q K2), decode_split2 (decode with the shrink split as K2), decode_tt (the pair at 40
+tokens: K2's token tiles), decode_wide (decode with the wide self-quantizing K2, K = 2176),
+expand (expand_add), expand_hb / expand_ct (its bf16-h and column-sweeping builds against the
+default, bit for bit), k1 (K1 quant+shrink), k1_hb / k1_wg (its
 bf16-h build; its WGMMA build against the selection), prefill_pers (K1 then the persistent prefill K2; SPLIT = its CTA count).
 Prints "CASE ok" with the maximum error against the reference, after a device synchronize.
 The K2 builds follow EPILORA_K2_PUSH (k2_gemm.push_variant: `maxima`, `partials`, both by default, `none`) like
@@ -191,8 +191,8 @@ def prefill_pers(ctas: int) -> float:
     return 0.0
 
 
-CASES = {f.__name__: f for f in (k2_nolora, shrink, decode, decode_xq, decode_split2, decode_tt, decode_wide, expand, k1,
-                                 expand_hb, expand_ct, k1_hb, k1_wg, prefill_pers)}
+CASES = {f.__name__: f for f in (k2_nolora, shrink, decode, decode_xq, decode_split2, decode_tt, decode_wide, expand,
+                                 k1, expand_hb, expand_ct, k1_hb, k1_wg, prefill_pers)}
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in CASES:
