@@ -58,7 +58,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tools.bench_decode import QWEN3_8B, LayerCase, Projection  # noqa: E402
-from tools.bench_prefill import _int_list, max_loras_for  # noqa: E402
+from tools.bench_prefill import max_loras_for, tokens_and_adapters  # noqa: E402
 from tools.gpu_timing import read_bandwidth_gbs, time_graph  # noqa: E402
 
 RANK = 64
@@ -81,12 +81,7 @@ def _sweeps() -> tuple[bool, bool]:
 
 
 def settings(env: Mapping[str, str] | None = None) -> tuple[list[int], list[int]]:
-    env = os.environ if env is None else env
-    tokens = (_int_list(env["EPILORA_BENCH_TOKENS"], "EPILORA_BENCH_TOKENS") if env.get("EPILORA_BENCH_TOKENS")
-              else list(TOKENS))
-    adapters = (_int_list(env["EPILORA_BENCH_ADAPTERS"], "EPILORA_BENCH_ADAPTERS")
-                if env.get("EPILORA_BENCH_ADAPTERS") else list(ADAPTERS))
-    return tokens, adapters
+    return tokens_and_adapters(os.environ if env is None else env, TOKENS, ADAPTERS)
 
 
 def floors(p: Projection, m: int, adapters: int, rank: int, bw_gbs: float) -> dict:

@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tools.bench_decode import QWEN3_8B, LayerCase  # noqa: E402
-from tools.bench_prefill import _int_list, max_loras_for  # noqa: E402
+from tools.bench_prefill import max_loras_for, tokens_and_adapters  # noqa: E402
 from tools.gpu_timing import time_graph  # noqa: E402
 
 RANK = 64
@@ -55,12 +55,7 @@ DERIVED = {"adapter_cost": ("mirror", "base"), "expand_exposed": ("mirror", "no_
 
 def settings(env: Mapping[str, str] | None = None) -> tuple[list[int], list[int]]:
     """(token counts, adapter counts) from EPILORA_BENCH_TOKENS / EPILORA_BENCH_ADAPTERS."""
-    env = os.environ if env is None else env
-    tokens = (_int_list(env["EPILORA_BENCH_TOKENS"], "EPILORA_BENCH_TOKENS") if env.get("EPILORA_BENCH_TOKENS")
-              else list(DEFAULT_TOKENS))
-    adapters = (_int_list(env["EPILORA_BENCH_ADAPTERS"], "EPILORA_BENCH_ADAPTERS")
-                if env.get("EPILORA_BENCH_ADAPTERS") else list(DEFAULT_ADAPTERS))
-    return tokens, adapters
+    return tokens_and_adapters(os.environ if env is None else env, DEFAULT_TOKENS, DEFAULT_ADAPTERS)
 
 
 def derive(row: dict) -> dict:

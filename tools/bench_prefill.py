@@ -95,13 +95,20 @@ def _int_list(text: str, name: str) -> list[int]:
     return vals
 
 
+def tokens_and_adapters(env: Mapping[str, str], tokens: Sequence[int],
+                        adapters: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(token counts, adapter counts) from EPILORA_BENCH_TOKENS / EPILORA_BENCH_ADAPTERS in env,
+    else these defaults: the knobs every section over tokens x adapters shares."""
+    return ((_int_list(env["EPILORA_BENCH_TOKENS"], "EPILORA_BENCH_TOKENS") if env.get("EPILORA_BENCH_TOKENS")
+             else list(tokens)),
+            (_int_list(env["EPILORA_BENCH_ADAPTERS"], "EPILORA_BENCH_ADAPTERS")
+             if env.get("EPILORA_BENCH_ADAPTERS") else list(adapters)))
+
+
 def settings(quick: bool, env: Mapping[str, str] | None = None) -> tuple[list[int], list[int], list[str]]:
     """(token counts, adapter counts, our paths) from --quick and the EPILORA_BENCH_* variables."""
     env = os.environ if env is None else env
-    tokens = (_int_list(env["EPILORA_BENCH_TOKENS"], "EPILORA_BENCH_TOKENS") if env.get("EPILORA_BENCH_TOKENS")
-              else list(QUICK_TOKENS if quick else DEFAULT_TOKENS))
-    adapters = (_int_list(env["EPILORA_BENCH_ADAPTERS"], "EPILORA_BENCH_ADAPTERS")
-                if env.get("EPILORA_BENCH_ADAPTERS") else list(DEFAULT_ADAPTERS))
+    tokens, adapters = tokens_and_adapters(env, QUICK_TOKENS if quick else DEFAULT_TOKENS, DEFAULT_ADAPTERS)
     wanted = [w.strip() for w in env.get("EPILORA_BENCH_OURS", ",".join(OUR_PATHS)).split(",") if w.strip()]
     ours = [p for p in OUR_PATHS + EXTRA_PATHS if p in wanted]
     return tokens, adapters, ours

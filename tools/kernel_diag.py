@@ -105,12 +105,7 @@ def decode_tt(split: int, M: int = 40) -> float:
     """The decode pair at 40 tokens: the shrink's 64-token tile, then K2's token-tile build (two
     tiles per weight block; the second one's x_q rows 32..39 and TMA zero fill past them, its
     offset s_x / y / h / adapter table), the shrink split as K2."""
-    dp, x, tok = _decode_path(M=M, self_quant=False)
-    y = dp.run(x, tok, split_k2=split, split_shrink=split)
-    print("k2 build", dp.k_cfg.name(), flush=True)
-    torch.cuda.synchronize()
-    dp.check(x, tok, y)
-    return 0.0
+    return decode(split, self_quant=False, split_shrink=split, M=M)
 
 
 def decode_wide(split: int) -> float:
