@@ -76,8 +76,6 @@ MODES = ("graph", "eager")
 # prefill (v0.60's builds): not yet GPU-verified through the op (its kernels' GPU tests passed in
 # run6/run7/run15 with the serial main loop); EPILORA_PREFILL_PATH=1 lets it in. It joins here when
 # tests/test_lora_linear_gpu.py -k prefill and tests/test_k2_prefill.py pass on the H200.
-# hybrid_par_z (v0.87: the expand beside the GEMM into an fp32 z, y += z after the join): joins when
-# its op-level GPU tests (bit for bit the hybrid path, graph replays) pass.
 VERIFIED_PATHS = frozenset({"triton", "decode", "decode_sq", "no_adapter", "hybrid", "hybrid_par", "hybrid_par_q",
                             "base"})
 # A path's variable overrides VERIFIED_PATHS when set: "1" lets an unverified path join the
@@ -85,12 +83,11 @@ VERIFIED_PATHS = frozenset({"triton", "decode", "decode_sq", "no_adapter", "hybr
 OPT_IN_ENV = {"decode": "EPILORA_DECODE_PATH", "decode_sq": "EPILORA_DECODE_PATH", "decode_fh": "EPILORA_DECODE_PATH",
               "no_adapter": "EPILORA_DECODE_PATH",
               "hybrid": "EPILORA_HYBRID_PATH", "hybrid_par": "EPILORA_HYBRID_PAR_PATH",
-              "hybrid_par_q": "EPILORA_HYBRID_PAR_PATH", "hybrid_par_z": "EPILORA_HYBRID_Z_PATH",
-              "prefill": "EPILORA_PREFILL_PATH"}
+              "hybrid_par_q": "EPILORA_HYBRID_PAR_PATH", "prefill": "EPILORA_PREFILL_PATH"}
 # What a key gets when it cannot be timed (under capture, or every candidate failed): the first of
 # these among the candidates — what "auto" took before the timed dispatch existed.
 DEFAULT_ORDER = ("base", "decode", "decode_sq", "decode_fh", "triton", "hybrid", "hybrid_par", "hybrid_par_q",
-                 "hybrid_par_z", "prefill", "no_adapter", "reference")
+                 "prefill", "no_adapter", "reference")
 # Batches the host knows to have no adapter (vLLM's no-LoRA flag): "base" (default) computes them
 # with vLLM's own FP8 linear path only (same codes, same CUTLASS GEMM), so a projection of
 # base-model traffic returns exactly what stock vLLM's returns; in the engine that was no slower than
@@ -322,8 +319,7 @@ def applicable_paths(call: Call) -> tuple[str, ...]:
     tokens where the self-quantizing K2 takes K, and "decode_fh" (K2 computing h too) with it;
     "no_adapter": the same as "decode", and the
     host knows no token has an adapter; "hybrid", "hybrid_par" (its K1 on a second stream beside
-    the GEMM) and "hybrid_par_q" (that branch forked after the quantization): sm_90a; "hybrid_par_z"
-    (the expand on that branch too, y += z after the GEMM): sm_90a up to ops.Z_MAX_TOKENS; "prefill" (K1, the
+    the GEMM) and "hybrid_par_q" (that branch forked after the quantization): sm_90a; "prefill" (K1, the
     gather, the prefill K2 with the adapter in its epilogue): sm_90a at 33..16384 tokens with shapes
     its kernels take; "triton": any CUDA GPU. "reference" is
     never a candidate on a GPU. Whether a kernel can be loaded (cached or compiled here) shows when
@@ -343,10 +339,6 @@ def applicable_paths(call: Call) -> tuple[str, ...]:
         paths.append("hybrid")
         paths.append("hybrid_par")
         paths.append("hybrid_par_q")
-        from .ops import Z_MAX_TOKENS
-
-        if call.tokens <= Z_MAX_TOKENS:
-            paths.append("hybrid_par_z")
     if call.prefill_reason is None:
         paths.append("prefill")
     paths.append("triton")

@@ -170,35 +170,24 @@ def _expand_grid(widths: tuple, m: int, cfg, max_loras: int):
 def expand_add(y, h, lora_b_slices, meta, slot_ranks=None):
     """``kernels_dsl.expand_add.expand_add`` (the kernel's own configuration), through a launch plan
     when one serves the call. Returns y."""
-    return _expand(y, h, lora_b_slices, meta, slot_ranks, z_out=False)
-
-
-def expand_into(z, h, lora_b_slices, meta, slot_ranks=None):
-    """``kernels_dsl.expand_add.expand_into`` (z = h . B^T in fp32, v0.87), through a launch plan
-    when one serves the call. Returns z."""
-    return _expand(z, h, lora_b_slices, meta, slot_ranks, z_out=True)
-
-
-def _expand(y, h, lora_b_slices, meta, slot_ranks, z_out: bool):
     from kernels_dsl import expand_add as ea
 
     key = None
-    if enabled() and isinstance(y, torch.Tensor) and y.dim() == 2 \
-            and y.dtype is (torch.float32 if z_out else torch.bfloat16) \
+    if enabled() and isinstance(y, torch.Tensor) and y.dim() == 2 and y.dtype is torch.bfloat16 \
             and isinstance(h, torch.Tensor) and h.dim() == 3 and h.dtype in (torch.float32, torch.bfloat16):
-        key = _expand_key(y, h, lora_b_slices, meta, slot_ranks, z_out)
+        key = _expand_key(y, h, lora_b_slices, meta, slot_ranks)
     plan = _expand_plans.lookup(key[0], key[1]) if key is not None else None
     if plan is not None and y.shape[1] == plan.n:  # (another width: the entry raises its error)
         return _expand_planned(plan, key[2], y, h, len(lora_b_slices))
-    (ea.expand_into if z_out else ea.expand_add)(y, h, lora_b_slices, meta, slot_ranks=slot_ranks)
+    ea.expand_add(y, h, lora_b_slices, meta, slot_ranks=slot_ranks)
     if key is not None:
         objs, extra, cfg, arch = key
         _expand_plans.get(objs, lambda: _make_expand_plan(lora_b_slices, meta, slot_ranks, cfg, arch), extra)
     return y
 
 
-def _expand_key(y, h, lora_b_slices, meta, slot_ranks, z_out: bool):
-    from kernels_dsl.expand_add import select_for_h, select_into
+def _expand_key(y, h, lora_b_slices, meta, slot_ranks):
+    from kernels_dsl.expand_add import select_for_h
 
     key = _objects(lora_b_slices, _expand_meta(meta), slot_ranks)
     M = y.shape[0]
@@ -207,8 +196,7 @@ def _expand_key(y, h, lora_b_slices, meta, slot_ranks, z_out: bool):
     arch = _arch.arch_of(y)
     if arch is None:
         return None
-    select = select_into if z_out else select_for_h
-    cfg = select(len(lora_b_slices), M, int(lora_b_slices[0].shape[-1]), h.dtype is torch.bfloat16)
+    cfg = select_for_h(len(lora_b_slices), M, int(lora_b_slices[0].shape[-1]), h.dtype is torch.bfloat16)
     objs, extra = key
     return objs, (*extra, cfg, arch, y.device), cfg, arch
 
@@ -227,10 +215,10 @@ def _make_expand_plan(lora_b_slices, meta, slot_ranks, cfg, arch) -> _Plan:
 
 
 def _expand_planned(plan: _Plan, cfg, y, h, num_slices: int):
-    """The planned launch after the family's per-call checks (raising its errors) of y (z) and h."""
+    """The planned launch after the family's per-call checks (raising its errors) of y and h."""
     from kernels_dsl import expand_add as ea
 
-    M, _ = ea.check_y(y, cfg.z_out)
+    M, _ = ea.check_y(y)
     ea.check_h(h, num_slices, M, plan.rank, y.device)
     plan.launch(y, h, grid=_expand_grid(plan.widths, M, cfg, plan.max_loras), smem=cfg.smem_bytes)
     return y

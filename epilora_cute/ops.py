@@ -117,11 +117,7 @@ def _reference_quant_into(x, codes, scales, warn_reason: str | None):
 # token-tile builds, the second reading the weights from L2) at 33..64 (k2_gemm.WIDE_MAX_TOKENS).
 DECODE_MAX_TOKENS = 64
 PATHS = ("auto", "base", "decode", "decode_sq", "decode_fh", "no_adapter", "hybrid", "hybrid_par", "hybrid_par_q",
-         "hybrid_par_z", "prefill", "triton", "reference")
-# hybrid_par_z's reach in the timed dispatch: its fp32 z costs 4 bytes per output element written
-# beside the GEMM and read again after it, which only pays where the expand-add's latency chain, not
-# its bytes, is what waits for the GEMM (small batches; docs/perf.md v0.87).
-Z_MAX_TOKENS = 256
+         "prefill", "triton", "reference")
 # The decode and no-adapter paths' variable for "auto" (dispatch.OPT_IN_ENV): "0" keeps them out of
 # the candidates, "1" lets them in if they ever leave dispatch.VERIFIED_PATHS.
 DECODE_PATH_ENV = "EPILORA_DECODE_PATH"
@@ -371,9 +367,7 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     FP8 path, so base-model traffic gets stock vLLM's results bit for bit; any CUDA GPU), "hybrid"
     (K1 + the vendor FP8 GEMM + our expand-add; any batch size on sm_90a), "hybrid_par" (the same
     y bit for bit, with K1 on a second stream beside the quantization kernel + the GEMM;
-    "hybrid_par_q": the same with the branch forked after the quantization; "hybrid_par_z": the same
-    y bit for bit with the expand also on the second stream, into an fp32 z, and only y += z after
-    the GEMM), "prefill" (33..16384
+    "hybrid_par_q": the same with the branch forked after the quantization), "prefill" (33..16384
     tokens, sm_90a: K1, the activations gathered into adapter-sorted order, the prefill K2 with the
     grouped epilogue; a dispatch candidate only with EPILORA_PREFILL_PATH=1 until GPU-verified),
     "decode" (≤ 64 tokens, sm_90a: the shrink kernel, then K2 as its PDL dependent — two launches;
@@ -425,7 +419,7 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
         if not x.is_cuda:
             raise ValueError("path='base' needs a CUDA GPU (the vendor FP8 GEMM)")
         return _base_path(x, w_q, w_scale, out)
-    if path in ("hybrid", "hybrid_par", "hybrid_par_q", "hybrid_par_z"):
+    if path in ("hybrid", "hybrid_par", "hybrid_par_q"):
         if arch_of(x) is None:
             raise ValueError(f"path={path!r} does not apply: it needs a CUDA GPU with a CuTe target")
         # The host knows no token has an adapter (vLLM's no-LoRA flag): just the quantization and
@@ -434,9 +428,8 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
         # stock vLLM runs.
         if getattr(meta, "host_num_adapters", None) == 0:
             return _base_path(x, w_q, w_scale, out)
-        if path in ("hybrid_par", "hybrid_par_q", "hybrid_par_z"):
-            return _hybrid_par_path(x, w_q, w_scale, a, b, meta, out, slot_ranks, quant_first=path == "hybrid_par_q",
-                                    z_side=path == "hybrid_par_z")
+        if path in ("hybrid_par", "hybrid_par_q"):
+            return _hybrid_par_path(x, w_q, w_scale, a, b, meta, out, slot_ranks, quant_first=path == "hybrid_par_q")
         return _hybrid_path(x, w_q, w_scale, a, b, meta, out, slot_ranks)
     if path == "prefill":
         reason = _prefill_reason(x, w_q, widths, rank, a, b)
@@ -586,8 +579,7 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return side
 
 
-def _hybrid_par_path(x, w_q, w_scale, a, b, meta, out, slot_ranks, quant_first: bool = False,
-                     z_side: bool = False):
+def _hybrid_par_path(x, w_q, w_scale, a, b, meta, out, slot_ranks, quant_first: bool = False):
     """The hybrid path with its down-projection beside the GEMM (v0.34): the quantization kernel
     (the same codes and scales as K1's, bit for bit) feeds the vendor GEMM on the caller's stream
     while K1 computes h on a second stream that forks from and joins back into it (a fork / join a
@@ -601,16 +593,8 @@ def _hybrid_par_path(x, w_q, w_scale, a, b, meta, out, slot_ranks, quant_first: 
     v0.58) forks it after the quantization and issues K1 after the GEMM, so that the critical path
     (quantization -> GEMM) does not queue behind K1's CTAs. Neither order wins everywhere (run22,
     vLLM's GEMM, 8 adapters: 64 tokens 145 vs 188 µs per layer, 256 tokens 219 vs 207): the timed
-    dispatch takes either per key.
-
-    ``z_side`` (the path "hybrid_par_z", v0.87; hybrid_par's order): the branch also expands, z =
-    h . B^T in fp32 (expand_into: the expand-add's accumulator, zeros for tokens without an
-    adapter), and after the join only ``out.add_(z)`` runs, bf16(fp32(y) + z): the expand-add's
-    arithmetic, so y stays bit for bit the hybrid path's. Why: at 32-64 tokens the expand-add after
-    the GEMM was a latency chain (metadata, B and h loads, MMAs, y read) exposed ~7 µs per
-    projection for ~1 µs of bytes (docs/perf.md "Where hybrid_par's layer time goes"); an
-    elementwise add has one round trip. The cost: z's 4 bytes per output element, twice."""
-    from .launch_plans import expand_add, expand_into, k1_quant_shrink
+    dispatch takes either per key."""
+    from .launch_plans import expand_add, k1_quant_shrink
 
     m, k = x.shape
     dev = x.device
@@ -619,17 +603,12 @@ def _hybrid_par_path(x, w_q, w_scale, a, b, meta, out, slot_ranks, quant_first: 
     scratch_codes = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=dev)
     scratch_scales = torch.empty((m, 1), dtype=torch.float32, device=dev)
     h = torch.empty((len(a), m, int(a[0].shape[-2])), dtype=hybrid_h_dtype(), device=dev)
-    z = torch.empty((m, out.shape[1]), dtype=torch.float32, device=dev) if z_side else None
     main = torch.cuda.current_stream(dev)
     side = _side_stream(dev)
-    if z_side and quant_first:
-        raise ValueError("z_side takes hybrid_par's order (quant_first=False)")
     if not quant_first:
         side.wait_stream(main)  # x, the metadata and the buffers are ready
         with torch.cuda.stream(side):
             k1_quant_shrink(x, a, meta, scratch_codes, scratch_scales, h, slot_ranks=slot_ranks)
-            if z_side:
-                expand_into(z, h, b, meta, slot_ranks=slot_ranks)
         codes, scales = quantize_fp8_per_token(x)
         vendor_fp8_gemm(codes, scales, w_q, w_scale, out=out)
     else:
@@ -640,9 +619,7 @@ def _hybrid_par_path(x, w_q, w_scale, a, b, meta, out, slot_ranks, quant_first: 
         side.wait_event(fork)
         with torch.cuda.stream(side):
             k1_quant_shrink(x, a, meta, scratch_codes, scratch_scales, h, slot_ranks=slot_ranks)
-    main.wait_stream(side)  # the join: h (z) is complete before expand-add (the add) reads it
-    if z_side:
-        return out.add_(z)  # fp32 arithmetic (type promotion), one rounding into bf16 out
+    main.wait_stream(side)  # the join: h is complete before expand-add reads it
     return expand_add(out, h, b, meta, slot_ranks=slot_ranks)
 
 

@@ -79,10 +79,7 @@ class Config:
     column tiles of one slice; the B tile of the next (tile, group) is in flight during the
     current MMAs and epilogue, and the epilogue tile has its own smem. 1: one tile per CTA.
     nb: depth of the B ring (v0.75): nb - 1 (tile, group) B tiles in flight ahead of the MMAs
-    (2: the double buffer); with ct = 1 the epilogue tile still reuses the ring.
-    z_out: the output is z [M, N] fp32 = h . B^T itself, written (not added) for every row, zeros
-    for rows without an adapter (v0.87, expand_into): hybrid_par_z computes it beside the GEMM and
-    adds it to y after the GEMM, so that only an elementwise add waits for the GEMM."""
+    (2: the double buffer); with ct = 1 the epilogue tile still reuses the ring."""
 
     rank: int = 64
     num_slices: int = 1
@@ -91,7 +88,6 @@ class Config:
     h_bf16: bool = False
     ct: int = 1
     nb: int = 2
-    z_out: bool = False
 
     def __post_init__(self):
         if self.rank not in RANKS:
@@ -122,8 +118,7 @@ class Config:
         hb = "_hb" if self.h_bf16 else ""
         ct = f"_ct{self.ct}" if self.ct > 1 else ""
         nb = f"_nb{self.nb}" if self.nb != 2 else ""
-        z = "_z" if self.z_out else ""
-        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}{hb}{ct}{nb}{z}"
+        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}{hb}{ct}{nb}"
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -150,8 +145,7 @@ def params(config: Config) -> list:
     """The kernel's by-value parameters in launch order (epilora_cute.kernel_abi protocol)."""
     i32, f32, bf16 = torch.int32, torch.float32, torch.bfloat16
     p = [
-        TensorParam("y", f32 if config.z_out else bf16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,),
-                    align=16),  # [M, N] (z_out: z)
+        TensorParam("y", bf16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16),  # [M, N]
         TensorParam("h", bf16 if config.h_bf16 else f32, 3, dynamic_shape=(1,), dynamic_stride=(0,),
                     align=16),  # [S, M, R]
         TensorParam("token_indices_sorted", i32, 1, dynamic_shape=(0,), align=4),  # [>= M]
@@ -447,7 +441,6 @@ if cute is not None:
             CPR = BN // 8
             NIT = BM * CPR // NT
             j0 = (col_base + c0) // 8
-            Z = self.cfg.z_out
             toks = []
             for it in cutlass.range_constexpr(NIT):
                 v = it * NT + tidx
@@ -455,42 +448,29 @@ if cute is not None:
                 cc = v - r * CPR
                 t = cutlass.Int32(-1)
                 if r >= row_lo and r < row_hi and cc * 8 < ncols:
-                    if cutlass.const_expr(Z):  # z: every row of the CTA's groups, zeros included
-                        t = mTok[r0 + r]
-                    else:
-                        srt = mSorted[r0 + r]
-                        tk = mTok[r0 + r]
-                        if srt >= 0:
-                            t = tk
+                    srt = mSorted[r0 + r]
+                    tk = mTok[r0 + r]
+                    if srt >= 0:
+                        t = tk
                 toks.append(t)
-            if cutlass.const_expr(Z):  # z = acc: no read of the output, two 16-byte stores a chunk
-                for it in cutlass.range_constexpr(NIT):
-                    v = it * NT + tidx
-                    r = v // CPR
-                    cc = v - r * CPR
-                    if toks[it] >= 0:
-                        r_c = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-                        cute.autovec_copy(cute.zipped_divide(sC[r, None], (8,))[None, cc], r_c)
-                        cute.autovec_copy(r_c, cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc])
-            else:
-                ys = []
-                for it in cutlass.range_constexpr(NIT):
-                    v = it * NT + tidx
-                    cc = v - (v // CPR) * CPR
-                    r_y = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
-                    if toks[it] >= 0:
-                        cute.autovec_copy(cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc], r_y)
-                    ys.append(r_y)
-                for it in cutlass.range_constexpr(NIT):
-                    v = it * NT + tidx
-                    r = v // CPR
-                    cc = v - r * CPR
-                    if toks[it] >= 0:
-                        r_c = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-                        cute.autovec_copy(cute.zipped_divide(sC[r, None], (8,))[None, cc], r_c)
-                        r_o = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
-                        r_o.store((ys[it].load().to(cutlass.Float32) + r_c.load()).to(cutlass.BFloat16))
-                        cute.autovec_copy(r_o, cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc])
+            ys = []
+            for it in cutlass.range_constexpr(NIT):
+                v = it * NT + tidx
+                cc = v - (v // CPR) * CPR
+                r_y = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
+                if toks[it] >= 0:
+                    cute.autovec_copy(cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc], r_y)
+                ys.append(r_y)
+            for it in cutlass.range_constexpr(NIT):
+                v = it * NT + tidx
+                r = v // CPR
+                cc = v - r * CPR
+                if toks[it] >= 0:
+                    r_c = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+                    cute.autovec_copy(cute.zipped_divide(sC[r, None], (8,))[None, cc], r_c)
+                    r_o = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
+                    r_o.store((ys[it].load().to(cutlass.Float32) + r_c.load()).to(cutlass.BFloat16))
+                    cute.autovec_copy(r_o, cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc])
 
         @cute.jit
         def _k_eff(self, lid, mRanks, has_ranks):
@@ -577,7 +557,7 @@ def _fake_args(cfg: Config):
                                         assumed_align=align)
 
     i32, f32, bf16 = cutlass.Int32, cutlass.Float32, cutlass.BFloat16
-    y = cute.runtime.make_fake_tensor(f32 if cfg.z_out else bf16, (cute.sym_int32(), cute.sym_int32(divisibility=8)),
+    y = cute.runtime.make_fake_tensor(bf16, (cute.sym_int32(), cute.sym_int32(divisibility=8)),
                                       stride=(cute.sym_int64(divisibility=8), 1), assumed_align=16)
     h = rowmajor(bf16 if cfg.h_bf16 else f32, (cfg.num_slices, cute.sym_int32(), cfg.rank))
     vec = lambda: rowmajor(i32, (cute.sym_int32(),), align=4)  # noqa: E731
@@ -632,20 +612,10 @@ def select_for_h(num_slices: int, m: int, rank: int, h_bf16: bool) -> Config:
     return dataclasses.replace(select(num_slices, m, rank), h_bf16=h_bf16)
 
 
-@functools.lru_cache(maxsize=8192)
-def select_into(num_slices: int, m: int, rank: int, h_bf16: bool) -> Config:
-    """expand_into()'s tile (z_out): select()'s below WIDE_M at every M. The z buffer costs 4 bytes
-    per output element written and read again, so hybrid_par_z is a small-batch path
-    (ops.Z_MAX_TOKENS); its larger calls keep one tile rather than more builds."""
-    return dataclasses.replace(select_for_h(num_slices, min(m, WIDE_M - 1), rank, h_bf16), z_out=True)
-
-
 def prebuild_configs() -> list[Config]:
     selected = {select(s, m, r) for s in SLICE_COUNTS for r in RANKS for m in (64, WIDE_M)}
     # select()'s tiles also for K1's bf16 h (the hybrid path's, v0.71).
     cfgs = selected | {dataclasses.replace(c, h_bf16=True) for c in selected}
-    # expand_into's tiles (v0.87), for either h.
-    cfgs |= {select_into(s, 64, r, hb) for s in SLICE_COUNTS for r in RANKS for hb in (False, True)}
     # The former prefill choice (bm 128 from 2048 tokens; rank 64, the bench's rank), not selected
     # since v0.13: tests/test_expand_add.py's GPU check compares against it, and the GPU machine
     # (no DSL) runs only prebuilt configurations.
@@ -653,7 +623,7 @@ def prebuild_configs() -> list[Config]:
     for s in SWEEP_SLICES:
         cfgs.update(sweep_configs(s, 64).values())
     cfgs.update(CT_TEST_CONFIGS)
-    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.bn, c.h_bf16, c.ct, c.nb, c.z_out))
+    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.bn, c.h_bf16, c.ct, c.nb))
 
 
 # The bench's expand-add sweep (`hybrid_stages` with EPILORA_BENCH_K1SWEEP=1), rank 64, Qwen3-8B's
@@ -781,13 +751,12 @@ def check_slot_ranks(slot_ranks, max_loras: int, device):
         raise ValueError("slot_ranks must be on the device of y")
 
 
-def check_y(y, z_out: bool = False) -> tuple[int, int]:
-    """(M, N) of the expand-add's output (z_out: expand_into's fp32 z), or the entry's error for it."""
-    name, dtype = ("z", torch.float32) if z_out else ("y", torch.bfloat16)
-    if not isinstance(y, torch.Tensor) or y.dim() != 2 or y.dtype != dtype:
-        raise TypeError(f"{name} must be a 2-D {str(dtype).removeprefix('torch.')} tensor")
+def check_y(y) -> tuple[int, int]:
+    """(M, N) of the expand-add's output, or the error the entry raises for it."""
+    if not isinstance(y, torch.Tensor) or y.dim() != 2 or y.dtype != torch.bfloat16:
+        raise TypeError("y must be a 2-D bfloat16 tensor")
     if y.stride(1) != 1 or y.stride(0) % 8 or y.data_ptr() % 16:
-        raise ValueError(f"{name} needs unit column stride, a row stride multiple of 8 and a 16-byte aligned base")
+        raise ValueError("y needs unit column stride, a row stride multiple of 8 and a 16-byte aligned base")
     return y.shape
 
 
@@ -852,25 +821,10 @@ def expand_add(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks
         (exact when the buffers are zero-padded beyond it, as vLLM keeps them).
     zsplit: force the group split (grid z, choose_zsplit); the result does not depend on it.
     """
-    return _launch(y, h, lora_b_slices, meta, slot_ranks, config, zsplit, z_out=False)
-
-
-def expand_into(z: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks: torch.Tensor | None = None,
-                *, config: Config | None = None, zsplit: int | None = None) -> torch.Tensor:
-    """z[m, slice s] = h[s, m] . B_s[slot(m)]^T (fp32, the expand-add's accumulator itself), every
-    row written: zeros for tokens with slot -1. Returns z. Then bf16(fp32(y) + z) (what
-    ``y.add_(z)`` computes for a bf16 y) is expand_add(y, ...)'s result bit for bit (v0.87).
-
-    z: [M, N] fp32, row stride a multiple of 8, unit column stride, 16-byte aligned; the other
-    arguments as expand_add's."""
-    return _launch(z, h, lora_b_slices, meta, slot_ranks, config, zsplit, z_out=True)
-
-
-def _launch(y, h, lora_b_slices, meta, slot_ranks, config, zsplit, z_out: bool):
     from epilora_cute.arch import arch_of
     from epilora_cute.kernels import get_kernel
 
-    M, _ = check_y(y, z_out)
+    M, _ = check_y(y)
     bs = adapter_slices(lora_b_slices, y)
     S = len(bs)
     L, _, R = bs[0].shape
@@ -879,20 +833,17 @@ def _launch(y, h, lora_b_slices, meta, slot_ranks, config, zsplit, z_out: bool):
     _check_meta(meta, M, y.device)
     check_slot_ranks(slot_ranks, L, y.device)
     h_bf16 = h.dtype == torch.bfloat16
-    cfg = config or (select_into if z_out else select_for_h)(S, max(M, 1), R, h_bf16)
+    cfg = config or select_for_h(S, max(M, 1), R, h_bf16)
     if cfg.rank != R or cfg.num_slices != S:
         raise ValueError(f"config {cfg.name()} does not match rank {R} / {S} slices")
     if cfg.h_bf16 != h_bf16:
         raise ValueError(f"config {cfg.name()} reads h as {'bfloat16' if cfg.h_bf16 else 'float32'}, "
                          f"the given h is {h.dtype}")
-    if cfg.z_out != z_out:
-        raise ValueError(f"config {cfg.name()} is {'expand_into' if cfg.z_out else 'expand_add'}'s tile")
     if M == 0:
         return y
     arch = arch_of(y)  # None off CUDA (and on GPUs without a CuTe target)
     if arch is None:
-        raise ValueError(f"{'expand_into' if z_out else 'expand_add'} runs on CUDA tensors only "
-                         "(reference.lora_expand / emulate() on the CPU)")
+        raise ValueError("expand_add runs on CUDA tensors only (reference.lora_expand / emulate() on the CPU)")
     if zsplit is not None and not 1 <= zsplit <= 65535:
         raise ValueError(f"zsplit must be 1..65535, got {zsplit}")
     kernel = get_kernel(sys.modules[__name__], cfg, arch)
@@ -902,21 +853,19 @@ def _launch(y, h, lora_b_slices, meta, slot_ranks, config, zsplit, z_out: bool):
 
 
 def emulate(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks=None,
-            config: Config | None = None, zsplit: int | None = None, z_out: bool = False) -> torch.Tensor:
+            config: Config | None = None, zsplit: int | None = None) -> torch.Tensor:
     """Pure-torch model of the kernel's tiling and arithmetic (CPU): column tiles inside slices,
     BM-row tiles of the sorted tokens, the adapter groups of each tile, rows of other groups
     zeroed, k16 steps below the effective rank, bf16(h), fp32 accumulation, fp32 add to y and one
     rounding, rows with slot -1 untouched; with the group split (zsplit, default as the launch)
-    each z-chunk of a tile's groups accumulates and writes only its groups' rows. z_out
-    (expand_into): y is z, and every row of a CTA's groups gets the accumulator itself. Returns a new
-    y (z)."""
+    each z-chunk of a tile's groups accumulates and writes only its groups' rows. Returns a new y."""
     from .emulate import z_group_slices
 
     bs = [_as_3d(b, "b") for b in (lora_b_slices if isinstance(lora_b_slices, (list, tuple)) else [lora_b_slices])]
     M, _ = y.shape
     R = bs[0].shape[2]
     widths = [int(b.shape[1]) for b in bs]
-    cfg = config or (select(len(bs), min(M, WIDE_M - 1), R) if z_out else select(len(bs), M, R))
+    cfg = config or select(len(bs), M, R)
     nz = zsplit or choose_zsplit(widths, M, cfg, int(bs[0].shape[0]))
     RP = cfg.rank_pad
     out = y.clone()
@@ -936,14 +885,14 @@ def emulate(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks=No
             a_tile[:rows] = hb[s, tok[r0:r0 + rows]]
             for groups, row_lo, row_hi in z_group_slices(rg, start, r0, rows, nz):
                 _emulate_tile(out, a_tile, bmat, act, start, sorted_ids, tok, slot_ranks, cfg, r0, rows, ncols,
-                              base + c0, c0, groups, row_lo, row_hi, z_out)
+                              base + c0, c0, groups, row_lo, row_hi)
     return out
 
 
 def _emulate_tile(out, a_tile, bmat, act, start, sorted_ids, tok, slot_ranks, cfg, r0, rows, ncols, col0, c0,
-                  groups, row_lo, row_hi, z_out=False):
+                  groups, row_lo, row_hi):
     """One CTA of emulate(): its groups' MMAs into a fresh accumulator, then y += acc for the tile
-    rows [row_lo, row_hi) that have an adapter (z_out: z = acc for all of those rows)."""
+    rows [row_lo, row_hi) that have an adapter."""
     RP = cfg.rank_pad
     acc = torch.zeros(cfg.bm, cfg.bn)
     for g in groups:
@@ -959,10 +908,7 @@ def _emulate_tile(out, a_tile, bmat, act, start, sorted_ids, tok, slot_ranks, cf
         b = torch.zeros(cfg.bn, RP)
         b[:ncols, :keff] = bmat[lid, c0:c0 + ncols, :keff]
         acc += a @ b.t()
-    cols = slice(col0, col0 + ncols)
-    if z_out:
-        out[tok[r0 + row_lo:r0 + row_hi], cols] = acc[row_lo:row_hi, :ncols]
-        return
     keep = sorted_ids[r0 + row_lo:r0 + row_hi] >= 0
     t = tok[r0 + row_lo:r0 + row_hi][keep]
+    cols = slice(col0, col0 + ncols)
     out[t, cols] = (out[t, cols].float() + acc[row_lo:row_hi][keep][:, :ncols]).to(torch.bfloat16)

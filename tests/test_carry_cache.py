@@ -25,13 +25,11 @@ def test_slim_rules_on_the_prebuild_set():
     for mod, cfg in slim:
         assert mod.FAMILY != cc.PREFILL_FAMILY and "trace" not in cfg.name()
         wide_pair = getattr(cfg, "token_tiles", False) or (mod.FAMILY == "lora_shrink_quant" and cfg.bn == 64)
-        if getattr(cfg, "lora", True) and not wide_pair and not getattr(cfg, "z_out", False):
+        if getattr(cfg, "lora", True) and not wide_pair:
             assert getattr(cfg, "rank", cc.SLIM_RANK) == cc.SLIM_RANK, cfg.name()
     # the decode pair at 33..64 tokens: every rank (its GPU tests run them all)
     ranks = {(mod.FAMILY, cfg.rank) for mod, cfg in slim if getattr(cfg, "token_tiles", False) and cfg.lora}
     assert {r for _, r in ranks} == {8, 16, 32, 64, 128, 256}
-    # expand_into (v0.87): every rank too
-    assert {cfg.rank for mod, cfg in slim if getattr(cfg, "z_out", False)} == {8, 16, 32, 64, 128, 256}
     pre = {cfg for mod, cfg in with_prefill if mod.FAMILY == cc.PREFILL_FAMILY}
     # the prefill K2's bench builds: rank 64 in every accumulation mode, and the no-adapter ones
     assert k2_prefill.Config(bn=128, lora=True, num_slices=3, rank=64, accum="overlap", vstore=True) in pre

@@ -122,26 +122,21 @@ def run(path):  # a candidate run: returns its name so the fake timer knows it
 @pytest.fixture(autouse=True)
 def _without_hybrid_par(monkeypatch):
     """The tests written before hybrid_par (v0.34) time fixed candidate sets with fake timers:
-    keep it out of them; the tests about it take the variable away. The same for hybrid_par_z
-    (v0.87, its own variable)."""
+    keep it out of them; the tests about it take the variable away."""
     monkeypatch.setenv("EPILORA_HYBRID_PAR_PATH", "0")
-    monkeypatch.setenv("EPILORA_HYBRID_Z_PATH", "0")
 
 
 def test_candidates_follow_applicability_and_opt_in(monkeypatch):
     monkeypatch.delenv("EPILORA_HYBRID_PAR_PATH")
     # decode_sq / decode_fh: the decode path's 1..8-token variants (the default call has 12 tokens).
     H = ("hybrid", "hybrid_par", "hybrid_par_q")
-    HZ = (*H, "hybrid_par_z")  # hybrid_par_z: up to ops.Z_MAX_TOKENS
     SQ = ("decode_sq", "decode_fh")
-    assert d.applicable_paths(call(tokens=7)) == ("decode", *SQ, *HZ, "triton")
-    assert d.applicable_paths(call()) == ("decode", *HZ, "triton")
-    assert d.applicable_paths(call(tokens=7, k=4096 + 64)) == ("decode", *HZ, "triton")  # K % 128
+    assert d.applicable_paths(call(tokens=7)) == ("decode", *SQ, *H, "triton")
+    assert d.applicable_paths(call()) == ("decode", *H, "triton")
+    assert d.applicable_paths(call(tokens=7, k=4096 + 64)) == ("decode", *H, "triton")  # K % 128
     assert d.applicable_paths(call(tokens=7, host_adapters=0)) == ("base", "decode", *SQ, "no_adapter",
-                                                                   *HZ, "triton")
-    assert d.applicable_paths(call(tokens=64, decode_reason="64 tokens")) == (*HZ, "triton")
-    assert d.applicable_paths(call(tokens=ops.Z_MAX_TOKENS, decode_reason="many")) == (*HZ, "triton")
-    assert d.applicable_paths(call(tokens=ops.Z_MAX_TOKENS + 1, decode_reason="many")) == (*H, "triton")
+                                                                   *H, "triton")
+    assert d.applicable_paths(call(tokens=64, decode_reason="64 tokens")) == (*H, "triton")
     assert d.applicable_paths(call(arch=None, decode_reason="needs sm_90a")) == ("triton",)
     assert d.applicable_paths(call(arch=None, decode_reason="needs sm_90a", host_adapters=0)) == ("base", "triton")
     # Verified on the H200 (run6; base: run9; decode_sq: run12): every applicable path is a
@@ -176,11 +171,6 @@ def test_candidates_follow_applicability_and_opt_in(monkeypatch):
     assert allowed(call()) == ["decode", "hybrid", "hybrid_par", "hybrid_par_q", "triton"]
     monkeypatch.setenv("EPILORA_HYBRID_PAR_PATH", "0")
     assert allowed(call()) == ["decode", "hybrid", "triton"]
-    # hybrid_par_z (v0.87): not verified yet, in only with its variable
-    assert "hybrid_par_z" not in d.VERIFIED_PATHS and d.OPT_IN_ENV["hybrid_par_z"] == "EPILORA_HYBRID_Z_PATH"
-    monkeypatch.setenv("EPILORA_HYBRID_Z_PATH", "1")
-    assert allowed(call()) == ["decode", "hybrid", "hybrid_par_z", "triton"]
-    assert d.DEFAULT_ORDER.index("hybrid_par_z") > d.DEFAULT_ORDER.index("hybrid_par_q")
 
 
 def test_prefill_is_a_candidate_where_it_applies_and_only_opted_in(monkeypatch):

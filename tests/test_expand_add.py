@@ -39,8 +39,7 @@ needs_dsl = pytest.mark.skipif(dsl_version() is None, reason="nvidia-cutlass-dsl
 FAST = [E.Config(rank=64, num_slices=3), E.Config(rank=8, num_slices=1, bm=128), E.Config(rank=256, num_slices=2, bn=64),
         E.Config(rank=64, num_slices=2, bn=64, h_bf16=True), E.Config(rank=8, num_slices=1, h_bf16=True),
         E.Config(rank=64, num_slices=2, bn=64, ct=4), E.Config(rank=8, num_slices=1, bn=128, nb=3),
-        E.Config(rank=64, num_slices=3, bn=64, ct=4, nb=3), E.select_into(3, 64, 64, True),
-        E.select_into(1, 64, 8, False)]
+        E.Config(rank=64, num_slices=3, bn=64, ct=4, nb=3)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,64 +412,6 @@ def test_dsl46_prebuild_set(shard):
 
 
 
-@pytest.mark.parametrize("M,L,R,widths,ranked", EMU_CASES, ids=lambda v: str(v))
-def test_emulation_into_is_the_expand_adds_accumulator(M, L, R, widths, ranked):
-    """expand_into (z_out, v0.87): every row of z written (the poison gone), zeros for tokens
-    without an adapter, the grouped reference's delta within fp32 summation-order error, and
-    bf16(fp32(y) + z) is expand_add's y bit for bit (hybrid_par_z's identity), for any group split."""
-    slot_ranks = None
-    if ranked:
-        slot_ranks = torch.tensor([(R, R // 2, 0, 8)[i % 4] for i in range(L)], dtype=torch.int32)
-    case = make_case(M, L, R, widths, seed=M + 3 * L, slot_ranks=slot_ranks)
-    neg = case["ids"] < 0
-    case["h"][:, neg] = float("nan")  # must never reach z
-    z0 = torch.full((M, sum(widths)), float("nan"))
-    z = E.emulate(z0, case["h"], case["bs"], case["meta"], slot_ranks, z_out=True)
-    assert not torch.isnan(z).any()
-    assert torch.equal(z[neg], torch.zeros_like(z[neg]))
-    h = case["h"].clone()
-    h[:, neg] = 0
-    want = grouped_delta(h.bfloat16().float(), case["bs"], case["ids"])
-    torch.testing.assert_close(z, want, rtol=1e-5, atol=1e-4)
-    y = E.emulate(case["y"], case["h"], case["bs"], case["meta"], slot_ranks)
-    assert torch.equal((case["y"].float() + z).bfloat16().view(torch.int16), y.view(torch.int16))
-    for zs in (1, 3, 64):
-        zz = E.emulate(z0, case["h"], case["bs"], case["meta"], slot_ranks, zsplit=zs, z_out=True)
-        assert torch.equal(zz, z), zs
-
-
-def test_select_into():
-    """expand_into's tiles: select()'s below WIDE_M at every M (z_out), prebuilt for either h."""
-    pre = set(E.prebuild_configs())
-    for s in E.SLICE_COUNTS:
-        for r in E.RANKS:
-            for hb in (False, True):
-                for m in (1, 64, 256, 4096):
-                    c = E.select_into(s, m, r, hb)
-                    assert c.z_out and c.h_bf16 == hb and c.ct == 1 and c in pre
-                    assert c == E.dataclasses.replace(E.select_for_h(s, 64, r, hb), z_out=True)
-    assert E.select_into(3, 64, 64, True).name() == "r64_s3_bm64_bn128_hb_z"
-    assert E.params(E.select_into(1, 64, 64, False))[0].dtype == torch.float32
-
-
-@pytest.mark.parametrize("mutate,exc,match", [
-    (lambda c: c.update(z=c["z"].bfloat16()), TypeError, "z must be a 2-D float32"),
-    (lambda c: c.update(z=c["z"][:, :36]), ValueError, "add up"),
-    (lambda c: c.update(z=torch.zeros(20, 84)[:, :40]), ValueError, "z needs unit column stride"),
-    (lambda c: c.update(config=E.Config(rank=16, num_slices=2)), ValueError, "expand_add's tile"),
-    (lambda c: None, ValueError, "expand_into runs on CUDA"),
-])
-def test_into_bad_input(mutate, exc, match):
-    c = _cpu_case()
-    c["z"] = torch.zeros(20, 40)
-    c["config"] = None
-    mutate(c)
-    with pytest.raises(exc, match=match):
-        E.expand_into(c["z"], c["h"], c["bs"], c["meta"], config=c["config"])
-    with pytest.raises(ValueError, match="expand_into's tile"):
-        E.expand_add(c["y"], c["h"], c["bs"], c["meta"], config=E.Config(rank=16, num_slices=2, z_out=True))
-
-
 def test_emulation_group_split_invariant():
     """The group split (grid z) only moves whole groups between CTAs: y is bit-identical for any z,
     and every row with an adapter is written (rows of slot -1 untouched)."""
@@ -605,43 +546,6 @@ def test_gpu_bf16_h_is_bitwise_fp32_h(M, L, R, widths):
     assert torch.equal(y16[neg].view(torch.int16), y0[neg].view(torch.int16))
     keep = ~neg
     assert_close_bf16(y16[keep], expected(dict(case, y=y0), bf16_h=True)[keep], True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("M,L,R,widths", [(1, 1, 64, (4096, 1024, 1024)), (7, 8, 64, (12288, 12288)),
-                                          (33, 8, 64, (4096, 1024, 1024)), (64, 8, 64, (4096,)),
-                                          (64, 1, 64, (12288, 12288)), (256, 32, 64, (4096, 1024, 1024)),
-                                          (100, 4, 8, (2048, 512)), (130, 4, 256, (1024, 512, 512, 256)),
-                                          (3000, 8, 16, (1024, 1024))])
-@pytest.mark.parametrize("h_bf16", (False, True))
-def test_gpu_into_is_the_expand_adds_accumulator(M, L, R, widths, h_bf16):
-    """expand_into (v0.87) on the GPU: z its emulation (every row written over the poison, zeros
-    for tokens without an adapter, their h poisoned), bf16(fp32(y) + z) via y.add_(z)
-    bit for bit expand_add's y, deterministic over 3 runs, any group split; mixed effective ranks."""
-    _hopper()
-    ranks = torch.tensor([(R, R // 2, 0, 8)[i % 4] for i in range(L)], dtype=torch.int32)
-    case = make_case(M, L, R, widths, seed=M + R + L, slot_ranks=ranks, device="cuda")
-    neg = case["ids"] < 0
-    case["h"][:, neg] = float("nan")
-    h = case["h"].bfloat16() if h_bf16 else case["h"]
-    z0 = torch.full((M, sum(widths)), float("nan"), device="cuda")
-    zs = []
-    for zsplit in (None, None, None, 1, 5):
-        z = z0.clone()
-        assert E.expand_into(z, h, case["bs"], case["meta"], ranks.cuda(), zsplit=zsplit) is z
-        zs.append(z)
-    y = case["y"].clone()
-    E.expand_add(y, h, case["bs"], case["meta"], ranks.cuda())
-    torch.cuda.synchronize()
-    for z in zs[1:]:
-        assert torch.equal(z.view(torch.int32), zs[0].view(torch.int32))
-    want = E.emulate(z0.cpu(), case["h"].cpu(), [b.cpu() for b in case["bs"]], build_meta(case["ids"].cpu(), L),
-                     ranks, z_out=True)  # (the MMA's fp32 summation order is not torch's: close, not equal)
-    assert not torch.isnan(zs[0]).any()
-    torch.testing.assert_close(zs[0].cpu(), want, rtol=1e-5, atol=1e-5)
-    assert torch.equal(zs[0][neg], torch.zeros_like(zs[0][neg]))
-    got = case["y"].clone().add_(zs[0])
-    assert torch.equal(got[~neg].view(torch.int16), y[~neg].view(torch.int16))
 
 
 def _assert_configs_bitwise_equal(case, cfgs):

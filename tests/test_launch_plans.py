@@ -125,33 +125,6 @@ def test_expand_planned_launch_is_the_family_entrys(launches, shape, m, ranks, h
         assert launches[-2] == launches[-1]
 
 
-@pytest.mark.parametrize("h_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("ranks", [False, True])
-@pytest.mark.parametrize("m", [1, 64, 300])
-def test_expand_into_planned_launch_is_the_family_entrys(launches, m, ranks, h_dtype):
-    """expand_into (hybrid_par_z's z, v0.87): its plan launches the z build with the family
-    entry's bytes, beside (not instead of) the expand-add's plan for the same buffers."""
-    c = Case(QKV)
-    slot_ranks = _slot_ranks(ranks)
-    n = sum(c.widths)
-    h = torch.randn(len(c.widths), m, 64).to(h_dtype)
-    launch_plans.expand_add(torch.empty(m, n, dtype=torch.bfloat16), h, c.b, c.meta(m), slot_ranks)
-    launch_plans.expand_into(torch.empty(m, n), h, c.b, c.meta(m), slot_ranks)
-    for _ in range(2):
-        z = torch.empty(m, n)
-        h = torch.randn(len(c.widths), m, 64).to(h_dtype)
-        assert launch_plans.expand_into(z, h, c.b, c.meta(m), slot_ranks) is z
-        ea.expand_into(z, h, c.b, c.meta(m), slot_ranks=slot_ranks)
-        assert launches[-2] == launches[-1]
-    y = torch.empty(m, n, dtype=torch.bfloat16)
-    launch_plans.expand_add(y, h, c.b, c.meta(m), slot_ranks)
-    ea.expand_add(y, h, c.b, c.meta(m), slot_ranks=slot_ranks)
-    assert launches[-2] == launches[-1] and launches[-1][1] != launches[-3][1]  # another build (f32 output)
-    assert len(launch_plans._expand_plans) == 2
-    with pytest.raises(TypeError, match="z must be a 2-D float32"):
-        launch_plans.expand_into(torch.empty(m, n, dtype=torch.bfloat16), h, c.b, c.meta(m), slot_ranks)
-
-
 def test_token_counts_and_buffers_select_their_own_plans(launches):
     """A plan is per (objects, build): other token counts (another configuration) and other
     buffer objects (a reloaded adapter buffer, new metadata tensors) launch with their own bytes."""

@@ -688,10 +688,9 @@ def test_layer_parts_settings_derive_and_format():
     with pytest.raises(ValueError, match="EPILORA_BENCH_TOKENS"):
         lp.settings({"EPILORA_BENCH_TOKENS": "0"})
     row = {"M": 64, "adapters": 8, "op_us": 155.0, "mirror_us": 156.0, "no_expand_us": 130.0, "no_k1_us": 140.0,
-           "serial_us": 180.0, "base_us": 100.0, "op_z_us": 135.0}
+           "serial_us": 180.0, "base_us": 100.0}
     d = lp.derive(row)
-    assert d == {"adapter_cost_us": 56.0, "expand_exposed_us": 26.0, "k1_exposed_us": 16.0, "fork_saves_us": 24.0,
-                 "z_saves_us": 20.0}
+    assert d == {"adapter_cost_us": 56.0, "expand_exposed_us": 26.0, "k1_exposed_us": 16.0, "fork_saves_us": 24.0}
     del row["base_us"]
     assert "adapter_cost_us" not in lp.derive(row) and "k1_exposed_us" in lp.derive(row)
     row.update(lp.derive(row), gemm_error="boom")

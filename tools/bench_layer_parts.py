@@ -20,12 +20,9 @@ stream order, rank 64, tokens dealt round-robin over the adapters (max_loras = m
                  order: what the fork saves)
   base_us        quantization + GEMM only (vLLM's FP8 layer)
   quant_us, gemm_us, k1_us, expand_us   each part alone, four projections in one graph
-  op_z_us        lora_linear_fp8(path="hybrid_par_z") (v0.87: the expand beside the GEMM into an
-                 fp32 z, y += z after the join)
-  into_us, add_us   its two new parts alone: expand_into (z) and y += z
 
 and, derived (µs): adapter_cost = mirror - base; expand_exposed = mirror - no_expand;
-k1_exposed = mirror - no_k1; fork_saves = serial - mirror; z_saves = op - op_z. Without vLLM the GEMM is cuBLAS
+k1_exposed = mirror - no_k1; fork_saves = serial - mirror. Without vLLM the GEMM is cuBLAS
 (torch._scaled_mm), which is slower than vLLM's CUTLASS at these sizes: compare within a run.
 """
 
@@ -50,11 +47,10 @@ from tools.gpu_timing import time_graph  # noqa: E402
 RANK = 64
 DEFAULT_TOKENS = (32, 64)
 DEFAULT_ADAPTERS = (8, 1)
-PARTS = ("op", "mirror", "no_expand", "no_k1", "serial", "base", "quant", "gemm", "k1", "expand", "op_z", "into",
-         "add")
+PARTS = ("op", "mirror", "no_expand", "no_k1", "serial", "base", "quant", "gemm", "k1", "expand")
 # derived column -> (minuend, subtrahend)
 DERIVED = {"adapter_cost": ("mirror", "base"), "expand_exposed": ("mirror", "no_expand"),
-           "k1_exposed": ("mirror", "no_k1"), "fork_saves": ("serial", "mirror"), "z_saves": ("op", "op_z")}
+           "k1_exposed": ("mirror", "no_k1"), "fork_saves": ("serial", "mirror")}
 
 
 def settings(env: Mapping[str, str] | None = None) -> tuple[list[int], list[int]]:
@@ -97,7 +93,6 @@ class LayerParts:
         self.scratch_scales = torch.empty_like(self.scales)
         self.h = torch.empty((len(c.lora_a), m, RANK), dtype=ops.hybrid_h_dtype(), device=dev)
         self.out = torch.empty(m, c.proj.n, dtype=torch.bfloat16, device=dev)
-        self.z = torch.zeros(m, c.proj.n, dtype=torch.float32, device=dev)
         self.k1()  # h for the parts that read it without K1 (and the builds loaded)
         self.quant()
         torch.cuda.synchronize()
@@ -107,20 +102,6 @@ class LayerParts:
 
         c = self.c
         ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=self.out, path="hybrid_par")
-
-    def op_z(self) -> None:
-        from epilora_cute import ops
-
-        c = self.c
-        ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=self.out, path="hybrid_par_z")
-
-    def into(self) -> None:
-        from epilora_cute.launch_plans import expand_into
-
-        expand_into(self.z, self.h, self.c.lora_b, self.c.meta)
-
-    def add(self) -> None:
-        self.out.add_(self.z)
 
     def quant(self) -> None:
         from epilora_cute import ops
@@ -167,7 +148,7 @@ class LayerParts:
         return {"op": self.op, "mirror": self.forked, "no_expand": lambda: self.forked(expand=False),
                 "no_k1": lambda: self.forked(k1=False), "serial": self.serial,
                 "base": lambda: (self.quant(), self.gemm()), "quant": self.quant, "gemm": self.gemm,
-                "k1": self.k1, "expand": self.expand, "op_z": self.op_z, "into": self.into, "add": self.add}
+                "k1": self.k1, "expand": self.expand}
 
 
 def measure_row(m: int, adapters: int, side: torch.cuda.Stream,

@@ -23,7 +23,7 @@ layer — qkv, o, gate_up, down — with the L2 flushed before each, median; too
 Tokens are assigned to adapters round-robin; max_loras = max(8, A). A path that raises is reported
 as `<name>_error` in its row. Knobs (shared with the `layer` section): EPILORA_BENCH_TOKENS
 (default 32,64,128,256,512,1024,2048; --quick 32,256,2048), EPILORA_BENCH_ADAPTERS (default 1,32),
-EPILORA_BENCH_OURS (default triton,hybrid,prefill,auto; hybrid_par, hybrid_par_q, hybrid_par_z and decode when named;
+EPILORA_BENCH_OURS (default triton,hybrid,prefill,auto; hybrid_par, hybrid_par_q and decode when named;
 other names are ignored here).
 Without a CUDA GPU (or FP8-capable one) the section prints why and returns no rows; without vLLM
 only our columns are timed.
@@ -56,7 +56,7 @@ DEFAULT_ADAPTERS = (1, 32)
 OUR_PATHS = ("triton", "hybrid", "prefill", "auto")  # the default columns; timing order: the GPU-verified path first
 # Asked for by name only (EPILORA_BENCH_OURS): the other hybrid forms and, at 33..64 tokens, the
 # decode pair with K2's token tiles (docs/perf.md v0.85), beside the paths "auto" weighs them against.
-EXTRA_PATHS = ("hybrid_par", "hybrid_par_q", "hybrid_par_z", "decode")
+EXTRA_PATHS = ("hybrid_par", "hybrid_par_q", "decode")
 MIN_MAX_LORAS = 8  # as the `layer` section; 32 adapters get max_loras 32
 
 

@@ -12,8 +12,7 @@ the same entry path) and fails, listing what is missing, before any device time 
 
 What a slim cache holds (it must fit one call beside vLLM's `.devvllm/2`): every family's
 prebuilt configurations except the trace builds and the adapter builds of ranks other than 64
-(the benchmarks' and the e2e's rank; the decode pair's 33..64-token builds and expand_into's at every
-rank), and without the prefill K2 unless `--with-prefill` (then its
+(the benchmarks' and the e2e's rank; the decode pair's 33..64-token builds at every rank), and without the prefill K2 unless `--with-prefill` (then its
 rank-64 and no-adapter builds). `--full` checks the whole prebuild set.
 """
 
@@ -41,8 +40,6 @@ def in_slim(family: str, config, with_prefill: bool) -> bool:
         return False
     if getattr(config, "token_tiles", False) or (family == "lora_shrink_quant" and config.bn == 64):
         return True  # the decode pair at 33..64 tokens: every rank (its GPU tests run them all)
-    if getattr(config, "z_out", False):
-        return True  # expand_into (v0.87): every rank, as its GPU tests run them
     adapter_build = getattr(config, "lora", True)
     return not (adapter_build and getattr(config, "rank", SLIM_RANK) != SLIM_RANK)
 

@@ -22,7 +22,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, tt, tt-diag, layer-parts, z, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
+mode=${1:?record, tests, tt, tt-diag, layer-parts, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -150,22 +150,6 @@ case $mode in
     unpack_vllm
     EPILORA_BENCH_TOKENS=32,64 EPILORA_BENCH_ADAPTERS=8,1 EPILORA_BENCH_OURS=hybrid_par,auto timeout -s KILL 300 \
       python3 tools/bench.py --sections layer_parts,prefill --out "$OUT/layer_parts" 2>&1 | grep -E "^layer_parts|^prefill M" | cut -c1-900
-    ;;
-  z)
-    # v0.87 (hybrid_par_z: the expand beside the GEMM into an fp32 z, y += z after the join): its
-    # GPU tests (expand_into against its emulation and the expand-add; every hybrid op-level test,
-    # hybrid_par_z bit for bit the hybrid path, graph replays, launch plans), then the layer taken
-    # apart with op_z beside op, and the prefill section's layer rows with auto allowed to take it
-    # (~5 min; carry .devvllm/2 and the slim cache after a call that carried .devvllm/1).
-    unpack_vllm
-    timeout -s KILL 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_expand_add.py -k "into" \
-      2>&1 | tail -5
-    timeout -s KILL 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_lora_linear_gpu.py -k "hybrid" \
-      2>&1 | tail -5
-    EPILORA_HYBRID_Z_PATH=1 EPILORA_BENCH_TOKENS=${Z_TOKENS:-32,64,128,256} EPILORA_BENCH_ADAPTERS=8,1 \
-      EPILORA_BENCH_OURS=hybrid_par,hybrid_par_z,auto timeout -s KILL 240 \
-      python3 tools/bench.py --sections layer_parts,prefill --out "$OUT/z" 2>&1 | grep -E "^layer_parts|^prefill M" \
-      | cut -c1-1200
     ;;
   tests-rest)
     # Suite "rest": the prefill K2 (~180 s on an H100, run33), the L2 prefetch, the metadata kernel.
