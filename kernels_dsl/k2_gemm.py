@@ -511,12 +511,16 @@ if cute is not None:
                 for i in cutlass.range_constexpr(STAGES):
                     cute.arch.mbarrier_init(full + i, 1)
                     cute.arch.mbarrier_init(empty + i, 128)
-                cute.arch.mbarrier_init(sx_ready, 1)
+                # s_x and the adapter table are released by every lane of their producer warp
+                # (32 arrivals): each lane's arrive orders its own stores, which compute-sanitizer's
+                # racecheck follows. (One arrive by lane 0 after a __syncwarp is ordered under PTX's
+                # memory model too, but racecheck reported it as a hazard: run19, run38.)
+                cute.arch.mbarrier_init(sx_ready, 32)
                 for i in cutlass.range_constexpr(NB):
                     cute.arch.mbarrier_init(bfull + i, 1)
                     cute.arch.mbarrier_init(bempty + i, 128)
                 if cutlass.const_expr(cfg.lora):
-                    cute.arch.mbarrier_init(st.meta_ready.data_ptr(), 1)
+                    cute.arch.mbarrier_init(st.meta_ready.data_ptr(), 32)
                 if cutlass.const_expr(cfg.push_maxima or cfg.push_partials):
                     for i in cutlass.range_constexpr(2):
                         cute.arch.mbarrier_init(st.pbar.data_ptr() + i, 1)
@@ -622,9 +626,8 @@ if cute is not None:
                         # cost ~0.4 us per token before the first x_q load, measured on the H200).
                         if lane < cutlass.min(M, BN):
                             sSx[lane] = mSx[lane]
-                        cute.arch.sync_warp()
+                        cute.arch.mbarrier_arrive(sx_ready)  # every lane (sx_ready counts 32)
                         if lane == 0:
-                            cute.arch.mbarrier_arrive(sx_ready)
                             if n_quant > 0:
                                 gdim = cute.arch.grid_dim()
                                 total = gdim[0] * gdim[1] * gdim[2]
@@ -1322,9 +1325,8 @@ if cute is not None:
             if first:
                 reff = cutlass.max(cutlass.min(mSlotRanks[tok], R), 0)
             sReff[lane] = reff
-            cute.arch.sync_warp()
-            if lane == 0:
-                cute.arch.mbarrier_arrive(st.meta_ready.data_ptr())
+            cute.arch.sync_warp()  # the walk below reads every lane's entry
+            cute.arch.mbarrier_arrive(st.meta_ready.data_ptr())  # every lane (meta_ready counts 32)
 
             sB = st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
             t = cutlass.Int32(0)  # global item index (all CTAs of the cluster)

@@ -22,7 +22,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, tt, tt-diag, layer-parts, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
+mode=${1:?record, tests, race, race-tests, tt, tt-diag, layer-parts, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -150,6 +150,27 @@ case $mode in
     unpack_vllm
     EPILORA_BENCH_TOKENS=32,64 EPILORA_BENCH_ADAPTERS=8,1 EPILORA_BENCH_OURS=hybrid_par,auto timeout -s KILL 300 \
       python3 tools/bench.py --sections layer_parts,prefill --out "$OUT/layer_parts" 2>&1 | grep -E "^layer_parts|^prefill M" | cut -c1-900
+    ;;
+  race)
+    # K2 releases s_x and the adapter table from every lane of their producer warp (session 39):
+    # racecheck of the pairs that reported the hand-off hazard (run38: the one-tile bn 32 pair at
+    # 32 tokens 24, the token-tile pair at 40 tokens 48; run19: k2_nolora 4 on s_x) and the bn 8
+    # pair, then K2's GPU test file (~6 min; carry the K2 / shrink / quantization builds, no vLLM).
+    for c in "decode_xq 2 32" "decode_tt 2 40" "k2_nolora 4" "decode_xq 2 8" "decode 2"; do
+      echo "== racecheck $c"
+      timeout -s KILL 60 compute-sanitizer --tool racecheck --report-api-errors no python3 tools/kernel_diag.py \
+        $c 2>&1 | grep -E "hazard|ok|rror" | tail -4
+    done 2>&1 | tee "$OUT/racecheck.log"
+    timeout -s KILL 320 python3 tools/gpu_record.py --out "$OUT" --tests tests/test_k2_gpu.py --file-timeout 290 \
+      --time-limit 300 --bench-sections none 2>&1 | tail -12
+    ;;
+  race-tests)
+    # After `race`, on the warm machine: the rest of suite "main" (the op level, which launches K2
+    # too, quantization, Triton, K1, the expand-add; ~5 min; carry as for `race` plus K1 and the
+    # expand-add's builds). With `race`: the whole suite "main" at this commit.
+    timeout -s KILL 500 python3 tools/gpu_record.py --out "$OUT" --tests tests/test_lora_linear_gpu.py \
+      tests/test_quant_gpu.py tests/test_triton_path.py tests/test_k1_shrink.py tests/test_expand_add.py \
+      --file-timeout 200 --time-limit 480 --bench-sections none 2>&1 | tail -16
     ;;
   tests-rest)
     # Suite "rest": the prefill K2 (~180 s on an H100, run33), the L2 prefetch, the metadata kernel.
