@@ -22,7 +22,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, race, race-tests, tt, tt-diag, layer-parts, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
+mode=${1:?record, tests, race, race-tests, race-rest, tt, tt-diag, layer-parts, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -171,6 +171,14 @@ case $mode in
     timeout -s KILL 500 python3 tools/gpu_record.py --out "$OUT" --tests tests/test_lora_linear_gpu.py \
       tests/test_quant_gpu.py tests/test_triton_path.py tests/test_k1_shrink.py tests/test_expand_add.py \
       --file-timeout 200 --time-limit 480 --bench-sections none 2>&1 | tail -16
+    ;;
+  race-rest)
+    # After `race` / `race-tests` (whose carry left out the prefill K2): suite "rest" and the op
+    # level's prefill cases (carry the prefill K2, K1, quantization, expand-add and prefetch builds).
+    timeout -s KILL 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_lora_linear_gpu.py -k prefill \
+      2>&1 | tail -3 | tee "$OUT/tests_prefill_op.log"
+    timeout -s KILL 400 python3 tools/gpu_record.py --out "$OUT" --suite rest --file-timeout 290 \
+      --time-limit 380 --bench-sections none 2>&1 | tail -20
     ;;
   tests-rest)
     # Suite "rest": the prefill K2 (~180 s on an H100, run33), the L2 prefetch, the metadata kernel.
