@@ -535,6 +535,9 @@ def test_prefill_k2_settings_and_layer_row():
 
     assert bk.settings(True, {}) == ([2048], [1, 8])
     assert bk.settings(False, {"EPILORA_BENCH_TOKENS": "64,300", "EPILORA_BENCH_ADAPTERS": "32"}) == ([64, 300], [32])
+    for bad in ("0", "64,x", "-3"):  # the shared parser's errors, not a traceback from int()
+        with pytest.raises(ValueError, match="EPILORA_BENCH_TOKENS"):
+            bk.settings(True, {"EPILORA_BENCH_TOKENS": bad})
     rows = [{"M": 2048, "adapters": 1, "gflop": g, "scaled_mm_us": t, "k2_serial_us": 2 * t, "k2_overlap_us": t}
             for g, t in ((100.0, 100.0), (300.0, 200.0))]
     rows[1].pop("k2_overlap_us")  # a column missing from one projection is left out of the layer

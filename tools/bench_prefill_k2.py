@@ -46,12 +46,12 @@ DEFAULT_ADAPTERS = (1, 8)
 
 
 def settings(quick: bool, env=None) -> tuple[list[int], list[int]]:
+    """(token counts, adapter counts) from --quick and EPILORA_BENCH_TOKENS / _ADAPTERS (the
+    knobs' one parser, bench_prefill.tokens_and_adapters: a bad value is a clear error)."""
+    from tools.bench_prefill import tokens_and_adapters
+
     env = os.environ if env is None else env
-    toks = env.get("EPILORA_BENCH_TOKENS")
-    tokens = [int(t) for t in toks.split(",")] if toks else list(QUICK_TOKENS if quick else DEFAULT_TOKENS)
-    ads = env.get("EPILORA_BENCH_ADAPTERS")
-    adapters = [int(a) for a in ads.split(",")] if ads else list(DEFAULT_ADAPTERS)
-    return tokens, adapters
+    return tokens_and_adapters(env, QUICK_TOKENS if quick else DEFAULT_TOKENS, DEFAULT_ADAPTERS)
 
 
 def base_flops(p: Projection, m: int) -> float:
