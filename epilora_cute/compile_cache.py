@@ -72,9 +72,12 @@ def cache_root() -> Path:
     return Path(base) / "epilora_cute"
 
 
-def _source_hash(module: ModuleType) -> str:
+_SOURCE_HASH_ATTR = "__epilora_source_hash__"
+
+
+def _file_hash(module: ModuleType) -> str:
     """The family's own file plus the package's shared helpers (``_*.py`` beside it), which the
-    kernels are built from too: editing either must invalidate the cached builds."""
+    kernels are built from too, as they are on disk now."""
     path = Path(inspect.getfile(module))
     h = hashlib.sha256(path.read_bytes())
     for shared in sorted(path.parent.glob("_*.py")):
@@ -82,6 +85,20 @@ def _source_hash(module: ModuleType) -> str:
             h.update(shared.name.encode())
             h.update(shared.read_bytes())
     return h.hexdigest()
+
+
+def _source_hash(module: ModuleType) -> str:
+    """The source the cache keys a family's builds by: its files' hash when this process first asks
+    (kept on the module object), not when it asks again. A build compiles the code this process
+    imported, so its key must not follow a later edit of the file: session 39's prebuild, restarted
+    after an edit while a worker of the first one still ran, stored that worker's old build under the
+    edited source's key (one K2 cubin the GPU then ran in place of the edited code). _build refuses
+    to store a build whose file changed since (editing either must invalidate the cached builds)."""
+    h = module.__dict__.get(_SOURCE_HASH_ATTR)
+    if h is None:
+        h = _file_hash(module)
+        setattr(module, _SOURCE_HASH_ATTR, h)
+    return h
 
 
 def entry_dir(module: ModuleType, config, arch: str, root: Path | None = None) -> Path:
@@ -115,6 +132,9 @@ def _build(module: ModuleType, config, arch: str, version: str, dest: Path) -> N
         if os.environ.get("EPILORA_QUIET_BUILD") != "1":
             print(f"[epilora] {msg} ...", file=sys.stderr, flush=True)
         compiled = module.compile(config, f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir {dump}")
+        if _file_hash(module) != _source_hash(module):
+            raise RuntimeError(f"{module.FAMILY}'s source changed on disk since this process imported it: "
+                               "its build is not stored (rebuild in a fresh process)")
         ptx = _artifact_text(compiled, dump, "PTX", ".ptx")
         cubin = _artifact_bytes(compiled, dump)
         entries = ptx_entries(ptx)

@@ -133,7 +133,7 @@ def _make_k1_plan(lora_a_slices, meta, slot_ranks, cfg, arch) -> _Plan:
 
     from .kernels import get_kernel
 
-    as_ = [k1_shrink._as_3d(a, "lora_a") for a in lora_a_slices]
+    as_ = [k1_shrink.as_3d(a, "lora_a") for a in lora_a_slices]
     static = k1_shrink.static_params(as_, meta, slot_ranks, sorted_codes=False)
     kernel = get_kernel(k1_shrink, cfg, arch)
     L, R, _ = as_[0].shape
@@ -206,7 +206,7 @@ def _make_expand_plan(lora_b_slices, meta, slot_ranks, cfg, arch) -> _Plan:
 
     from .kernels import get_kernel
 
-    bs = [ea._as_3d(b, "lora_b") for b in lora_b_slices]
+    bs = [ea.as_3d(b, "lora_b") for b in lora_b_slices]
     static = ea.static_params(bs, meta, slot_ranks)
     kernel = get_kernel(ea, cfg, arch)
     L, _, R = bs[0].shape

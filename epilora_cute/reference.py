@@ -81,14 +81,16 @@ def _as_slice_list(t) -> list[torch.Tensor]:
     return list(t) if isinstance(t, (list, tuple)) else [t]
 
 
-def _squeeze_vllm_dim(buf: torch.Tensor) -> torch.Tensor:
-    """vLLM stacks adapters as [max_loras, 1, rows, cols]; accept that or [max_loras, rows, cols]."""
+def adapter_view(buf: torch.Tensor, name: str = "adapter buffer", dims: str = "rows, cols") -> torch.Tensor:
+    """An adapter stack as the [max_loras, rows, cols] view every op and kernel entry reads: vLLM
+    stacks adapters as [max_loras, 1, rows, cols] (A: rows = rank, cols = K; B: rows = n, cols =
+    rank); a 3-D stack is taken as it is. Anything else is an error naming ``name`` and ``dims``."""
     if buf.dim() == 4:
         if buf.shape[1] != 1:
-            raise ValueError(f"vLLM adapter buffers are [max_loras, 1, rows, cols], got {tuple(buf.shape)}")
+            raise ValueError(f"{name}: vLLM adapter buffers are [max_loras, 1, {dims}], got {tuple(buf.shape)}")
         return buf[:, 0]
     if buf.dim() != 3:
-        raise ValueError(f"adapter buffer must be 3-D or 4-D, got shape {tuple(buf.shape)}")
+        raise ValueError(f"{name}: expected [max_loras, 1, {dims}] or [max_loras, {dims}], got {tuple(buf.shape)}")
     return buf
 
 
@@ -103,7 +105,7 @@ def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor] | torch.Tensor,
     ids = token_lora.to(torch.long)
     out = []
     for a in _as_slice_list(lora_a):
-        a = _squeeze_vllm_dim(a)
+        a = adapter_view(a)
         h = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
         # One small GEMM per adapter present (not a per-token copy of A: that is GBs at 2048 tokens).
         for slot in torch.unique(ids[ids >= 0]).tolist():
@@ -122,7 +124,7 @@ def lora_expand(h: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor] | torc
     ids = token_lora.to(torch.long)
     parts = []
     for hs, b in zip(h, _as_slice_list(lora_b)):
-        b = _squeeze_vllm_dim(b)
+        b = adapter_view(b)
         d = torch.zeros(hs.shape[0], b.shape[1], dtype=torch.float32, device=hs.device)
         for slot in torch.unique(ids[ids >= 0]).tolist():
             rows = ids == slot
@@ -152,7 +154,7 @@ def lora_linear(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
     else:
         base = x.to(torch.float32) @ dequantize_fp8(w_codes, w_scale).t()
     a_list, b_list = _as_slice_list(lora_a), _as_slice_list(lora_b)
-    widths = [_squeeze_vllm_dim(b).shape[1] for b in b_list]
+    widths = [adapter_view(b).shape[1] for b in b_list]
     if sum(widths) != w_codes.shape[0]:
         raise ValueError(f"slice widths {widths} do not add up to the weight's {w_codes.shape[0]} rows")
     h = lora_shrink(x, a_list, token_lora)

@@ -15,7 +15,7 @@ import random
 
 import torch
 
-from epilora_cute.reference import quantize_fp8_per_token
+from epilora_cute.reference import adapter_view, quantize_fp8_per_token
 
 
 def k_range(split: int, nsplit: int, nk: int) -> tuple[int, int]:
@@ -66,7 +66,7 @@ def z_group_slices(row_group, start, r0: int, rows: int, nz: int):
 
 
 def _squeeze(buf):
-    return buf[:, 0] if buf.dim() == 4 else buf
+    return adapter_view(buf)
 
 
 def emulate_quant_planes(x, split: int, y_dim: int, threads: int = 128, qv: int = 8, order_seed=None):

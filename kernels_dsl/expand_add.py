@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from epilora_cute.kernel_abi import ScalarParam, TensorParam
+from epilora_cute.reference import adapter_view
 
 try:  # the DSL is needed to compile, not to launch a cached build
     import cuda.bindings.driver as cuda
@@ -720,14 +721,9 @@ def grid(widths, m: int, cfg: Config, max_loras: int | None = None, zsplit: int 
     return (_column_ctas(widths, cfg), -(-m // cfg.bm), z)
 
 
-def _as_3d(b: torch.Tensor, name: str) -> torch.Tensor:
-    if b.dim() == 4:
-        if b.shape[1] != 1:
-            raise ValueError(f"{name}: vLLM adapter buffers are [max_loras, 1, n, rank], got {tuple(b.shape)}")
-        b = b[:, 0]
-    if b.dim() != 3:
-        raise ValueError(f"{name}: expected [max_loras, 1, n, rank] or [max_loras, n, rank], got {tuple(b.shape)}")
-    return b
+def as_3d(b: torch.Tensor, name: str) -> torch.Tensor:
+    """A B stack ([max_loras, 1, n, rank], vLLM's) as the [max_loras, n, rank] view the kernel reads."""
+    return adapter_view(b, name, "n, rank")
 
 
 def _check_meta(meta, m: int, device) -> None:
@@ -762,7 +758,7 @@ def check_y(y) -> tuple[int, int]:
 
 def adapter_slices(lora_b_slices, y: torch.Tensor) -> list[torch.Tensor]:
     """The B slices as [max_loras, n_s, R] views, checked against y (the entry's errors)."""
-    bs = [_as_3d(b, f"lora_b_slices[{i}]") for i, b in enumerate(
+    bs = [as_3d(b, f"lora_b_slices[{i}]") for i, b in enumerate(
         lora_b_slices if isinstance(lora_b_slices, (list, tuple)) else [lora_b_slices])]
     if not 1 <= len(bs) <= 4:
         raise ValueError(f"1..4 slices supported, got {len(bs)}")
@@ -861,7 +857,7 @@ def emulate(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks=No
     each z-chunk of a tile's groups accumulates and writes only its groups' rows. Returns a new y."""
     from .emulate import z_group_slices
 
-    bs = [_as_3d(b, "b") for b in (lora_b_slices if isinstance(lora_b_slices, (list, tuple)) else [lora_b_slices])]
+    bs = [as_3d(b, "b") for b in (lora_b_slices if isinstance(lora_b_slices, (list, tuple)) else [lora_b_slices])]
     M, _ = y.shape
     R = bs[0].shape[2]
     widths = [int(b.shape[1]) for b in bs]

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from epilora_cute.kernel_abi import ScalarParam, TensorParam
+from epilora_cute.reference import adapter_view
 
 try:  # the DSL is needed to compile, not to launch a cached build
     import cuda.bindings.driver as cuda
@@ -921,14 +922,9 @@ def grid(k: int, m: int, cfg: Config, splits: int | None = None, max_loras: int 
     return (s, -(-m // cfg.bm) * cfg.num_slices, z), (s, 1, 1)
 
 
-def _as_3d(a: torch.Tensor, name: str) -> torch.Tensor:
-    if a.dim() == 4:
-        if a.shape[1] != 1:
-            raise ValueError(f"{name}: vLLM adapter buffers are [max_loras, 1, rank, K], got {tuple(a.shape)}")
-        a = a[:, 0]
-    if a.dim() != 3:
-        raise ValueError(f"{name}: expected [max_loras, 1, rank, K] or [max_loras, rank, K], got {tuple(a.shape)}")
-    return a
+def as_3d(a: torch.Tensor, name: str) -> torch.Tensor:
+    """An A stack ([max_loras, 1, rank, K], vLLM's) as the [max_loras, rank, K] view K1 reads."""
+    return adapter_view(a, name, "rank, K")
 
 
 def check_x(x) -> tuple[int, int]:
@@ -944,7 +940,7 @@ def check_x(x) -> tuple[int, int]:
 def adapter_slices(lora_a_slices, x: torch.Tensor) -> list[torch.Tensor]:
     """The A slices as [max_loras, R, K] views, checked against x (the entry's errors)."""
     K = x.shape[1]
-    as_ = [_as_3d(a, f"lora_a_slices[{i}]") for i, a in enumerate(
+    as_ = [as_3d(a, f"lora_a_slices[{i}]") for i, a in enumerate(
         lora_a_slices if isinstance(lora_a_slices, (list, tuple)) else [lora_a_slices])]
     if not 1 <= len(as_) <= 4:
         raise ValueError(f"1..4 slices supported, got {len(as_)}")
@@ -1070,7 +1066,7 @@ def emulate(x: torch.Tensor, lora_a_slices, meta, slot_ranks=None, config: Confi
 
     from .emulate import z_group_slices
 
-    as_ = [_as_3d(a, "a") for a in (lora_a_slices if isinstance(lora_a_slices, (list, tuple)) else [lora_a_slices])]
+    as_ = [as_3d(a, "a") for a in (lora_a_slices if isinstance(lora_a_slices, (list, tuple)) else [lora_a_slices])]
     M, K = x.shape
     L, R, _ = as_[0].shape
     S = len(as_)

@@ -61,6 +61,8 @@ from dataclasses import dataclass
 
 import torch
 
+from epilora_cute.reference import adapter_view
+
 from ._abi import SM_COUNT_H100, CoordParam, ScalarParam, TensorParam, TmaParam, TmaSpec, struct_size
 
 try:  # the DSL is needed to compile, not to launch a cached build
@@ -1608,7 +1610,7 @@ def launch(config: Config, *, w_q, w_scale, y, split: int, x_q=None, x_scale=Non
             raise ValueError(f"{config.num_slices} B buffers expected")
         views = []
         for b in bufs:
-            b3 = b[:, 0] if b.dim() == 4 else b
+            b3 = adapter_view(b, "lora_b", "n, rank")
             if b3.shape[2] != config.rank:
                 raise ValueError(f"B buffer rank {b3.shape[2]} != config rank {config.rank}")
             if b3.shape[1] % config.bm:
@@ -1625,7 +1627,7 @@ def launch(config: Config, *, w_q, w_scale, y, split: int, x_q=None, x_scale=Non
             if len(bufs_a) != config.num_slices:
                 raise ValueError(f"{config.num_slices} A buffers expected")
             for a in bufs_a:
-                a3 = a[:, 0] if a.dim() == 4 else a
+                a3 = adapter_view(a, "lora_a", "rank, K")
                 if a3.shape[1] != config.rank or a3.shape[2] != K or a3.dtype != torch.bfloat16:
                     raise ValueError(f"A buffer {tuple(a.shape)} does not match rank {config.rank}, K {K}")
                 if not a3.is_contiguous() or a3.data_ptr() % 16:

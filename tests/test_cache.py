@@ -98,3 +98,37 @@ def test_prebuild_in_a_process_pool_builds_the_same_set_in_order(tmp_path):
     assert [r["config"] for r in pooled] == [c.name() for c in fp8_quant.prebuild_configs()]
     assert [(r["config"], r["path"]) for r in pooled] == [(r["config"], r["path"]) for r in serial]
     assert len(list(tmp_path.rglob("kernel.cubin"))) == len(pooled)
+
+
+def test_source_hash_is_the_imported_code_and_an_edited_source_is_not_stored(tmp_path):
+    """The cache key's source hash is taken once per module object (the code this process runs),
+    and a build whose family file changed on disk since is refused, not stored under either key
+    (session 39: a prebuild worker that outlived an edit stored its old build under the new key)."""
+    import importlib.util
+    from dataclasses import dataclass
+
+    from epilora_cute import compile_cache as cc
+
+    src = tmp_path / "fakefam.py"
+    src.write_text("FAMILY = 'fakefam'\n")
+    spec = importlib.util.spec_from_file_location("fakefam", src)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    h0 = cc._source_hash(mod)
+    assert h0 == cc._file_hash(mod)
+
+    @dataclass(frozen=True)
+    class Cfg:
+        def name(self):
+            return "c"
+
+    def compile_and_edit(cfg, options):  # the file changes while this process compiles
+        src.write_text("FAMILY = 'fakefam'\nX = 1\n")
+        return None
+
+    mod.compile = compile_and_edit
+    dest = tmp_path / "cache" / "sm_90a" / "fakefam" / "c-0" / "4.8.1"
+    with pytest.raises(RuntimeError, match="changed on disk"):
+        cc._build(mod, Cfg(), "sm_90a", "4.8.1", dest)
+    assert not dest.exists()
+    assert cc._source_hash(mod) == h0 != cc._file_hash(mod)  # the key stays the imported code's

@@ -148,3 +148,16 @@ def test_w8a16_mode_uses_unrounded_activations():
     b = [torch.zeros(1, 1, 8, 4).bfloat16()]
     y = ref.lora_linear(x, wq, ws, a, b, torch.tensor([-1, -1, -1]), quantize_activations=False)
     assert torch.allclose(y, x.float() @ (wq.float() * ws).t())
+
+
+def test_adapter_view_takes_vllms_stack_or_3d_and_names_bad_buffers():
+    """vLLM's [max_loras, 1, rows, cols] stacks (and 3-D ones) become [max_loras, rows, cols] views;
+    any other shape is an error naming the buffer (every kernel entry reads buffers through it)."""
+    b = torch.randn(3, 1, 8, 4)
+    v = ref.adapter_view(b)
+    assert v.shape == (3, 8, 4) and v.data_ptr() == b.data_ptr()
+    assert ref.adapter_view(v) is v
+    with pytest.raises(ValueError, match=r"lora_b\[1\]: vLLM adapter buffers are \[max_loras, 1, n, rank\]"):
+        ref.adapter_view(torch.randn(3, 2, 8, 4), "lora_b[1]", "n, rank")
+    with pytest.raises(ValueError, match=r"lora_a: expected \[max_loras, 1, rank, K\]"):
+        ref.adapter_view(torch.randn(8, 4), "lora_a", "rank, K")
