@@ -155,10 +155,11 @@ case $mode in
     # K2 releases s_x and the adapter table from every lane of their producer warp (session 39):
     # racecheck of the pairs that reported the hand-off hazard (run38: the one-tile bn 32 pair at
     # 32 tokens 24, the token-tile pair at 40 tokens 48; run19: k2_nolora 4 on s_x) and the bn 8
-    # pair, then K2's GPU test file (~6 min; carry the K2 / shrink / quantization builds, no vLLM).
+    # pair, then K2's GPU test file (~5 min; run39: 306 s; carry the K2 / shrink / quantization
+    # builds, no vLLM).
     for c in "decode_xq 2 32" "decode_tt 2 40" "k2_nolora 4" "decode_xq 2 8" "decode 2"; do
       echo "== racecheck $c"
-      timeout -s KILL 60 compute-sanitizer --tool racecheck --report-api-errors no python3 tools/kernel_diag.py \
+      timeout -s KILL 50 compute-sanitizer --tool racecheck --report-api-errors no python3 tools/kernel_diag.py \
         $c 2>&1 | grep -E "hazard|ok|rror" | tail -4
     done 2>&1 | tee "$OUT/racecheck.log"
     timeout -s KILL 320 python3 tools/gpu_record.py --out "$OUT" --tests tests/test_k2_gpu.py --file-timeout 290 \
