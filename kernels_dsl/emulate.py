@@ -65,10 +65,6 @@ def z_group_slices(row_group, start, r0: int, rows: int, nz: int):
         yield range(g_first, g_first + n_groups), row_lo, row_hi
 
 
-def _squeeze(buf):
-    return adapter_view(buf)
-
-
 def emulate_quant_planes(x, split: int, y_dim: int, threads: int = 128, qv: int = 8, order_seed=None):
     """The shrink kernel's quantization planes CTA by CTA, thread by thread: which CTA takes which
     token and which 16-byte vectors of its row (one token per CTA, or one per cluster with the row
@@ -147,7 +143,7 @@ def emulate_shrink(x, lora_a, token_lora, active_ids, num_active, slot_ranks, ra
         reff = max(min(slot_ranks[lid], rank), 0) if lid >= 0 else 0
         if c * 64 >= reff:
             continue
-        a = _squeeze(lora_a[sl])[lid].float()  # [R, K]
+        a = adapter_view(lora_a[sl])[lid].float()  # [R, K]
         rows = slice(c * 64, min(c * 64 + 64, rank))
         partials = []
         for s in range(split):
@@ -173,7 +169,7 @@ def emulate_k2(xq, sx, w_codes, w_scale, h, lora_b, token_lora, active_ids, num_
     M, K = xq.shape
     N = w_codes.shape[0]
     assert M <= bn and N % bm == 0
-    widths = [_squeeze(b).shape[1] for b in lora_b] if lora else [N]
+    widths = [adapter_view(b).shape[1] for b in lora_b] if lora else [N]
     starts = [0]
     for wd in widths:
         starts.append(starts[-1] + wd)
@@ -205,7 +201,7 @@ def emulate_k2(xq, sx, w_codes, w_scale, h, lora_b, token_lora, active_ids, num_
             for idx, (lid, c) in enumerate(items):
                 if idx % split != s:
                     continue
-                b = _squeeze(lora_b[sl])[lid].float()  # [n_s, R]
+                b = adapter_view(lora_b[sl])[lid].float()  # [n_s, R]
                 cols = range(c * chunk, c * chunk + chunk)
                 bchunk = torch.zeros(bm, chunk)
                 hm = torch.zeros(M, chunk)

@@ -41,6 +41,19 @@ def test_test_file_discovery():
     assert gpu_record._gpu_test_files(["tests/test_quant_gpu.py"]) == [ROOT / "tests" / "test_quant_gpu.py"]
 
 
+def test_suite_paths_leave_out_named_files_and_refuse_unknown_ones():
+    """`gpu_session.sh race-tests` runs suite "main" less K2's file (`race` ran it): --skip."""
+    from tools import gpu_record
+
+    main = list(gpu_record.GPU_SUITES["main"])
+    assert gpu_record.suite_paths("main", [], []) == main
+    rest = gpu_record.suite_paths("main", [], ["tests/test_k2_gpu.py"])
+    assert rest == [p for p in main if p != "tests/test_k2_gpu.py"] and len(rest) == len(main) - 1
+    assert gpu_record.suite_paths(None, ["a.py", "b.py"], ["b.py"]) == ["a.py"]
+    with pytest.raises(ValueError, match="--skip"):
+        gpu_record.suite_paths("main", [], ["tests/test_k2_gpu"])  # a typo must not run the file
+
+
 def test_gpu_suites_hold_every_gpu_test_file_once():
     """`gpu_session.sh tests` + `tests-rest` are the whole GPU suite only if every file with a GPU
     marker is in one of tools/gpu_record.py's suites (a new GPU file left out would never run)."""

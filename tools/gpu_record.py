@@ -141,18 +141,30 @@ def write_markdown(rep: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def suite_paths(suite: str | None, tests: list[str], skip: list[str]) -> list[str]:
+    """The test files a record runs: one suite's (GPU_SUITES) or the given paths, less ``skip``
+    (each of which must be one of them: a mistyped skip would silently run the file)."""
+    paths = list(GPU_SUITES[suite]) if suite else list(tests)
+    unknown = [p for p in skip if p not in paths]
+    if unknown:
+        raise ValueError(f"--skip {unknown}: not among {paths}")
+    return [p for p in paths if p not in skip]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "build" / "gpu_record")))
     ap.add_argument("--tests", nargs="*", default=["tests"])
     ap.add_argument("--suite", choices=sorted(GPU_SUITES), default=None,
                     help="the test files of one device call (GPU_SUITES) instead of --tests")
+    ap.add_argument("--skip", nargs="*", default=[], help="test files of --suite / --tests to leave out")
     ap.add_argument("--bench-sections", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--file-timeout", type=int, default=300, help="seconds per test file before it is killed")
     ap.add_argument("--time-limit", type=int, default=None,
                     help="seconds for the whole record: test files that would start after it are reported as not run")
     args = ap.parse_args(argv)
+    paths = suite_paths(args.suite, args.tests, args.skip)
     import torch
     if not torch.cuda.is_available():
         print("gpu_record: no CUDA GPU here; run this on the H200 (see README)")
@@ -168,7 +180,7 @@ def main(argv=None) -> int:
     # record cut short by the machine's call limit still holds the numbers.
     bench = run_bench(args.out, args.bench_sections, args.quick)
     print(bench.get("tail", "")[-2500:], flush=True)
-    tests = run_tests(args.out, list(GPU_SUITES[args.suite]) if args.suite else args.tests, args.file_timeout,
+    tests = run_tests(args.out, paths, args.file_timeout,
                       None if args.time_limit is None else t0 + args.time_limit)
     print(f"tests: {tests['counts']}", flush=True)
     metas = {json.loads(p.read_text())["dsl_version"] for p in Path(os.environ.get("EPILORA_CACHE_DIR", "/nonexistent")).rglob("meta.json")} \

@@ -169,8 +169,7 @@ case $mode in
     # After `race`, on the warm machine: the rest of suite "main" (the op level, which launches K2
     # too, quantization, Triton, K1, the expand-add; ~5 min; carry as for `race` plus K1 and the
     # expand-add's builds). With `race`: the whole suite "main" at this commit.
-    timeout -s KILL 500 python3 tools/gpu_record.py --out "$OUT" --tests tests/test_lora_linear_gpu.py \
-      tests/test_quant_gpu.py tests/test_triton_path.py tests/test_k1_shrink.py tests/test_expand_add.py \
+    timeout -s KILL 500 python3 tools/gpu_record.py --out "$OUT" --suite main --skip tests/test_k2_gpu.py \
       --file-timeout 200 --time-limit 480 --bench-sections none 2>&1 | tail -16
     ;;
   race-rest)
