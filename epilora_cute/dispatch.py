@@ -83,11 +83,15 @@ VERIFIED_PATHS = frozenset({"triton", "decode", "decode_sq", "no_adapter", "hybr
 OPT_IN_ENV = {"decode": "EPILORA_DECODE_PATH", "decode_sq": "EPILORA_DECODE_PATH", "decode_fh": "EPILORA_DECODE_PATH",
               "no_adapter": "EPILORA_DECODE_PATH",
               "hybrid": "EPILORA_HYBRID_PATH", "hybrid_par": "EPILORA_HYBRID_PAR_PATH",
-              "hybrid_par_q": "EPILORA_HYBRID_PAR_PATH", "prefill": "EPILORA_PREFILL_PATH"}
+              "hybrid_par_q": "EPILORA_HYBRID_PAR_PATH", "prefill": "EPILORA_PREFILL_PATH",
+              "hybrid_st": "EPILORA_HYBRID_STREAM_PATH", "hybrid_par_st": "EPILORA_HYBRID_STREAM_PATH"}
+# The streamed shrink's hybrid paths (v0.88) are candidates from this many tokens: below it K1's
+# split-K fills the GPU and the streamed shrink's row tiles would not (one CTA per 64 rows).
+STREAM_MIN_TOKENS = 1024
 # What a key gets when it cannot be timed (under capture, or every candidate failed): the first of
 # these among the candidates — what "auto" took before the timed dispatch existed.
 DEFAULT_ORDER = ("base", "decode", "decode_sq", "decode_fh", "triton", "hybrid", "hybrid_par", "hybrid_par_q",
-                 "prefill", "no_adapter", "reference")
+                 "hybrid_st", "hybrid_par_st", "prefill", "no_adapter", "reference")
 # Batches the host knows to have no adapter (vLLM's no-LoRA flag): "base" (default) computes them
 # with vLLM's own FP8 linear path only (same codes, same CUTLASS GEMM), so a projection of
 # base-model traffic returns exactly what stock vLLM's returns; in the engine that was no slower than
@@ -319,7 +323,9 @@ def applicable_paths(call: Call) -> tuple[str, ...]:
     tokens where the self-quantizing K2 takes K, and "decode_fh" (K2 computing h too) with it;
     "no_adapter": the same as "decode", and the
     host knows no token has an adapter; "hybrid", "hybrid_par" (its K1 on a second stream beside
-    the GEMM) and "hybrid_par_q" (that branch forked after the quantization): sm_90a; "prefill" (K1, the
+    the GEMM) and "hybrid_par_q" (that branch forked after the quantization): sm_90a; "hybrid_st" /
+    "hybrid_par_st" (the streamed shrink in place of K1, v0.88): sm_90a from STREAM_MIN_TOKENS
+    tokens at the ranks it is compiled for; "prefill" (K1, the
     gather, the prefill K2 with the adapter in its epilogue): sm_90a at 33..16384 tokens with shapes
     its kernels take; "triton": any CUDA GPU. "reference" is
     never a candidate on a GPU. Whether a kernel can be loaded (cached or compiled here) shows when
@@ -339,10 +345,19 @@ def applicable_paths(call: Call) -> tuple[str, ...]:
         paths.append("hybrid")
         paths.append("hybrid_par")
         paths.append("hybrid_par_q")
+        if call.tokens >= STREAM_MIN_TOKENS and _stream_compiled(call.rank, len(call.slices)):
+            paths.append("hybrid_st")
+            paths.append("hybrid_par_st")
     if call.prefill_reason is None:
         paths.append("prefill")
     paths.append("triton")
     return tuple(paths)
+
+
+def _stream_compiled(rank: int, num_slices: int) -> bool:
+    from kernels_dsl.shrink_stream import RANKS
+
+    return rank in RANKS and 1 <= num_slices <= 4
 
 
 def _env_allows(path: str, env_value: str | None) -> bool:

@@ -13,7 +13,8 @@ from .launcher import Kernel
 # Every family the prebuild compiles; module path -> imported lazily.
 FAMILY_MODULES = ("kernels_dsl.fp8_quant",)
 OPTIONAL_FAMILY_MODULES = ("kernels_dsl.lora_shrink", "kernels_dsl.k2_gemm", "kernels_dsl.expand_add",
-                           "kernels_dsl.k1_shrink", "kernels_dsl.k2_prefill", "kernels_dsl.l2_prefetch")
+                           "kernels_dsl.k1_shrink", "kernels_dsl.k2_prefill", "kernels_dsl.l2_prefetch",
+                           "kernels_dsl.shrink_stream")
 
 _loaded: dict[tuple, Kernel] = {}
 _lock = threading.Lock()

@@ -117,7 +117,9 @@ def _reference_quant_into(x, codes, scales, warn_reason: str | None):
 # token-tile builds, the second reading the weights from L2) at 33..64 (k2_gemm.WIDE_MAX_TOKENS).
 DECODE_MAX_TOKENS = 64
 PATHS = ("auto", "base", "decode", "decode_sq", "decode_fh", "no_adapter", "hybrid", "hybrid_par", "hybrid_par_q",
-         "prefill", "triton", "reference")
+         "hybrid_st", "hybrid_par_st", "prefill", "triton", "reference")
+# The hybrid paths whose down-projection is the streamed shrink (v0.88) instead of K1.
+STREAM_PATHS = ("hybrid_st", "hybrid_par_st")
 # The decode and no-adapter paths' variable for "auto" (dispatch.OPT_IN_ENV): "0" keeps them out of
 # the candidates, "1" lets them in if they ever leave dispatch.VERIFIED_PATHS.
 DECODE_PATH_ENV = "EPILORA_DECODE_PATH"
@@ -367,7 +369,9 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
     FP8 path, so base-model traffic gets stock vLLM's results bit for bit; any CUDA GPU), "hybrid"
     (K1 + the vendor FP8 GEMM + our expand-add; any batch size on sm_90a), "hybrid_par" (the same
     y bit for bit, with K1 on a second stream beside the quantization kernel + the GEMM;
-    "hybrid_par_q": the same with the branch forked after the quantization), "prefill" (33..16384
+    "hybrid_par_q": the same with the branch forked after the quantization), "hybrid_st" /
+    "hybrid_par_st" (the hybrid paths with the streamed shrink in place of K1 and the quantization
+    kernel's codes for the GEMM, serial / on a second stream: sm_90a, v0.88), "prefill" (33..16384
     tokens, sm_90a: K1, the activations gathered into adapter-sorted order, the prefill K2 with the
     grouped epilogue; a dispatch candidate only with EPILORA_PREFILL_PATH=1 until GPU-verified),
     "decode" (≤ 64 tokens, sm_90a: the shrink kernel, then K2 as its PDL dependent — two launches;
@@ -431,6 +435,13 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
         if path in ("hybrid_par", "hybrid_par_q"):
             return _hybrid_par_path(x, w_q, w_scale, a, b, meta, out, slot_ranks, quant_first=path == "hybrid_par_q")
         return _hybrid_path(x, w_q, w_scale, a, b, meta, out, slot_ranks)
+    if path in STREAM_PATHS:
+        reason = stream_reason(x, rank, len(widths))
+        if reason is not None:
+            raise ValueError(f"path={path!r} does not apply: {reason}")
+        if getattr(meta, "host_num_adapters", None) == 0:  # as the hybrid: vLLM's own FP8 path
+            return _base_path(x, w_q, w_scale, out)
+        return _hybrid_stream_path(x, w_q, w_scale, a, b, meta, rank, out, slot_ranks, par=path == "hybrid_par_st")
     if path == "prefill":
         reason = _prefill_reason(x, w_q, widths, rank, a, b)
         if reason is not None:
@@ -620,6 +631,46 @@ def _hybrid_par_path(x, w_q, w_scale, a, b, meta, out, slot_ranks, quant_first: 
         with torch.cuda.stream(side):
             k1_quant_shrink(x, a, meta, scratch_codes, scratch_scales, h, slot_ranks=slot_ranks)
     main.wait_stream(side)  # the join: h is complete before expand-add reads it
+    return expand_add(out, h, b, meta, slot_ranks=slot_ranks)
+
+
+def stream_reason(x, rank: int, num_slices: int) -> str | None:
+    """Why the streamed shrink can't take the call (None: it can)."""
+    from kernels_dsl import shrink_stream
+
+    if arch_of(x) != "sm_90a":
+        return f"the streamed shrink needs an sm_90a GPU (have {arch_of(x) or x.device})"
+    if rank not in shrink_stream.RANKS or not 1 <= num_slices <= 4:
+        return f"rank {rank} / {num_slices} slices not compiled"
+    return None
+
+
+def _hybrid_stream_path(x, w_q, w_scale, a, b, meta, rank, out, slot_ranks, par: bool):
+    """The hybrid path with the streamed shrink (v0.88): the quantization kernel's codes (the ones
+    K1 wrote, bit for bit) feed the vendor GEMM, the shrink (kernels_dsl/shrink_stream.py) computes
+    h without quantizing, then our expand-add. ``par``: the shrink on the second stream beside the
+    quantization + GEMM (hybrid_par's fork / join), else after the GEMM on the caller's stream.
+    Why: at prefill sizes K1 runs at 4-8x its bytes' floor (docs/perf.md v0.88), and on hybrid_par
+    its codes were a scratch copy nobody read."""
+    from kernels_dsl.shrink_stream import stream_shrink
+
+    from .launch_plans import expand_add
+
+    m = x.shape[0]
+    dev = x.device
+    h = torch.empty((len(a), m, rank), dtype=hybrid_h_dtype(), device=dev)  # before the fork (see hybrid_par)
+    if par:
+        main = torch.cuda.current_stream(dev)
+        side = _side_stream(dev)
+        side.wait_stream(main)  # x, the metadata and the buffers are ready
+        with torch.cuda.stream(side):
+            stream_shrink(x, a, meta, h, slot_ranks)
+    codes, scales = quantize_fp8_per_token(x)
+    vendor_fp8_gemm(codes, scales, w_q, w_scale, out=out)
+    if par:
+        main.wait_stream(side)  # the join: h is complete before expand-add reads it
+    else:
+        stream_shrink(x, a, meta, h, slot_ranks)
     return expand_add(out, h, b, meta, slot_ranks=slot_ranks)
 
 

@@ -178,15 +178,35 @@ def test_prefill_is_a_candidate_where_it_applies_and_only_opted_in(monkeypatch):
     monkeypatch.delenv("EPILORA_PREFILL_PATH", raising=False)
     monkeypatch.setattr(d, "VERIFIED_PATHS", SHIPPED_VERIFIED)
     H = ("hybrid", "hybrid_par", "hybrid_par_q")
+    monkeypatch.delenv("EPILORA_HYBRID_STREAM_PATH", raising=False)
+    ST = ("hybrid_st", "hybrid_par_st")
     big = call(tokens=2048, decode_reason="2048 tokens", prefill_reason=None)
-    assert d.applicable_paths(big) == (*H, "prefill", "triton")
-    assert d.applicable_paths(call(tokens=2048, decode_reason="2048 tokens")) == (*H, "triton")  # not described
+    assert d.applicable_paths(big) == (*H, *ST, "prefill", "triton")
+    assert d.applicable_paths(call(tokens=2048, decode_reason="2048 tokens")) == (*H, *ST, "triton")  # not described
     # Not GPU-verified through the op yet: out unless opted in, and "0" keeps it out again.
     assert "prefill" not in d.VERIFIED_PATHS and d.OPT_IN_ENV["prefill"] == "EPILORA_PREFILL_PATH"
     assert "prefill" not in d._allowed(d.applicable_paths(big))
     monkeypatch.setenv("EPILORA_PREFILL_PATH", "1")
     assert d._allowed(d.applicable_paths(big)) == (*H, "prefill", "triton")
     assert d.DEFAULT_ORDER.index("prefill") > d.DEFAULT_ORDER.index("hybrid_par_q")
+
+
+def test_stream_paths_apply_from_their_token_count_and_only_opted_in(monkeypatch):
+    """v0.88's hybrid_st / hybrid_par_st: sm_90a, from STREAM_MIN_TOKENS tokens, compiled ranks;
+    not GPU-verified yet, so in only with EPILORA_HYBRID_STREAM_PATH=1."""
+    monkeypatch.delenv("EPILORA_HYBRID_PAR_PATH")
+    monkeypatch.delenv("EPILORA_HYBRID_STREAM_PATH", raising=False)
+    monkeypatch.setattr(d, "VERIFIED_PATHS", SHIPPED_VERIFIED)
+    ST = ("hybrid_st", "hybrid_par_st")
+    at = lambda **kw: d.applicable_paths(call(decode_reason="many tokens", **kw))  # noqa: E731
+    assert all(p in at(tokens=d.STREAM_MIN_TOKENS) for p in ST)
+    assert not any(p in at(tokens=d.STREAM_MIN_TOKENS - 1) for p in ST)
+    assert not any(p in at(tokens=4096, rank=48) for p in ST)  # no build of that rank
+    assert not any(p in at(tokens=4096, arch=None) for p in ST)
+    assert "hybrid_st" not in d.VERIFIED_PATHS and not any(p in d._allowed(at(tokens=4096)) for p in ST)
+    monkeypatch.setenv("EPILORA_HYBRID_STREAM_PATH", "1")
+    assert all(p in d._allowed(at(tokens=4096)) for p in ST)
+    assert d.DEFAULT_ORDER.index("hybrid_par_st") > d.DEFAULT_ORDER.index("hybrid_par_q")
 
 
 def test_describe_asks_the_prefill_reason_only_when_it_could_be_a_candidate(monkeypatch):

@@ -322,6 +322,81 @@ def test_hybrid_par_in_a_cuda_graph_with_new_inputs(path):
         assert torch.equal(out, ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="hybrid"))
 
 
+@pytest.mark.parametrize("m", [1, 33, 1024, 2048, 4100])
+@pytest.mark.parametrize("proj", list(QWEN3_8B))
+def test_stream_paths_match_reference(proj, m):
+    """v0.88: the hybrid paths with the streamed shrink (quantization kernel + vendor GEMM, the
+    streamed shrink, expand-add), serial and on the second stream, into a poisoned output: the
+    two bit for bit each other (same codes, GEMM and h) and the reference within tolerance."""
+    widths, k = QWEN3_8B[proj]
+    x, wq, ws, a, b, mapping = _case(widths, k, m, seed=m + 61)
+    meta = build_meta(mapping, 4)
+    ys = []
+    for path in ops.STREAM_PATHS:
+        out = torch.full((m, sum(widths)), float("nan"), dtype=torch.bfloat16, device="cuda")
+        ys.append(ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path=path))
+        assert ys[-1].data_ptr() == out.data_ptr()
+    torch.cuda.synchronize()
+    assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16))
+    assert _rel_err(ys[0], _reference(x, wq, ws, a, b, mapping)) < 1e-2
+
+
+@pytest.mark.parametrize("path", ["hybrid_st", "hybrid_par_st"])
+def test_stream_paths_mixed_ranks_and_many_adapters(path):
+    """32 adapter slots, effective ranks 0 / 16 / 40 / 64 (slot_ranks), tokens without adapter."""
+    widths, k = QWEN3_8B["gate_up"]
+    m = 2048
+    x, wq, ws, a, b, mapping = _case(widths, k, m, loras=32, adapters=32, seed=71)
+    ranks = torch.tensor([(0, 16, 40, 64)[i % 4] for i in range(32)], dtype=torch.int32, device="cuda")
+    for t in (*a, *b):  # work beyond a slot's rank is skipped: the buffers are zero there, as vLLM pads
+        for lid, r in enumerate(ranks.tolist()):
+            if t.shape[-2] == 64 and t.shape[-1] == k:
+                t[lid, :, r:] = 0
+            else:
+                t[lid, :, :, r:] = 0
+    meta = build_meta(mapping, 32)
+    out = torch.full((m, sum(widths)), float("nan"), dtype=torch.bfloat16, device="cuda")
+    y = ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, slot_ranks=ranks, path=path)
+    assert _rel_err(y, _reference(x, wq, ws, a, b, mapping)) < 1e-2
+
+
+def test_stream_par_in_a_cuda_graph_with_new_inputs():
+    """hybrid_par_st's fork / join captured as two branches: replays with new x and a new adapter
+    mapping give the eager serial path's y bit for bit."""
+    widths, k = QWEN3_8B["qkv"]
+    m = 1024
+    x, wq, ws, a, b, mapping = _case(widths, k, m, seed=81)
+    meta = build_meta(mapping, 4, m)
+    out = torch.empty(m, sum(widths), dtype=torch.bfloat16, device="cuda")
+    ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path="hybrid_par_st")  # load modules eagerly
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path="hybrid_par_st")
+    for seed in (82, 83):
+        x2, _, _, _, _, mapping2 = _case(widths, k, m, seed=seed)
+        x.copy_(x2)
+        meta.prepare(mapping2)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="hybrid_st"))
+
+
+def test_stream_paths_without_adapters_are_vllms_fp8_path():
+    widths, k = QWEN3_8B["qkv"]
+    m = 2048
+    x, wq, ws, a, b, _ = _case(widths, k, m, seed=91)
+    meta = build_meta(torch.full((m,), -1, dtype=torch.int32, device="cuda"), 4)
+    want = ops.base_linear_fp8(x, wq, ws)
+    for path in ops.STREAM_PATHS:
+        # not known on the host: the kernels run over zero adapters (h = 0, nothing added)
+        assert torch.equal(ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path), want)
+    meta.host_num_adapters = 0  # vLLM's no-LoRA flag: vLLM's FP8 path, no shrink or expand-add
+    for path in ops.STREAM_PATHS:
+        assert torch.equal(ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path), want)
+
+
 @pytest.mark.parametrize("path", ["hybrid", "hybrid_par", "hybrid_par_q"])
 @pytest.mark.parametrize("m", [1, 64, 300])
 @pytest.mark.parametrize("proj", ["qkv", "down"])

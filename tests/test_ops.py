@@ -94,7 +94,7 @@ def test_plugin_hooks():
     assert "multiple of 8" in ops.lora_linear_fp8_unsupported(6144, 4100, 64, 3)
 
 
-@pytest.mark.parametrize("path", ["hybrid", "hybrid_par", "hybrid_par_q"])
+@pytest.mark.parametrize("path", ["hybrid", "hybrid_par", "hybrid_par_q", "hybrid_st", "hybrid_par_st"])
 def test_hybrid_paths_need_a_gpu(path):
     x, wq, ws, a, b, meta, _ = _linear_case()
     with pytest.raises(ValueError, match=f"path='{path}' does not apply"):
@@ -184,16 +184,11 @@ def test_hybrid_paths_hand_h_of_the_chosen_dtype_to_the_expand_add(monkeypatch, 
     assert seen["k1"].dtype == {"fp32": torch.float32, "bf16": torch.bfloat16}[env]
 
 
-@pytest.mark.parametrize("quant_first", [False, True])
-def test_hybrid_par_launch_order(monkeypatch, quant_first):
-    """hybrid_par: the side branch (K1) forks from the caller's stream before the quantization;
-    hybrid_par_q (v0.58): after it, K1 issued after the GEMM; expand-add waits for the join either
-    way. Fake streams and events record what each stream was asked to do, in order."""
+def _fake_streams(monkeypatch, log: list) -> list:
+    """Fake CUDA streams and events that record what each stream was asked to do, in order, as
+    (stream, action[, at]) entries of ``log``; returns the stack whose top is the current stream.
+    The quantization and the vendor GEMM are faked to log themselves too."""
     import contextlib
-
-    from kernels_dsl import expand_add, k1_shrink
-
-    log = []
 
     class FakeStream:
         def __init__(self, name):
@@ -227,6 +222,18 @@ def test_hybrid_par_launch_order(monkeypatch, quant_first):
                         reference.quantize_fp8_per_token(x))
     monkeypatch.setattr(ops, "vendor_fp8_gemm", lambda codes, scales, w_q, w_scale, out=None:
                         log.append((current[-1].name, "gemm")) or out)
+    return current
+
+
+@pytest.mark.parametrize("quant_first", [False, True])
+def test_hybrid_par_launch_order(monkeypatch, quant_first):
+    """hybrid_par: the side branch (K1) forks from the caller's stream before the quantization;
+    hybrid_par_q (v0.58): after it, K1 issued after the GEMM; expand-add waits for the join either
+    way."""
+    from kernels_dsl import expand_add, k1_shrink
+
+    log = []
+    current = _fake_streams(monkeypatch, log)
     monkeypatch.setattr(k1_shrink, "k1_quant_shrink", lambda x, a, meta, codes, scales, h, slot_ranks=None:
                         log.append((current[-1].name, "k1")))
     monkeypatch.setattr(expand_add, "expand_add", lambda out, h, b, meta, slot_ranks=None:
@@ -240,6 +247,36 @@ def test_hybrid_par_launch_order(monkeypatch, quant_first):
     else:
         assert log == [("side", "wait", "main@now"), ("side", "k1"), ("main", "quant"), ("main", "gemm"),
                        ("main", "wait", "side@now"), ("main", "expand")]
+
+
+@pytest.mark.parametrize("env", ["fp32", "bf16"])
+@pytest.mark.parametrize("par", [False, True])
+def test_stream_paths_launch_order_and_h(monkeypatch, par, env):
+    """hybrid_par_st (v0.88): the streamed shrink forks onto the side stream before the
+    quantization + GEMM, expand-add after the join; hybrid_st: all on the caller's stream, the
+    shrink after the GEMM. Either way one h of EPILORA_HYBRID_H's dtype goes from the shrink to
+    the expand-add, and no K1 runs."""
+    from kernels_dsl import expand_add, k1_shrink, shrink_stream
+
+    monkeypatch.setenv(ops.HYBRID_H_ENV, env)
+    log, seen = [], {}
+    current = _fake_streams(monkeypatch, log)
+    monkeypatch.setattr(shrink_stream, "stream_shrink", lambda x, a, meta, h, slot_ranks=None:
+                        log.append((current[-1].name, "shrink")) or seen.setdefault("shrink", h))
+    monkeypatch.setattr(k1_shrink, "k1_quant_shrink", lambda *a, **k: log.append(("?", "k1")))
+    monkeypatch.setattr(expand_add, "expand_add", lambda out, h, b, meta, slot_ranks=None:
+                        log.append((current[-1].name, "expand")) or seen.setdefault("expand", h) is None or out)
+    x, wq, ws, a, b, meta, _ = _linear_case()
+    out = torch.empty(x.shape[0], wq.shape[0], dtype=torch.bfloat16)
+    ops._hybrid_stream_path(x, wq, ws, a, b, meta, a[0].shape[-2], out, None, par=par)
+    if par:
+        assert log == [("side", "wait", "main@now"), ("side", "shrink"), ("main", "quant"), ("main", "gemm"),
+                       ("main", "wait", "side@now"), ("main", "expand")]
+    else:
+        assert log == [("main", "quant"), ("main", "gemm"), ("main", "shrink"), ("main", "expand")]
+    assert seen["shrink"] is seen["expand"]
+    assert seen["shrink"].dtype == {"fp32": torch.float32, "bf16": torch.bfloat16}[env]
+    assert tuple(seen["shrink"].shape) == (len(a), x.shape[0], a[0].shape[-2])
 
 
 @pytest.mark.parametrize("host_adapters", [None, 1])

@@ -16,6 +16,11 @@ replays with the L2 flushed before each (median, tools/gpu_timing):
   hybrid_us      the whole op, lora_linear_fp8(path="hybrid") (validation + the three launches), h fp32
   hybrid_par_us  the same with K1 on a second stream beside the quantization + GEMM (v0.34)
   hybrid_par_q_us  hybrid_par with that branch forked after the quantization (v0.58)
+  hybrid_st_us, hybrid_par_st_us   the hybrid paths with the streamed shrink (v0.88) in place of K1,
+                 serial / beside the quantization + GEMM (from dispatch.STREAM_MIN_TOKENS tokens)
+  quant_us       our quantization kernel alone (ops.quantize_fp8_per_token: the streamed paths' codes)
+  shrink_stream_us   the streamed shrink alone (kernels_dsl/shrink_stream.py), h as bf16: with
+                 quant_us, what replaces k1_hb_us on the streamed paths
   k1_hb_us, expand_add_hb_us, hybrid_hb_us, hybrid_par_hb_us, hybrid_par_q_hb_us   the same with h
                  stored / read as bf16 (v0.71: K1's h_bf16 builds, the op under EPILORA_HYBRID_H=bf16)
   k1_z1_us, expand_add_z1_us     the same kernels with the group split (grid z) forced to 1: the
@@ -61,11 +66,14 @@ from tools.bench_decode import QWEN3_8B, LayerCase, Projection  # noqa: E402
 from tools.bench_prefill import max_loras_for, tokens_and_adapters  # noqa: E402
 from tools.gpu_timing import read_bandwidth_gbs, time_graph  # noqa: E402
 
+from epilora_cute.dispatch import STREAM_MIN_TOKENS  # noqa: E402
+
 RANK = 64
 TOKENS = (32, 256, 2048)
 ADAPTERS = (1, 32)
 STAGES = ("k1", "gemm", "expand_add", "hybrid", "hybrid_par", "hybrid_par_q")
 HYBRID_PATHS = ("hybrid", "hybrid_par", "hybrid_par_q")
+STREAM_PATHS = ("hybrid_st", "hybrid_par_st")  # v0.88, timed from dispatch.STREAM_MIN_TOKENS tokens
 ZSWEEP = (2, 4, 8, 16, 32, 64)
 ZSWEEP_ENV = "EPILORA_BENCH_ZSWEEP"
 K1SWEEP_ENV = "EPILORA_BENCH_K1SWEEP"  # "1": also K1 / expand-add under their sweep_configs
@@ -188,6 +196,12 @@ class HybridStages:
                # the whole op, per path, with fp32 h, then with bf16 h (the default since v0.78)
                **{path: op(path, "fp32") for path in HYBRID_PATHS},
                **{f"{path}_hb": op(path, "bf16") for path in HYBRID_PATHS}}
+        if c.m >= STREAM_MIN_TOKENS:  # v0.88: the streamed shrink and its paths (bf16 h, their default)
+            from kernels_dsl.shrink_stream import stream_shrink
+
+            fns["quant"] = lambda: ops.quantize_fp8_per_token(c.x, self.codes, self.scales)
+            fns["shrink_stream"] = lambda: stream_shrink(c.x, c.lora_a, c.meta, self.h_bf16)
+            fns.update({path: op(path, "bf16") for path in STREAM_PATHS})
         k1_sweep, ea_sweep = _sweeps()
         if k1_sweep:
             from kernels_dsl import k1_shrink as k1mod
