@@ -22,7 +22,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, race, race-tests, race-rest, tt, tt-diag, layer-parts, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
+mode=${1:?record, tests, race, race-tests, race-rest, stream, tt, tt-diag, layer-parts, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -179,6 +179,22 @@ case $mode in
       2>&1 | tail -3 | tee "$OUT/tests_prefill_op.log"
     timeout -s KILL 400 python3 tools/gpu_record.py --out "$OUT" --suite rest --file-timeout 290 \
       --time-limit 380 --bench-sections none 2>&1 | tail -20
+    ;;
+  stream)
+    # perf.md v0.88 (carry the slim cache with the streamed shrink at every rank, and .devvllm/2
+    # after call A): its GPU file, the op's stream paths, then hybrid_stages (K1 beside the
+    # quantization + streamed shrink, every hybrid form) and the prefill section's whole-layer rows.
+    unpack_vllm
+    timeout -s KILL 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_shrink_stream.py \
+      2>&1 | tail -3 | tee "$OUT/tests_stream.log"
+    timeout -s KILL 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_lora_linear_gpu.py -k stream \
+      2>&1 | tail -3 | tee -a "$OUT/tests_stream.log"
+    EPILORA_BENCH_TOKENS=${STREAM_TOKENS:-1024,2048,8192,16384} EPILORA_BENCH_ADAPTERS=1,8 timeout -s KILL 170 \
+      python3 tools/bench.py --sections hybrid_stages --out "$OUT/hs" 2>&1 | grep -E "layer|ERROR" | cut -c1-700
+    EPILORA_BENCH_TOKENS=${STREAM_TOKENS:-1024,2048,8192,16384} EPILORA_BENCH_ADAPTERS=1,8 \
+      EPILORA_BENCH_OURS=hybrid,hybrid_par,hybrid_st,hybrid_par_st,auto EPILORA_HYBRID_STREAM_PATH=1 \
+      timeout -s KILL 110 python3 tools/bench.py --sections prefill --out "$OUT/prefill" 2>&1 | grep -E "^prefill M" | cut -c1-700
+    (cd "$OUT" && for d in hs prefill; do [[ -d $d ]] && tar czf $d.tgz $d && rm -rf $d; done)
     ;;
   tests-rest)
     # Suite "rest": the prefill K2 (~180 s on an H100, run33), the L2 prefetch, the metadata kernel.
