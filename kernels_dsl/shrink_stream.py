@@ -7,12 +7,16 @@ bounds a CTA to 16-64 rows and an eighth of K, so at 2048-16384 tokens every CTA
 (load, a few k-blocks, cluster barrier, reduction, quantization) and each row tile re-reads the whole
 A from L2 per 16-64 rows: K1 runs at 4-8x its bytes' floor there (run30: qkv 161 us at 8192 tokens
 for a 24 us floor). Here a CTA owns BM = 64 or 128 adapter-sorted rows and one slice, and streams
-all of K through a cp.async ring (the x rows gathered by token index, the group's A k-block beside
-them), one WGMMA per k16 step with the tokens on M and the rank on N; no split-K, so h is written
-once by one CTA in a fixed order (deterministic) and there is nothing to reduce.
+its K range through a cp.async ring (the x rows gathered by token index, the group's A k-block
+beside them), one WGMMA per k16 step with the tokens on M and the rank on N.
 
-One launch, grid (row tiles * S, 1, 1), x = tile * S + slice (a tile's slice CTAs are neighbours in
-the launch order: the second and third read x from L2). A tile's rows are sorted by adapter, so
+One launch, grid (row tiles * S, splits, 1), x = tile * S + slice (a tile's slice CTAs are neighbours
+in the launch order: the second and third read x from L2), cluster (1, splits, 1): where the row
+tiles alone leave SMs idle (run40 on an H100: one CTA streams ~40 GB/s, so 32 tiles at 2048 tokens
+took as long as 1024 at 8192 per tile), the splits CTAs of a cluster own disjoint K ranges, put
+their fp32 partials in shared memory (over the drained ring) and, after a cluster barrier, each
+sums a share of the elements over the cluster in the fixed order split 0..n-1 (DSMEM loads) and
+stores it: deterministic, no workspace, no atomics. A tile's rows are sorted by adapter, so
 at prefill sizes it meets one group, at a group boundary two: the CTA walks its groups and streams
 K once per group, loading only that group's rows (other rows' copies read nothing and zero-fill),
 and stores only the group's rows of the product. Rows of the no-adapter group get zeros (no
@@ -99,8 +103,20 @@ class Config:
         return _align(off, 1024)
 
 
+    @property
+    def partial_fits(self) -> bool:
+        """Whether the split-K partial [bm, RP + P_PAD] fp32 fits over the ring (x's then A's,
+        contiguous): split-K is launched only where it does."""
+        ring = _align(self.bm * BK * self.stages * 2, 1024) + self.rank_pad * BK * self.stages * 2
+        return self.bm * (self.rank_pad + P_PAD) * 4 <= ring
+
+
 def _align(x: int, a: int) -> int:
     return (x + a - 1) // a * a
+
+
+P_PAD = 4  # fp32 words of padding per row of the split-K partial (bank conflicts of the stores)
+MAX_SPLITS = 8  # portable cluster size
 
 
 SMEM_LIMIT = 227 * 1024
@@ -164,7 +180,7 @@ if cute is not None:
             self.smem_size = Storage.size_in_bytes()
             self.kernel(x, h, tok, row_group, active, start_loc, slot_ranks, a_bufs, has_ranks,
                         sX_layout, sA_layout).launch(
-                grid=(1, 1, 1), block=(self.NT, 1, 1), smem=self.cfg.smem_bytes, stream=stream)
+                grid=(1, 1, 1), block=(self.NT, 1, 1), cluster=(1, 1, 1), smem=self.cfg.smem_bytes, stream=stream)
 
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mH: cute.Tensor, mTok: cute.Tensor, mRowGroup: cute.Tensor,
@@ -182,12 +198,21 @@ if cute is not None:
             K = cute.size(mX, mode=[1])
             r0 = tile * BM
             rows = cutlass.min(M - r0, BM)
-            nkb = (K + BK - 1) // BK
+            # this CTA's K range: ceil(k-blocks / splits) each (the host drops empty splits)
+            split = cute.arch.make_warp_uniform(cute.arch.block_in_cluster_idx()[1])
+            nsplit = cute.arch.make_warp_uniform(cute.arch.block_in_cluster_dim()[1])
+            nkb_total = (K + BK - 1) // BK
+            per = (nkb_total + nsplit - 1) // nsplit
+            kb0 = split * per
+            nkb = cutlass.max(cutlass.min(per, nkb_total - kb0), 0)
 
             st_ = _smem_allocator().allocate(self.storage)
             sX = st_.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
             sA = st_.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
             sTok = st_.sTok.get_tensor(cute.make_layout(BM))
+            # the split-K partial, over the drained ring (host: Config.partial_fits)
+            sP = cute.make_tensor(cute.recast_ptr(st_.sX.data_ptr(), dtype=cutlass.Float32),
+                                  cute.make_layout((BM, RP), stride=(RP + P_PAD, 1)))
             # raw shared addresses: the copies address their 16-byte chunks themselves
             bases = (st_.sX.data_ptr().toint(), st_.sA.data_ptr().toint())
 
@@ -222,7 +247,7 @@ if cute is not None:
                     acc.fill(0.0)
                     for p in cutlass.range_constexpr(ST - 1):
                         if p < nkb:
-                            self._issue(p, p, sl, lid, keff, lo, hi, K, mX, mAs, sTok, bases, tidx)
+                            self._issue(kb0 + p, p, sl, lid, keff, lo, hi, K, mX, mAs, sTok, bases, tidx)
                         cute.arch.cp_async_commit_group()
                     for j in cutlass.range(nkb, unroll=1):
                         cute.arch.cp_async_wait_group(ST - 2)
@@ -232,7 +257,7 @@ if cute is not None:
                         # every warpgroup finished the stage it read last iteration: refill it
                         jn = j + ST - 1
                         if jn < nkb:
-                            self._issue(jn, jn % ST, sl, lid, keff, lo, hi, K, mX, mAs, sTok, bases, tidx)
+                            self._issue(kb0 + jn, jn % ST, sl, lid, keff, lo, hi, K, mX, mAs, sTok, bases, tidx)
                         cute.arch.cp_async_commit_group()
                         st = j % ST
                         cute.nvgpu.warpgroup.fence()
@@ -240,20 +265,62 @@ if cute is not None:
                             cute.gemm(tiled_mma, acc, tCrX[(None, None, kk, st)], tCrA[(None, None, kk, st)], acc)
                         cute.nvgpu.warpgroup.commit_group()
                         cute.nvgpu.warpgroup.wait_group(0)
-                    # the group's rows of the product -> h (rows of other groups are the next pass's)
-                    for e in cutlass.range_constexpr(cute.size(acc)):
-                        rc = tCcC[e]
-                        if rc[0] >= lo and rc[0] < hi and rc[1] < R:
-                            self._store(mH, sl, sTok[rc[0]], rc[1], acc[e])
+                    if nsplit == 1:
+                        # the group's rows of the product -> h (rows of other groups are the next pass's)
+                        for e in cutlass.range_constexpr(cute.size(acc)):
+                            rc = tCcC[e]
+                            if rc[0] >= lo and rc[0] < hi and rc[1] < R:
+                                self._store(mH, sl, sTok[rc[0]], rc[1], acc[e])
+                    else:
+                        cute.arch.barrier()  # every warpgroup's WGMMAs are done with the ring
+                        for e in cutlass.range_constexpr(cute.size(acc)):
+                            rc = tCcC[e]
+                            sP[rc[0], rc[1]] = acc[e]
+                        cute.arch.cluster_arrive()
+                        cute.arch.cluster_wait()
+                        self._reduce(sP, mH, sTok, sl, lo, hi, split, nsplit, tidx)
+                        # no CTA refills its ring (the next group) while others read its partial
+                        cute.arch.cluster_arrive()
+                        cute.arch.cluster_wait()
                 else:
-                    # the no-adapter group (or a rank-0 slot): zeros, nothing loaded
+                    # the no-adapter group (or a rank-0 slot): zeros, nothing loaded; the cluster's
+                    # CTAs share the rows' elements
                     n_el = (hi - lo) * R
-                    for e in cutlass.range(tidx, cutlass.max(n_el, 0), NT, unroll=1):
+                    e_lo = split * n_el // nsplit
+                    e_hi = (split + 1) * n_el // nsplit
+                    for e in cutlass.range(e_lo + tidx, e_hi, NT, unroll=1):
                         r = lo + e // R
                         self._store(mH, sl, sTok[r], e - (r - lo) * R, cutlass.Float32(0.0))
                 # the next group's prologue refills stages other warpgroups may still be reading
                 cute.arch.barrier()
             cute.arch.cp_async_wait_group(0)
+
+        @cute.jit
+        def _reduce(self, sP, mH, sTok, s, lo, hi, split, nsplit, tidx):
+            """h[s, tok, c] = the cluster's partials summed in split order 0..n-1, for the group's
+            rows [lo, hi) of the tile; this CTA stores the elements [split * E / n, (split + 1) *
+            E / n) of the E = (hi - lo) * R (every split's partial loaded first: independent DSMEM
+            loads in flight together)."""
+            R, RP, NT = self.R, self.RP, self.NT
+            n_el = (hi - lo) * R
+            e_lo = split * n_el // nsplit
+            e_hi = (split + 1) * n_el // nsplit
+            base = sP.iterator.toint()
+            for e in cutlass.range(e_lo + tidx, e_hi, NT, unroll=1):
+                r = lo + e // R
+                c = e - (r - lo) * R
+                off = base + (r * (RP + P_PAD) + c) * 4
+                part = []
+                for q in cutlass.range_constexpr(MAX_SPLITS):
+                    p_q = cutlass.Float32(0.0)
+                    if q < nsplit:
+                        p_q = D.ld_dsmem_f32(off, q)
+                    part.append(p_q)
+                v = cutlass.Float32(0.0)
+                for q in cutlass.range_constexpr(MAX_SPLITS):
+                    if q < nsplit:
+                        v = v + part[q]
+                self._store(mH, s, sTok[r], c, v)
 
         @cute.jit
         def _store(self, mH, s, t, c, v):
@@ -275,7 +342,7 @@ if cute is not None:
 
         @cute.jit
         def _issue(self, j, st, s, lid, keff, lo, hi, K, mX, mAs: tuple, sTok, bases, tidx):
-            """cp.async of k-block j into ring stage st: the group's x rows [lo, hi) of the tile
+            """cp.async of k-block j (of all of K) into ring stage st: the group's x rows [lo, hi) of the tile
             (other rows and the K tail zero-filled: a zero-byte copy reads nothing) and A_s's rows
             of slot lid below keff (the rest zero-filled). One D.cp_async_cg_16 per 16-byte chunk,
             its guard the source size, the shared address swizzled from the byte offset (both rings
@@ -367,23 +434,44 @@ def select(num_slices: int, rank: int, m: int, h_bf16: bool = True) -> Config:
 
 
 def prebuild_configs() -> list[Config]:
-    """Both row tiles of every (slices, rank) with bf16 h (the hybrid paths'), and the fp32-h twins
-    at rank 64 (the GPU tests hold them against the reference without bf16's rounding)."""
+    """Both row tiles of every (slices, rank) with bf16 h (the hybrid paths'), and their fp32-h
+    twins at 64 rows, every rank, and 128 rows at rank 64 (the GPU tests hold them against the
+    reference without bf16's rounding)."""
     cfgs = {_ring(r, s, bm, True) for s in SLICE_COUNTS for r in RANKS for bm in BMS}
-    cfgs |= {_ring(64, s, bm, False) for s in SLICE_COUNTS for bm in BMS}
+    cfgs |= {_ring(r, s, 64, False) for s in SLICE_COUNTS for r in RANKS}
+    cfgs |= {_ring(64, s, 128, False) for s in SLICE_COUNTS}
     return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.stages, c.h_bf16))
 
 
-def grid(m: int, cfg: Config) -> tuple[int, int, int]:
-    return (-(-m // cfg.bm) * cfg.num_slices, 1, 1)
+TARGET_CTAS = 2 * SM_COUNT  # two CTAs per SM: the ring keeps two resident
+MIN_SPLIT_KBLOCKS = 8  # a split streams at least this many k-blocks (its ring's fill is per split)
+
+
+def choose_splits(m: int, k: int, cfg: Config) -> int:
+    """Cluster size along K: 1 where the row tiles x slices fill TARGET_CTAS, else enough splits
+    to (up to MAX_SPLITS, >= MIN_SPLIT_KBLOCKS k-blocks each, and only where the partial fits over
+    the ring), with empty splits dropped (ceil(nkb / s) each)."""
+    if not cfg.partial_fits:
+        return 1
+    nkb = -(-k // BK)
+    tiles = -(-m // cfg.bm) * cfg.num_slices
+    s = max(1, min(MAX_SPLITS, -(-TARGET_CTAS // max(tiles, 1)), nkb // MIN_SPLIT_KBLOCKS))
+    return -(-nkb // -(-nkb // s))
+
+
+def grid(m: int, k: int, cfg: Config, splits: int | None = None) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(grid, cluster) of a launch: (row tiles * slices, splits, 1), cluster (1, splits, 1)."""
+    s = splits or choose_splits(m, k, cfg)
+    return (-(-m // cfg.bm) * cfg.num_slices, s, 1), (1, s, 1)
 
 
 def stream_shrink(x: torch.Tensor, lora_a_slices, meta, h: torch.Tensor | None = None,
                   slot_ranks: torch.Tensor | None = None, *, config: Config | None = None,
-                  h_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """One launch: h [S, M, R] = x . A_s[slot]^T per slice, fp32 sums over all of K in k-block
-    order, stored as h_dtype (bf16: rounded to nearest even); zeros for tokens without an adapter
-    and beyond a slot's effective rank (slot_ranks rounded up to 16). Returns h.
+                  splits: int | None = None, h_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """One launch: h [S, M, R] = x . A_s[slot]^T per slice, fp32 sums in k-block order within each
+    split's K range and over the splits in split order, stored as h_dtype (bf16: rounded to nearest
+    even); zeros for tokens without an adapter and beyond a slot's effective rank (slot_ranks
+    rounded up to 16). splits: force the cluster size along K (default choose_splits). Returns h.
 
     x: [M, K] bf16, K a multiple of 8, unit column stride, row stride a multiple of 8, 16-byte
         aligned. lora_a_slices: S (1..4) tensors [max_loras, 1, R, K] (or [max_loras, R, K]) bf16,
@@ -409,16 +497,20 @@ def stream_shrink(x: torch.Tensor, lora_a_slices, meta, h: torch.Tensor | None =
     if cfg.h_bf16 != h_bf16:
         raise ValueError(f"config {cfg.name()} writes h as {'bfloat16' if cfg.h_bf16 else 'float32'}, "
                          f"the given h is {h.dtype}")
+    if splits is not None and not (1 <= splits <= MAX_SPLITS and (splits == 1 or cfg.partial_fits)):
+        raise ValueError(f"splits must be 1..{MAX_SPLITS} (only 1 for {cfg.name()}: its split-K partial "
+                         "does not fit over its ring)")
     if M == 0:
         return h
     arch = arch_of(x)
     if arch != "sm_90a":
         raise ValueError(f"stream_shrink needs an sm_90a GPU (have {arch or x.device}; the reference on the CPU)")
     ranks = slot_ranks if slot_ranks is not None else meta.active_lora_ids  # never read when has_ranks = 0
+    g, cl = grid(M, K, cfg, splits)
     kernel = get_kernel(sys.modules[__name__], cfg, arch)
     kernel(x, h, meta.token_indices_sorted_by_lora_ids, meta.row_group, meta.active_lora_ids,
            meta.lora_token_start_loc, ranks, *[a.reshape(L * R, K) for a in as_],
-           1 if slot_ranks is not None else 0, grid=grid(M, cfg), smem=cfg.smem_bytes)
+           1 if slot_ranks is not None else 0, grid=g, cluster=cl, smem=cfg.smem_bytes)
     return h
 
 
@@ -438,11 +530,11 @@ def _output(x: torch.Tensor, num_slices: int, rank: int, h, h_dtype: torch.dtype
 
 
 def emulate(x: torch.Tensor, lora_a_slices, meta, slot_ranks=None, config: Config | None = None,
-            h_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+            splits: int | None = None, h_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Pure-torch model of the kernel (CPU): sorted BM-row tiles, each tile's groups walked in
-    order, a group's rows of the tile times its slot's A rows below the effective rank (fp32 over
-    all of K), stored for the group's rows only; rows no CTA stores stay NaN, so a gap in the tile
-    walk shows. Returns h [S, M, R] as h_dtype."""
+    order, a group's rows of the tile times its slot's A rows below the effective rank (fp32 per
+    split's K range, summed in split order), stored for the group's rows only; rows no CTA stores
+    stay NaN, so a gap in the tile walk shows. Returns h [S, M, R] as h_dtype."""
     from .k1_shrink import as_3d
 
     as_ = [as_3d(a, "a") for a in (lora_a_slices if isinstance(lora_a_slices, (list, tuple)) else [lora_a_slices])]
@@ -450,6 +542,10 @@ def emulate(x: torch.Tensor, lora_a_slices, meta, slot_ranks=None, config: Confi
     L, R, _ = as_[0].shape
     S = len(as_)
     cfg = config or select(S, R, max(M, 1), h_dtype == torch.bfloat16)
+    nsplit = splits or choose_splits(M, K, cfg)
+    nkb = -(-K // BK)
+    per = -(-nkb // nsplit)
+    ranges = [(min(q * per * BK, K), min((q + 1) * per * BK, K)) for q in range(nsplit)]
     tok = meta.token_indices_sorted_by_lora_ids[:M].long()
     rg, act, start = meta.row_group[:M], meta.active_lora_ids, meta.lora_token_start_loc
     xf = x.float()
@@ -464,7 +560,8 @@ def emulate(x: torch.Tensor, lora_a_slices, meta, slot_ranks=None, config: Confi
             t = tok[r0 + lo:r0 + hi]
             for s in range(S):
                 out = torch.zeros(hi - lo, R)
-                if keff:
-                    out[:, :keff] = xf[t] @ as_[s][lid, :keff].float().t()
+                for k_lo, k_hi in ranges:  # split order
+                    if keff and k_hi > k_lo:
+                        out[:, :keff] = out[:, :keff] + xf[t, k_lo:k_hi] @ as_[s][lid, :keff, k_lo:k_hi].float().t()
                 h[s, t] = out
     return h.to(h_dtype)

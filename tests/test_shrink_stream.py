@@ -43,21 +43,22 @@ FAST = [
 # ---------------------------------------------------------------------------------------------
 
 EMU_CASES = [
-    # M, adapters, rank, K, slices, slot ranks?, bm
-    (33, 1, 16, 1024, 1, False, 64),
-    (101, 8, 64, 1040, 3, False, 64),  # K tail of 16 inside the last k-block
-    (257, 32, 64, 520, 2, True, 128),  # a tile meets many groups
-    (599, 8, 128, 2048, 4, True, 128),
-    (300, 3, 8, 3696, 1, True, 64),  # Qwen2.5-72B down at TP 8: K % 64 == 48
+    # M, adapters, rank, K, slices, slot ranks?, bm, splits (None: the launch rule)
+    (33, 1, 16, 1024, 1, False, 64, None),
+    (101, 8, 64, 1040, 3, False, 64, 3),  # K tail of 16 inside the last k-block
+    (257, 32, 64, 520, 2, True, 128, 1),  # a tile meets many groups
+    (599, 8, 128, 2048, 4, True, 128, 8),
+    (300, 3, 8, 3696, 1, True, 64, 7),  # Qwen2.5-72B down at TP 8: K % 64 == 48
+    (70, 4, 32, 576, 2, True, 64, 8),  # 9 k-blocks in 8 splits: ceil -> 5 of 2 (the last one empty)
 ]
 
 
-@pytest.mark.parametrize("M,L,R,K,S,ranked,bm", EMU_CASES, ids=lambda v: str(v))
-def test_emulation_matches_reference(M, L, R, K, S, ranked, bm):
+@pytest.mark.parametrize("M,L,R,K,S,ranked,bm,splits", EMU_CASES, ids=lambda v: str(v))
+def test_emulation_matches_reference(M, L, R, K, S, ranked, bm, splits):
     slot_ranks = torch.tensor([(R, R // 2, 0, 1)[i % 4] for i in range(L)], dtype=torch.int32) if ranked else None
     case = make_case(M, L, R, K, S, seed=M + L, slot_ranks=slot_ranks, specials=True)
     cfg = SS._ring(R, S, bm, False)
-    h = SS.emulate(case["x"], case["As"], case["meta"], slot_ranks, config=cfg, h_dtype=torch.float32)
+    h = SS.emulate(case["x"], case["As"], case["meta"], slot_ranks, config=cfg, splits=splits, h_dtype=torch.float32)
     assert not h.isnan().any(), "a row no CTA stores"
     assert_h_close(h, grouped_h(case["x"], case["As"], case["ids"]), K)
 
@@ -78,6 +79,28 @@ def test_select_rows_per_cta():
     assert SS.select(1, 64, 16897).bm == 128
     with pytest.raises(ValueError, match="rank 12"):
         SS.select(1, 12, 100)
+
+
+def test_choose_splits():
+    """Splits fill ~two CTAs per SM where the row tiles do not, <= 8 (a portable cluster), >= 8
+    k-blocks each, none empty, and none where the partial does not fit over the ring."""
+    sel = lambda s, m: SS.select(s, 64, m)  # noqa: E731
+    assert SS.choose_splits(2048, 4096, sel(1, 2048)) == 8  # o: 32 tiles
+    assert SS.choose_splits(2048, 4096, sel(3, 2048)) == 3  # qkv: 96 CTAs -> 288
+    assert SS.choose_splits(16384, 4096, sel(3, 16384)) == 1  # 384 CTAs
+    assert SS.choose_splits(64, 256, sel(1, 64)) == 1  # 4 k-blocks: under one split's minimum
+    assert SS.choose_splits(64, 576, sel(1, 64)) == 1  # 9 k-blocks
+    assert SS.choose_splits(64, 4160, sel(1, 64)) == 8  # 65 k-blocks: 8 splits of 9 (the last 2)
+    big = SS._ring(256, 1, 128, True)
+    assert not big.partial_fits and SS.choose_splits(2048, 4096, big) == 1
+    for cfg in SS.prebuild_configs():
+        for m in (1, 100, 2048, 8192):
+            for k in (256, 1040, 4096, 12288, 29568):
+                s = SS.choose_splits(m, k, cfg)
+                nkb = -(-k // SS.BK)
+                per = -(-nkb // s)
+                assert 1 <= s <= SS.MAX_SPLITS and (s - 1) * per < nkb, (cfg.name(), m, k, s)
+                assert s == 1 or cfg.partial_fits
 
 
 def test_rings_keep_two_ctas_per_sm():
@@ -129,14 +152,17 @@ def _cpu_case():
     (lambda c: c.update(config=SS.Config(rank=64, num_slices=2)), ValueError, "does not match"),
     (lambda c: c.update(meta=build_meta(c["ids"][:10], 4)), ValueError, "metadata"),
     (lambda c: c.update(slot_ranks=torch.ones(4)), TypeError, "int32"),
+    (lambda c: c.update(splits=9), ValueError, "splits must be"),
+    (lambda c: c.update(splits=2, As=[a.repeat(1, 1, 16, 1) for a in c["As"]], config=SS._ring(256, 2, 128, True)),
+     ValueError, "does not fit"),
     (lambda c: None, ValueError, "sm_90a"),
 ])
 def test_bad_input(mutate, exc, match):
     c = _cpu_case()
-    c.update(h=None, slot_ranks=None, config=None)
+    c.update(h=None, slot_ranks=None, config=None, splits=None)
     mutate(c)
     with pytest.raises(exc, match=match):
-        SS.stream_shrink(c["x"], c["As"], c["meta"], c["h"], c["slot_ranks"], config=c["config"])
+        SS.stream_shrink(c["x"], c["As"], c["meta"], c["h"], c["slot_ranks"], config=c["config"], splits=c["splits"])
 
 
 def test_bad_h_dtype_argument():
@@ -153,12 +179,15 @@ def test_bad_h_dtype_argument():
 def ptx_problems(ptx: str, cfg: SS.Config) -> list[str]:
     n = cfg.rank_pad
     bad = [f"missing {ins}" for ins in (f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16",
-                                        "cp.async.cg.shared.global", "fence.proxy.async.shared::cta")
+                                        "cp.async.cg.shared.global", "fence.proxy.async.shared::cta",
+                                        # the split-K sum: cluster barriers and DSMEM loads
+                                        "barrier.cluster.arrive", "barrier.cluster.wait",
+                                        "mapa.shared::cluster.u32", "ld.shared::cluster.f32")
            if ins not in ptx]
     if not re.search(r"wgmma\.wait_group\.sync\.aligned\s+0;", ptx):
         bad.append("missing wgmma.wait_group 0 (the stage is refilled after the next barrier)")
-    # no quantization, no cluster, no atomics, no spills: one CTA writes each h element once
-    bad += [f"unexpected {ins}" for ins in ("barrier.cluster", "mapa.", "griddepcontrol", "mma.sync")
+    # no quantization, no atomics, no spills: one CTA writes each h element once
+    bad += [f"unexpected {ins}" for ins in ("griddepcontrol", "mma.sync", "cvt.rn.satfinite.e4m3x2")
             if ins in ptx]
     for pat in (r"\.local\b", r"^\s*(?:@%p\d+\s+)?(?:atom|red)\."):
         if re.search(pat, ptx, re.M):
@@ -222,10 +251,10 @@ def test_gpu_matches_reference(M, L):
     slot_ranks = torch.tensor([(16, 32, 64, 0)[i % 4] if L > 1 else 64 for i in range(L)], dtype=torch.int32)
     case = make_case(M, L, R, K, S, seed=M * 3 + L, slot_ranks=slot_ranks, device="cuda", specials=True)
     want = grouped_h(case["x"], case["As"], case["ids"])
-    for bm in SS.BMS:
+    for bm, splits in ((64, None), (128, None), (64, 1), (128, 8)):
         h = _poisoned(S, M, R, torch.float32)
         SS.stream_shrink(case["x"], case["As"], case["meta"], h, case["slot_ranks"],
-                         config=SS._ring(R, S, bm, False))
+                         config=SS._ring(R, S, bm, False), splits=splits)
         torch.cuda.synchronize()
         assert_h_close(h, want, K)
         assert not h[:, case["ids"] < 0].any()
@@ -242,29 +271,34 @@ def test_gpu_ranks_and_shapes(M, L, R, K, S):
     _hopper()
     case = make_case(M, L, R, K, S, seed=M + R + K, device="cuda", specials=True)
     want = grouped_h(case["x"], case["As"], case["ids"])
+    cfg32 = SS._ring(R, S, 64, False)
     h32 = _poisoned(S, M, R, torch.float32)
-    SS.stream_shrink(case["x"], case["As"], case["meta"], h32, config=SS._ring(R, S, 64, False))
-    h16 = SS.stream_shrink(case["x"], case["As"], case["meta"])
+    SS.stream_shrink(case["x"], case["As"], case["meta"], h32, config=cfg32)
+    # the bf16 build at the same tile and split: the same fp32 sums, rounded once
+    h16 = SS.stream_shrink(case["x"], case["As"], case["meta"], config=SS._ring(R, S, 64, True),
+                           splits=SS.choose_splits(M, K, cfg32))
     torch.cuda.synchronize()
     assert_h_close(h32, want, K)
     assert torch.equal(h16, h32.bfloat16())
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("splits", (1, 3, 8))
 @pytest.mark.parametrize("M", (64, 700, 8192))
-def test_gpu_row_tiles_are_bitwise_equal_and_deterministic(M):
-    """A row's h depends on its own x row and the k-block order only: 64- and 128-row tiles give
-    the same bits, and 10 runs give the same bits."""
+def test_gpu_row_tiles_are_bitwise_equal_and_deterministic(M, splits):
+    """A row's h depends on its own x row, the k-block order and the split only: 64- and 128-row
+    tiles give the same bits at one split count, and 10 runs give the same bits."""
     _hopper()
     K, S, R = 4096, 2, 64
     case = make_case(M, 8, R, K, S, seed=M, device="cuda")
     runs = []
     for i in range(10):
         cfg = SS._ring(R, S, SS.BMS[i % 2], True)
-        runs.append(SS.stream_shrink(case["x"], case["As"], case["meta"], config=cfg))
+        runs.append(SS.stream_shrink(case["x"], case["As"], case["meta"], config=cfg, splits=splits))
     torch.cuda.synchronize()
     for h in runs[1:]:
         assert torch.equal(h.view(torch.int16), runs[0].view(torch.int16))
+    assert_h_close(runs[0].float(), grouped_h(case["x"], case["As"], case["ids"]).bfloat16().float(), K * 64)
 
 
 @pytest.mark.gpu
