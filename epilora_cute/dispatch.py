@@ -76,8 +76,11 @@ MODES = ("graph", "eager")
 # prefill (v0.60's builds): not yet GPU-verified through the op (its kernels' GPU tests passed in
 # run6/run7/run15 with the serial main loop); EPILORA_PREFILL_PATH=1 lets it in. It joins here when
 # tests/test_lora_linear_gpu.py -k prefill and tests/test_k2_prefill.py pass on the H200.
+# hybrid_st / hybrid_par_st (the streamed shrink, v0.88): run40 calls 1-2 (docs/gpu_record/run40):
+# the op-level stream tests (every Qwen3-8B projection at 1..4100 tokens, bit for bit each other,
+# graphs with new inputs, mixed ranks, no adapters) and the kernel's file.
 VERIFIED_PATHS = frozenset({"triton", "decode", "decode_sq", "no_adapter", "hybrid", "hybrid_par", "hybrid_par_q",
-                            "base"})
+                            "hybrid_st", "hybrid_par_st", "base"})
 # A path's variable overrides VERIFIED_PATHS when set: "1" lets an unverified path join the
 # candidates, "0" keeps a verified one out. "no_adapter" runs K2, so it follows the decode path's.
 OPT_IN_ENV = {"decode": "EPILORA_DECODE_PATH", "decode_sq": "EPILORA_DECODE_PATH", "decode_fh": "EPILORA_DECODE_PATH",

@@ -448,13 +448,15 @@ MIN_SPLIT_KBLOCKS = 8  # a split streams at least this many k-blocks (its ring's
 
 
 def choose_splits(m: int, k: int, cfg: Config) -> int:
-    """Cluster size along K: 1 where the row tiles x slices fill TARGET_CTAS, else enough splits
-    to (up to MAX_SPLITS, >= MIN_SPLIT_KBLOCKS k-blocks each, and only where the partial fits over
-    the ring), with empty splits dropped (ceil(nkb / s) each)."""
-    if not cfg.partial_fits:
-        return 1
+    """Cluster size along K: 1 where the row tiles x slices give more than half the SMs a CTA
+    (run40 call 2, H100: splitting 96-256 CTAs lost 10-45 %: qkv at 2048 tokens 32.8 -> 41.4 µs in
+    3 splits, o at 8192 30.7 -> 43.6 in 3), else enough splits for TARGET_CTAS (there it won 13-70 %:
+    down at 2048 75.3 -> 41.5 in 8, o at 1024 29.1 -> 13.3), up to MAX_SPLITS, >= MIN_SPLIT_KBLOCKS
+    k-blocks each and only where the partial fits over the ring, empty splits dropped."""
     nkb = -(-k // BK)
     tiles = -(-m // cfg.bm) * cfg.num_slices
+    if not cfg.partial_fits or tiles > SM_COUNT // 2:
+        return 1
     s = max(1, min(MAX_SPLITS, -(-TARGET_CTAS // max(tiles, 1)), nkb // MIN_SPLIT_KBLOCKS))
     return -(-nkb // -(-nkb // s))
 

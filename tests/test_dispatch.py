@@ -142,7 +142,7 @@ def test_candidates_follow_applicability_and_opt_in(monkeypatch):
     # Verified on the H200 (run6; base: run9; decode_sq: run12): every applicable path is a
     # candidate without a variable.
     assert SHIPPED_VERIFIED == {"triton", "decode", "decode_sq", "no_adapter", "hybrid", "hybrid_par", "hybrid_par_q",
-                                "base"}
+                                "hybrid_st", "hybrid_par_st", "base"}
     monkeypatch.setattr(d, "VERIFIED_PATHS", SHIPPED_VERIFIED)
     allowed = lambda c: [p for p in d.applicable_paths(c) if d.path_allowed(p)]  # noqa: E731
     assert allowed(call(tokens=7, host_adapters=0)) == ["base", "decode", "decode_sq", "no_adapter", *H, "triton"]
@@ -187,13 +187,13 @@ def test_prefill_is_a_candidate_where_it_applies_and_only_opted_in(monkeypatch):
     assert "prefill" not in d.VERIFIED_PATHS and d.OPT_IN_ENV["prefill"] == "EPILORA_PREFILL_PATH"
     assert "prefill" not in d._allowed(d.applicable_paths(big))
     monkeypatch.setenv("EPILORA_PREFILL_PATH", "1")
-    assert d._allowed(d.applicable_paths(big)) == (*H, "prefill", "triton")
+    assert d._allowed(d.applicable_paths(big)) == (*H, *ST, "prefill", "triton")
     assert d.DEFAULT_ORDER.index("prefill") > d.DEFAULT_ORDER.index("hybrid_par_q")
 
 
 def test_stream_paths_apply_from_their_token_count_and_only_opted_in(monkeypatch):
     """v0.88's hybrid_st / hybrid_par_st: sm_90a, from STREAM_MIN_TOKENS tokens, compiled ranks;
-    not GPU-verified yet, so in only with EPILORA_HYBRID_STREAM_PATH=1."""
+    GPU-verified (run40), so in unless EPILORA_HYBRID_STREAM_PATH=0."""
     monkeypatch.delenv("EPILORA_HYBRID_PAR_PATH")
     monkeypatch.delenv("EPILORA_HYBRID_STREAM_PATH", raising=False)
     monkeypatch.setattr(d, "VERIFIED_PATHS", SHIPPED_VERIFIED)
@@ -203,9 +203,10 @@ def test_stream_paths_apply_from_their_token_count_and_only_opted_in(monkeypatch
     assert not any(p in at(tokens=d.STREAM_MIN_TOKENS - 1) for p in ST)
     assert not any(p in at(tokens=4096, rank=48) for p in ST)  # no build of that rank
     assert not any(p in at(tokens=4096, arch=None) for p in ST)
-    assert "hybrid_st" not in d.VERIFIED_PATHS and not any(p in d._allowed(at(tokens=4096)) for p in ST)
-    monkeypatch.setenv("EPILORA_HYBRID_STREAM_PATH", "1")
+    # GPU-verified in run40: candidates unless switched off
     assert all(p in d._allowed(at(tokens=4096)) for p in ST)
+    monkeypatch.setenv("EPILORA_HYBRID_STREAM_PATH", "0")
+    assert not any(p in d._allowed(at(tokens=4096)) for p in ST)
     assert d.DEFAULT_ORDER.index("hybrid_par_st") > d.DEFAULT_ORDER.index("hybrid_par_q")
 
 
