@@ -187,7 +187,7 @@ case $mode in
     unpack_vllm
     timeout -s KILL 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_shrink_stream.py \
       2>&1 | tail -12 | tee "$OUT/tests_stream.log"
-    timeout -s KILL 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_lora_linear_gpu.py -k stream \
+    timeout -s KILL 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_lora_linear_gpu.py -k "stream or hybrid_par_st" \
       2>&1 | tail -12 | tee -a "$OUT/tests_stream.log"
     EPILORA_BENCH_TOKENS=${STREAM_TOKENS:-1024,2048,8192,16384} EPILORA_BENCH_ADAPTERS=1,8 timeout -s KILL 170 \
       python3 tools/bench.py --sections hybrid_stages --out "$OUT/hs" 2>&1 | grep -E "layer|ERROR" | cut -c1-700
