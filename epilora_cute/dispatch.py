@@ -348,7 +348,7 @@ def applicable_paths(call: Call) -> tuple[str, ...]:
         paths.append("hybrid")
         paths.append("hybrid_par")
         paths.append("hybrid_par_q")
-        if call.tokens >= STREAM_MIN_TOKENS and _stream_compiled(call.rank, len(call.slices)):
+        if call.tokens >= STREAM_MIN_TOKENS and _stream_shape_reason(call.rank, len(call.slices)) is None:
             paths.append("hybrid_st")
             paths.append("hybrid_par_st")
     if call.prefill_reason is None:
@@ -357,10 +357,10 @@ def applicable_paths(call: Call) -> tuple[str, ...]:
     return tuple(paths)
 
 
-def _stream_compiled(rank: int, num_slices: int) -> bool:
-    from kernels_dsl.shrink_stream import RANKS
+def _stream_shape_reason(rank: int, num_slices: int) -> str | None:
+    from .ops import stream_shape_reason
 
-    return rank in RANKS and 1 <= num_slices <= 4
+    return stream_shape_reason(rank, num_slices)
 
 
 def _env_allows(path: str, env_value: str | None) -> bool:

@@ -634,15 +634,20 @@ def _hybrid_par_path(x, w_q, w_scale, a, b, meta, out, slot_ranks, quant_first: 
     return expand_add(out, h, b, meta, slot_ranks=slot_ranks)
 
 
-def stream_reason(x, rank: int, num_slices: int) -> str | None:
-    """Why the streamed shrink can't take the call (None: it can)."""
+def stream_shape_reason(rank: int, num_slices: int) -> str | None:
+    """Why the streamed shrink has no build for this adapter shape (None: it has)."""
     from kernels_dsl import shrink_stream
 
-    if arch_of(x) != "sm_90a":
-        return f"the streamed shrink needs an sm_90a GPU (have {arch_of(x) or x.device})"
-    if rank not in shrink_stream.RANKS or not 1 <= num_slices <= 4:
+    if rank not in shrink_stream.RANKS or num_slices not in shrink_stream.SLICE_COUNTS:
         return f"rank {rank} / {num_slices} slices not compiled"
     return None
+
+
+def stream_reason(x, rank: int, num_slices: int) -> str | None:
+    """Why the streamed shrink can't take the call (None: it can)."""
+    if arch_of(x) != "sm_90a":
+        return f"the streamed shrink needs an sm_90a GPU (have {arch_of(x) or x.device})"
+    return stream_shape_reason(rank, num_slices)
 
 
 def _hybrid_stream_path(x, w_q, w_scale, a, b, meta, rank, out, slot_ranks, par: bool):

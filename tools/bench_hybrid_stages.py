@@ -73,7 +73,6 @@ TOKENS = (32, 256, 2048)
 ADAPTERS = (1, 32)
 STAGES = ("k1", "gemm", "expand_add", "hybrid", "hybrid_par", "hybrid_par_q")
 HYBRID_PATHS = ("hybrid", "hybrid_par", "hybrid_par_q")
-STREAM_PATHS = ("hybrid_st", "hybrid_par_st")  # v0.88, timed from dispatch.STREAM_MIN_TOKENS tokens
 ZSWEEP = (2, 4, 8, 16, 32, 64)
 ZSWEEP_ENV = "EPILORA_BENCH_ZSWEEP"
 K1SWEEP_ENV = "EPILORA_BENCH_K1SWEEP"  # "1": also K1 / expand-add under their sweep_configs
@@ -201,7 +200,7 @@ class HybridStages:
 
             fns["quant"] = lambda: ops.quantize_fp8_per_token(c.x, self.codes, self.scales)
             fns["shrink_stream"] = lambda: stream_shrink(c.x, c.lora_a, c.meta, self.h_bf16)
-            fns.update({path: op(path, "bf16") for path in STREAM_PATHS})
+            fns.update({path: op(path, "bf16") for path in ops.STREAM_PATHS})
         k1_sweep, ea_sweep = _sweeps()
         if k1_sweep:
             from kernels_dsl import k1_shrink as k1mod
