@@ -93,22 +93,22 @@ class Config:
     def name(self) -> str:
         return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_st{self.stages}{'_hb' if self.h_bf16 else ''}"
 
+    @property
+    def ring_bytes(self) -> int:
+        """The x ring [bm, 64, stages] then the A ring [RP, 64, stages] bf16, contiguous (the x
+        ring 1024-aligned, as the DSL allocator places the A ring after it)."""
+        return _align(self.bm * BK * self.stages * 2, 1024) + self.rank_pad * BK * self.stages * 2
+
     @functools.cached_property  # launches ask for it on every call
     def smem_bytes(self) -> int:
-        """The x ring [bm, 64, stages] and the A ring [RP, 64, stages] bf16, the tile's token
-        indices [bm] int32, each 1024-aligned (the DSL allocator's order)."""
-        off = 0
-        for p in (self.bm * BK * self.stages * 2, self.rank_pad * BK * self.stages * 2, self.bm * 4):
-            off = _align(off, 1024) + p
-        return _align(off, 1024)
-
+        """The ring and the tile's token indices [bm] int32, 1024-aligned each."""
+        return _align(_align(self.ring_bytes, 1024) + self.bm * 4, 1024)
 
     @property
     def partial_fits(self) -> bool:
-        """Whether the split-K partial [bm, RP + P_PAD] fp32 fits over the ring (x's then A's,
-        contiguous): split-K is launched only where it does."""
-        ring = _align(self.bm * BK * self.stages * 2, 1024) + self.rank_pad * BK * self.stages * 2
-        return self.bm * (self.rank_pad + P_PAD) * 4 <= ring
+        """Whether the split-K partial [bm, RP + P_PAD] fp32 fits over the ring: split-K is
+        launched only where it does."""
+        return self.bm * (self.rank_pad + P_PAD) * 4 <= self.ring_bytes
 
 
 def _align(x: int, a: int) -> int:
@@ -117,8 +117,6 @@ def _align(x: int, a: int) -> int:
 
 P_PAD = 4  # fp32 words of padding per row of the split-K partial (bank conflicts of the stores)
 MAX_SPLITS = 8  # portable cluster size
-
-
 SMEM_LIMIT = 227 * 1024
 
 
