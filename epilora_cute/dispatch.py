@@ -88,9 +88,11 @@ OPT_IN_ENV = {"decode": "EPILORA_DECODE_PATH", "decode_sq": "EPILORA_DECODE_PATH
               "hybrid": "EPILORA_HYBRID_PATH", "hybrid_par": "EPILORA_HYBRID_PAR_PATH",
               "hybrid_par_q": "EPILORA_HYBRID_PAR_PATH", "prefill": "EPILORA_PREFILL_PATH",
               "hybrid_st": "EPILORA_HYBRID_STREAM_PATH", "hybrid_par_st": "EPILORA_HYBRID_STREAM_PATH"}
-# The streamed shrink's hybrid paths (v0.88) are candidates from this many tokens: below it K1's
-# split-K fills the GPU and the streamed shrink's row tiles would not (one CTA per 64 rows).
-STREAM_MIN_TOKENS = 1024
+# The streamed shrink's hybrid paths (v0.88) are candidates from this many tokens. v0.88 started
+# them at 1024 (one CTA per 64 rows would leave SMs idle below); its cluster split-K (v0.88b) gives
+# 2 row tiles × 3 slices 48 CTAs, so from 128 tokens they are timed against K1 (v0.89: many
+# adapters at 128..512 tokens, where K1 reads A at half its floor's speed, run32).
+STREAM_MIN_TOKENS = 128
 # What a key gets when it cannot be timed (under capture, or every candidate failed): the first of
 # these among the candidates — what "auto" took before the timed dispatch existed.
 DEFAULT_ORDER = ("base", "decode", "decode_sq", "decode_fh", "triton", "hybrid", "hybrid_par", "hybrid_par_q",

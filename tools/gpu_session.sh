@@ -189,9 +189,9 @@ case $mode in
       2>&1 | tail -12 | tee "$OUT/tests_stream.log"
     timeout -s KILL 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_lora_linear_gpu.py -k "stream or hybrid_par_st" \
       2>&1 | tail -12 | tee -a "$OUT/tests_stream.log"
-    EPILORA_BENCH_TOKENS=${STREAM_TOKENS:-1024,2048,8192,16384} EPILORA_BENCH_ADAPTERS=1,8 timeout -s KILL 170 \
+    EPILORA_BENCH_TOKENS=${STREAM_TOKENS:-1024,2048,8192,16384} EPILORA_BENCH_ADAPTERS=${STREAM_ADAPTERS:-1,8} timeout -s KILL 170 \
       python3 tools/bench.py --sections hybrid_stages --out "$OUT/hs" 2>&1 | grep -E "layer|ERROR" | cut -c1-700
-    EPILORA_BENCH_TOKENS=${STREAM_TOKENS:-1024,2048,8192,16384} EPILORA_BENCH_ADAPTERS=1,8 \
+    EPILORA_BENCH_TOKENS=${STREAM_TOKENS:-1024,2048,8192,16384} EPILORA_BENCH_ADAPTERS=${STREAM_ADAPTERS:-1,8} \
       EPILORA_BENCH_OURS=hybrid,hybrid_par,hybrid_st,hybrid_par_st,auto EPILORA_HYBRID_STREAM_PATH=1 \
       timeout -s KILL 110 python3 tools/bench.py --sections prefill --out "$OUT/prefill" 2>&1 | grep -E "^prefill M" | cut -c1-700
     (cd "$OUT" && for d in hs prefill; do [[ -d $d ]] && tar czf $d.tgz $d && rm -rf $d; done)
