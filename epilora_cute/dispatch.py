@@ -88,11 +88,11 @@ OPT_IN_ENV = {"decode": "EPILORA_DECODE_PATH", "decode_sq": "EPILORA_DECODE_PATH
               "hybrid": "EPILORA_HYBRID_PATH", "hybrid_par": "EPILORA_HYBRID_PAR_PATH",
               "hybrid_par_q": "EPILORA_HYBRID_PAR_PATH", "prefill": "EPILORA_PREFILL_PATH",
               "hybrid_st": "EPILORA_HYBRID_STREAM_PATH", "hybrid_par_st": "EPILORA_HYBRID_STREAM_PATH"}
-# The streamed shrink's hybrid paths (v0.88) are candidates from this many tokens. v0.88 started
-# them at 1024 (one CTA per 64 rows would leave SMs idle below); its cluster split-K (v0.88b) gives
-# 2 row tiles × 3 slices 48 CTAs, so from 128 tokens they are timed against K1 (v0.89: many
-# adapters at 128..512 tokens, where K1 reads A at half its floor's speed, run32).
-STREAM_MIN_TOKENS = 128
+# The streamed shrink's hybrid paths (v0.88) are candidates in the token buckets from this one
+# (a whole bucket, so that every call sharing a dispatch key has the same candidates). v0.89 measured
+# them below 1024 (run41, H100): with 8 adapters the layer −9 % at 512 tokens, ties at 256, +20 % at
+# 128; with 32 adapters slower at 128–512 (a tile meeting many groups streams K once per group).
+STREAM_MIN_TOKENS = 512
 # What a key gets when it cannot be timed (under capture, or every candidate failed): the first of
 # these among the candidates — what "auto" took before the timed dispatch existed.
 DEFAULT_ORDER = ("base", "decode", "decode_sq", "decode_fh", "triton", "hybrid", "hybrid_par", "hybrid_par_q",
@@ -329,8 +329,8 @@ def applicable_paths(call: Call) -> tuple[str, ...]:
     "no_adapter": the same as "decode", and the
     host knows no token has an adapter; "hybrid", "hybrid_par" (its K1 on a second stream beside
     the GEMM) and "hybrid_par_q" (that branch forked after the quantization): sm_90a; "hybrid_st" /
-    "hybrid_par_st" (the streamed shrink in place of K1, v0.88): sm_90a from STREAM_MIN_TOKENS
-    tokens at the ranks it is compiled for; "prefill" (K1, the
+    "hybrid_par_st" (the streamed shrink in place of K1, v0.88): sm_90a in the token buckets from
+    STREAM_MIN_TOKENS at the ranks it is compiled for; "prefill" (K1, the
     gather, the prefill K2 with the adapter in its epilogue): sm_90a at 33..16384 tokens with shapes
     its kernels take; "triton": any CUDA GPU. "reference" is
     never a candidate on a GPU. Whether a kernel can be loaded (cached or compiled here) shows when
@@ -350,7 +350,7 @@ def applicable_paths(call: Call) -> tuple[str, ...]:
         paths.append("hybrid")
         paths.append("hybrid_par")
         paths.append("hybrid_par_q")
-        if call.tokens >= STREAM_MIN_TOKENS and _stream_shape_reason(call.rank, len(call.slices)) is None:
+        if token_bucket(call.tokens) >= STREAM_MIN_TOKENS and _stream_shape_reason(call.rank, len(call.slices)) is None:
             paths.append("hybrid_st")
             paths.append("hybrid_par_st")
     if call.prefill_reason is None:

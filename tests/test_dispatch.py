@@ -192,7 +192,7 @@ def test_prefill_is_a_candidate_where_it_applies_and_only_opted_in(monkeypatch):
 
 
 def test_stream_paths_apply_from_their_token_count_and_only_opted_in(monkeypatch):
-    """v0.88's hybrid_st / hybrid_par_st: sm_90a, from STREAM_MIN_TOKENS tokens, compiled ranks;
+    """v0.88's hybrid_st / hybrid_par_st: sm_90a, token buckets from STREAM_MIN_TOKENS, compiled ranks;
     GPU-verified (run40), so in unless EPILORA_HYBRID_STREAM_PATH=0."""
     monkeypatch.delenv("EPILORA_HYBRID_PAR_PATH")
     monkeypatch.delenv("EPILORA_HYBRID_STREAM_PATH", raising=False)
@@ -200,7 +200,11 @@ def test_stream_paths_apply_from_their_token_count_and_only_opted_in(monkeypatch
     ST = ("hybrid_st", "hybrid_par_st")
     at = lambda **kw: d.applicable_paths(call(decode_reason="many tokens", **kw))  # noqa: E731
     assert all(p in at(tokens=d.STREAM_MIN_TOKENS) for p in ST)
-    assert not any(p in at(tokens=d.STREAM_MIN_TOKENS - 1) for p in ST)
+    # a whole token bucket: every call of one dispatch key has the same candidates
+    first = d.STREAM_MIN_TOKENS // 2 + 1
+    assert d.token_bucket(first) == d.STREAM_MIN_TOKENS
+    assert all(p in at(tokens=first) for p in ST)
+    assert not any(p in at(tokens=first - 1) for p in ST)
     assert not any(p in at(tokens=4096, rank=48) for p in ST)  # no build of that rank
     assert not any(p in at(tokens=4096, arch=None) for p in ST)
     # GPU-verified in run40: candidates unless switched off
