@@ -186,8 +186,18 @@ def prefill_pers(ctas: int) -> float:
     return 0.0
 
 
+def stream(_split: int) -> float:
+    """The streamed shrink (v0.88) on 130 tokens of 8 adapters with mixed ranks and no-adapter rows:
+    64- and 128-row tiles, one split and a cluster of 8 (the ring drained for the fp32 partials, the
+    DSMEM sum in split order; racecheck's case), each against the reference."""
+    from tests import test_shrink_stream as T
+
+    T.test_gpu_matches_reference(130, 8)
+    return 0.0
+
+
 CASES = {f.__name__: f for f in (k2_nolora, shrink, decode, decode_xq, decode_split2, decode_tt, decode_wide, expand,
-                                 k1, expand_hb, expand_ct, k1_hb, k1_wg, prefill_pers)}
+                                 k1, expand_hb, expand_ct, k1_hb, k1_wg, prefill_pers, stream)}
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in CASES:
