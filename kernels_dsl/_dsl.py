@@ -1,5 +1,6 @@
-"""DSL-side helpers of the decode-path kernels (K2, shrink): inline-PTX device helpers and fake
-tensors for compiling without a GPU. Imported only where nvidia-cutlass-dsl is installed.
+"""DSL-side helpers of the kernel families: inline-PTX device helpers, steps several families share
+(shared-memory allocation and layouts, a slot's rank, the split-K reduction) and fake tensors for
+compiling without a GPU. Imported only where nvidia-cutlass-dsl is installed.
 
 Everything here uses only API present in both nvidia-cutlass-dsl 4.6.0 and 4.8.x.
 """
@@ -447,6 +448,74 @@ def stamp_globaltimer(addr_i64, *, loc=None, ip=None):
 
 
 # ---------------------------------------------------------------------------------------------
+# Steps several kernel families share. They live here, not in one family's module: a family's
+# cache key hashes its own file and these shared helpers, so it must import no device code from
+# another family's file (an edit there would not rebuild it).
+# ---------------------------------------------------------------------------------------------
+
+
+def smem_allocator():
+    """A shared-memory allocator: 4.8 moved SmemAllocator to cutlass.memory (the old path warns);
+    4.6 has only cutlass.utils."""
+    mem = getattr(cutlass, "memory", None)
+    return (mem.SmemAllocator if mem is not None and hasattr(mem, "SmemAllocator") else cutlass.utils.SmemAllocator)()
+
+
+def kmajor_layout(rows: int, stages: int):
+    """bf16 [rows, 64, stages]: a ring of K-major k-blocks of 64 elements (one 128-byte swizzle row;
+    K1's and the streamed shrink's BK), 16-byte chunks swizzled over 8 rows: conflict-free for
+    ldmatrix and cp.async, and the swizzle WGMMA reads K-major operands with. The swizzle goes into
+    the smem pointer, where it acts on byte addresses: Swizzle<3,4,3> moves whole 16-byte chunks
+    (<3,3,3> would split them: misaligned stores)."""
+    atom = cute.make_composed_layout(cute.make_swizzle(3, 4, 3), 0,
+                                     cute.make_layout((8, 64), stride=(64, 1)))
+    return cute.tile_to_shape(atom, (rows, 64, stages), (0, 1, 2))
+
+
+@cute.jit
+def k_eff(lid, mRanks, has_ranks, cap):
+    """The rank an adapter group computes with, for its slot lid: 0 for the no-adapter group
+    (lid < 0); else ``cap``, or with slot_ranks (has_ranks != 0) the slot's effective rank rounded
+    up to 16, at most ``cap``. Expand-add and K1 cap it at the padded rank RP (their MMA's K / N),
+    the streamed shrink at the rank R (the A rows it loads)."""
+    k = cutlass.Int32(0)
+    if lid >= 0:
+        k = cutlass.Int32(cap)
+        if has_ranks != 0:
+            k = cutlass.min((cutlass.max(mRanks[lid], 0) + 15) // 16 * 16, cap)
+    return k
+
+
+@cute.jit
+def reduce_split_partials(sP, row_lo, row_hi, R, row_words, max_splits, split, nsplit, tidx, NT, store):
+    """The split-K sum over a cluster of nsplit CTAs, each with its fp32 partial in sP (R columns
+    of rows of row_words words, at the same shared address in every CTA), of the rows [row_lo,
+    row_hi): this CTA sums the elements [split * E / n, (split + 1) * E / n) of the
+    E = (row_hi - row_lo) * R and hands each to store(r, c, v). Every split's partial is loaded
+    first (independent DSMEM loads in flight together), then summed in split order 0..n-1: the
+    same additions, bit for bit, on every launch (K1 and the streamed shrink)."""
+    n_el = (row_hi - row_lo) * R
+    lo = split * n_el // nsplit
+    hi = (split + 1) * n_el // nsplit
+    base = sP.iterator.toint()
+    for e in cutlass.range(lo + tidx, hi, NT, unroll=1):
+        r = row_lo + e // R
+        c = e - (r - row_lo) * R
+        off = base + (r * row_words + c) * 4
+        part = []
+        for q in cutlass.range_constexpr(max_splits):
+            p_q = cutlass.Float32(0.0)
+            if q < nsplit:
+                p_q = ld_dsmem_f32(off, q)
+            part.append(p_q)
+        v = cutlass.Float32(0.0)
+        for q in cutlass.range_constexpr(max_splits):
+            if q < nsplit:
+                v = v + part[q]
+        store(r, c, v)
+
+
+# ---------------------------------------------------------------------------------------------
 # Fake tensors for cute.compile without a GPU
 # ---------------------------------------------------------------------------------------------
 
@@ -458,6 +527,15 @@ def fake_rowmajor(dtype, shape, align=16):
     n = len(shape)
     return make_fake_compact_tensor(dtype, tuple(shape), stride_order=tuple(range(n - 1, -1, -1)),
                                     assumed_align=align)
+
+
+def fake_matrix(dtype, kdiv):
+    """[M, K] fake tensor, K contiguous: M, K and the row stride run-time values, K and the row
+    stride divisible by kdiv (never promise more than every valid launch gives), 16-byte aligned."""
+    from cutlass.cute.runtime import make_fake_tensor
+
+    return make_fake_tensor(dtype, (cute.sym_int32(), cute.sym_int32(divisibility=kdiv)),
+                            stride=(cute.sym_int64(divisibility=kdiv), 1), assumed_align=16)
 
 
 def sym(div=1):

@@ -164,12 +164,6 @@ def params(config: Config) -> list:
     return p
 
 
-def _smem_allocator():
-    # 4.8 moved SmemAllocator to cutlass.memory (the old path warns); 4.6 has only cutlass.utils.
-    mem = getattr(cutlass, "memory", None)
-    return (mem.SmemAllocator if mem is not None and hasattr(mem, "SmemAllocator") else cutlass.utils.SmemAllocator)()
-
-
 if cute is not None:
 
     class _ExpandAddKernel:
@@ -296,7 +290,7 @@ if cute is not None:
                 row_lo = cutlass.max(mStart[g_first] - r0, 0)
                 row_hi = cutlass.max(cutlass.min(mStart[g_first + n_groups] - r0, rows), row_lo)
 
-                st = _smem_allocator().allocate(self.storage)
+                st = _dsl.smem_allocator().allocate(self.storage)
                 sA = st.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
                 sB = st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
                 if cutlass.const_expr(CT == 1):
@@ -408,7 +402,7 @@ if cute is not None:
             whose 16 rows miss the group issues nothing, rows of other groups are zeroed in A."""
             s2r_a, s2r_b, tXsA, tXrA, tXsB, tXrB, tCrA, tCrB, tCcA, tiled_mma, acc = frags
             lid = mActive[g]
-            keff = self._k_eff(lid, mRanks, has_ranks)
+            keff = _dsl.k_eff(lid, mRanks, has_ranks, self.RP)  # MMA K (0: nothing to do)
             lo = cutlass.max(mStart[g] - r0, 0)
             hi = cutlass.min(mStart[g + 1] - r0, rows)
             # Warp-uniform: does this warp's 16-row block meet the group?
@@ -474,23 +468,13 @@ if cute is not None:
                     cute.autovec_copy(r_o, cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc])
 
         @cute.jit
-        def _k_eff(self, lid, mRanks, has_ranks):
-            """MMA K for a slot: its effective rank rounded up to 16 (0: nothing to do)."""
-            k = cutlass.Int32(0)
-            if lid >= 0:
-                k = cutlass.Int32(self.RP)
-                if has_ranks != 0:
-                    k = cutlass.min((cutlass.max(mRanks[lid], 0) + 15) // 16 * 16, self.RP)
-            return k
-
-        @cute.jit
         def _load_b(self, g, buf, mActive, mRanks, has_ranks, mBs: tuple, sl, n_s, c0, ncols, tiled_copy_b,
                     tBsB, tBcB):
             """cp.async B_sl[lid] rows [c0, c0 + ncols), the first keff columns, into buffer buf.
             Columns in [R, RP) (rank 8 only) are zero-filled: they meet zero A columns, and
             0 * garbage could be NaN. Rows beyond the slice are never stored, so left as they are."""
             lid = mActive[g]
-            keff = self._k_eff(lid, mRanks, has_ranks)
+            keff = _dsl.k_eff(lid, mRanks, has_ranks, self.RP)  # MMA K (0: nothing to do)
             if keff > 0:
                 row0 = lid * n_s + c0
                 for m in cutlass.range_constexpr(cute.size(tBsB, mode=[1])):

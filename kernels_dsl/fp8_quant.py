@@ -32,6 +32,7 @@ try:  # the DSL is needed to compile, not to launch a cached build
     import cutlass.cute as cute
 
     from ._dsl import FP8_MAX, MIN_SCALE  # vLLM's constants, shared by every quantizing kernel
+    from ._dsl import smem_allocator
 except ImportError:  # pragma: no cover - exercised on GPU machines without the DSL
     cutlass = cute = None
 
@@ -103,12 +104,6 @@ def prebuild_configs() -> list[Config]:
     return sorted({config_for(k) for k in ks}, key=lambda c: (c.threads, c.vectors_per_thread))
 
 
-def _smem_allocator():
-    # 4.8 moved SmemAllocator to cutlass.memory (the old path warns); 4.6 has only cutlass.utils.
-    mem = getattr(cutlass, "memory", None)
-    return (mem.SmemAllocator if mem is not None and hasattr(mem, "SmemAllocator") else cutlass.utils.SmemAllocator)()
-
-
 if cute is not None:  # the kernel itself exists only where the DSL is importable
 
     class _QuantKernel:
@@ -166,7 +161,7 @@ if cute is not None:  # the kernel itself exists only where the DSL is importabl
                 for e in cutlass.range_constexpr(E):
                     amax = cute.arch.fmax(amax, cute.arch.fmax(r_x[e, i].to(cutlass.Float32),
                                                                -r_x[e, i].to(cutlass.Float32)))
-            smem = _smem_allocator()
+            smem = smem_allocator()
             red = smem.allocate_tensor(cutlass.Float32, cute.make_layout(self.num_warps))
             amax = self._block_max(amax, red, tidx)
 

@@ -195,21 +195,7 @@ def h_dtype_of(config: Config) -> torch.dtype:
     return torch.bfloat16 if config.h_bf16 else torch.float32
 
 
-def _smem_allocator():
-    # 4.8 moved SmemAllocator to cutlass.memory (the old path warns); 4.6 has only cutlass.utils.
-    mem = getattr(cutlass, "memory", None)
-    return (mem.SmemAllocator if mem is not None and hasattr(mem, "SmemAllocator") else cutlass.utils.SmemAllocator)()
-
-
 if cute is not None:
-
-    def _kmajor_layout(rows: int, stages: int):
-        """bf16 [rows, 64, stages], 16-byte chunks swizzled over 8 rows (ldmatrix/cp.async
-        conflict-free). The swizzle goes into the smem pointer, where it acts on byte addresses:
-        Swizzle<3,4,3> moves whole 16-byte chunks (<3,3,3> would split them: misaligned stores)."""
-        atom = cute.make_composed_layout(cute.make_swizzle(3, 4, 3), 0,
-                                         cute.make_layout((8, BK), stride=(BK, 1)))
-        return cute.tile_to_shape(atom, (rows, BK, stages), (0, 1, 2))
 
     def _unit_modes(t, k: int):
         """t with k trailing size-1 modes (cute.gemm wants (V, M) / (V, N) / (V, M, N) operands)."""
@@ -232,8 +218,8 @@ if cute is not None:
                      slot_ranks: cute.Tensor, has_ranks: cutlass.Int32, sorted_codes: cutlass.Int32,
                      stream: cuda.CUstream, a_bufs: tuple):
             cfg = self.cfg
-            sX_layout = _kmajor_layout(self.BM, self.NKB)
-            sW_layout = _kmajor_layout(self.RP, self.ST)
+            sX_layout = D.kmajor_layout(self.BM, self.NKB)
+            sW_layout = D.kmajor_layout(self.RP, self.ST)
             sP_layout = cute.make_layout((self.BM, self.RP), stride=(self.RP + P_PAD, 1))
             # (the WGMMA build makes its own inside the kernel: a tiled MMA passed in carries its
             # ACCUMULATE field as a kernel parameter)
@@ -304,7 +290,7 @@ if cute is not None:
             row_lo = cutlass.max(mStart[g_first] - r0, 0)  # the rows of these groups in the tile
             row_hi = cutlass.max(cutlass.min(mStart[g_first + n_groups] - r0, rows), row_lo)
 
-            st_ = _smem_allocator().allocate(self.storage)
+            st_ = D.smem_allocator().allocate(self.storage)
             sX = st_.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
             sW = st_.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)
             # raw (unswizzled) shared addresses of the x chunk and the A ring: _issue addresses
@@ -366,7 +352,7 @@ if cute is not None:
             lid0 = cutlass.Int32(-1)
             if n_groups > 0:
                 lid0 = mActive[g_first]
-            keff0 = cutlass.min(self._k_eff(lid0, mRanks, has_ranks), self.R)
+            keff0 = cutlass.min(D.k_eff(lid0, mRanks, has_ranks, self.RP), self.R)
 
             # ---- prologue: items 0 .. ST-2 ---------------------------------------------------------
             # (items are (group, k-block) pairs; the issue ST - 1 items ahead is tracked by its pair,
@@ -389,7 +375,7 @@ if cute is not None:
                 lid = mActive[g]
                 # warp-uniform by construction (every thread loads the same words); saying so lets
                 # ptxas drop the WARPSYNC it otherwise puts around each predicated LDSM / HMMA
-                keff = cute.arch.make_warp_uniform(self._k_eff(lid, mRanks, has_ranks))
+                keff = cute.arch.make_warp_uniform(D.k_eff(lid, mRanks, has_ranks, self.RP))
                 lo = cute.arch.make_warp_uniform(cutlass.max(mStart[g] - r0, 0))
                 hi = cute.arch.make_warp_uniform(cutlass.min(mStart[g + 1] - r0, rows))
                 # v0.38: the common case (one group over the warp's rows at full rank) without the
@@ -472,16 +458,6 @@ if cute is not None:
             cute.arch.cp_async_wait_group(0)
 
         @cute.jit
-        def _k_eff(self, lid, mRanks, has_ranks):
-            """Rank columns to compute for a slot: its effective rank rounded up to 16."""
-            k = cutlass.Int32(0)
-            if lid >= 0:
-                k = cutlass.Int32(self.RP)
-                if has_ranks != 0:
-                    k = cutlass.min((cutlass.max(mRanks[lid], 0) + 15) // 16 * 16, self.RP)
-            return k
-
-        @cute.jit
         def _row_tokens(self, mTok, r0, rows, tXcX, tXsX):
             """The token index of every x row this thread copies (the same rows for each k-block),
             loaded together; -1 for rows past the tile's end (never copied)."""
@@ -529,7 +505,7 @@ if cute is not None:
                 keff = keff0
                 if gi > 0:
                     lid = mActive[g_first + gi]
-                    keff = cutlass.min(self._k_eff(lid, mRanks, has_ranks), self.R)
+                    keff = cutlass.min(D.k_eff(lid, mRanks, has_ranks, self.RP), self.R)
                 lid_s = cutlass.max(lid, 0)
                 for q in cutlass.range_constexpr(self.cfg.num_slices):
                     if s == q:
@@ -615,57 +591,35 @@ if cute is not None:
 
         @cute.jit
         def _reduce(self, sP, mH, mTok, s, r0, row_lo, row_hi, split, nsplit, tidx):
-            """h[s, tok, c] = sum over the cluster's partials in split order 0..n-1, for the tile rows
-            [row_lo, row_hi) (this CTA's adapter groups); this CTA stores the elements
-            [split * E / n, (split + 1) * E / n) of the E = (row_hi - row_lo) * R."""
-            R, NT = self.R, self.NT
-            n_el = (row_hi - row_lo) * R
-            lo = split * n_el // nsplit
-            hi = (split + 1) * n_el // nsplit
-            base = sP.iterator.toint()
-            for e in cutlass.range(lo + tidx, hi, NT, unroll=1):
-                r = row_lo + e // R
-                c = e - (r - row_lo) * R
-                off = base + (r * (self.RP + P_PAD) + c) * 4
-                # The partials are all loaded first (independent DSMEM loads in flight together),
-                # then summed in split order 0..n-1 as before: the same additions, bit for bit.
-                part = []
-                for q in cutlass.range_constexpr(MAX_SPLITS):
-                    p_q = cutlass.Float32(0.0)
-                    if q < nsplit:
-                        p_q = D.ld_dsmem_f32(off, q)
-                    part.append(p_q)
-                v = cutlass.Float32(0.0)
-                for q in cutlass.range_constexpr(MAX_SPLITS):
-                    if q < nsplit:
-                        v = v + part[q]
+            """h[s, tok, c] = the cluster's partials summed in split order 0..n-1
+            (D.reduce_split_partials), for the tile rows [row_lo, row_hi) (this CTA's adapter groups)."""
+            def store(r, c, v):
                 if cutlass.const_expr(self.cfg.h_bf16):
                     mH[s, mTok[r0 + r], c] = v.to(cutlass.BFloat16)  # RN, as the consumers round it
                 else:
                     mH[s, mTok[r0 + r], c] = v
 
+            D.reduce_split_partials(sP, row_lo, row_hi, self.R, self.RP + P_PAD, MAX_SPLITS, split, nsplit, tidx,
+                                    self.NT, store)
+
 
 def _fake_args(cfg: Config):
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
+    from cutlass.cute.runtime import make_fake_compact_tensor
 
     def rowmajor(dtype, shape, align=16):
         n = len(shape)
         return make_fake_compact_tensor(dtype, tuple(shape), stride_order=tuple(range(n - 1, -1, -1)),
                                         assumed_align=align)
 
-    def matrix(dtype, kdiv):
-        return make_fake_tensor(dtype, (cute.sym_int32(), cute.sym_int32(divisibility=kdiv)),
-                                stride=(cute.sym_int64(divisibility=kdiv), 1), assumed_align=16)
-
     i32, i16, f32, bf16 = cutlass.Int32, cutlass.Int16, cutlass.Float32, cutlass.BFloat16
     # Divisibility exactly as the host checks it (K % 8, row strides % 8 elements / 8 bytes):
     # never promise the compiler more than every valid launch gives.
-    x = matrix(bf16, 8)
-    q16 = matrix(i16, 4)
+    x = D.fake_matrix(bf16, 8)
+    q16 = D.fake_matrix(i16, 4)
     sc = rowmajor(f32, (cute.sym_int32(),), align=4)
     h = rowmajor(bf16 if cfg.h_bf16 else f32, (cfg.num_slices, cute.sym_int32(), cfg.rank))
     vec = lambda: rowmajor(i32, (cute.sym_int32(),), align=4)  # noqa: E731
-    a_bufs = tuple(matrix(bf16, 8) for _ in range(cfg.num_slices))
+    a_bufs = tuple(D.fake_matrix(bf16, 8) for _ in range(cfg.num_slices))
     return (x, q16, sc, h, vec(), vec(), vec(), vec(), vec(), cutlass.Int32(0), cutlass.Int32(0),
             cute.runtime.make_fake_stream(), a_bufs)
 

@@ -144,17 +144,6 @@ def h_dtype_of(config: Config) -> torch.dtype:
 
 if cute is not None:
 
-    def _kmajor_layout(rows: int, stages: int):
-        """bf16 [rows, 64, stages], 16-byte chunks swizzled over 8 rows (the 128-byte swizzle WGMMA
-        reads K-major operands with); the swizzle goes into the smem pointer."""
-        atom = cute.make_composed_layout(cute.make_swizzle(3, 4, 3), 0,
-                                         cute.make_layout((8, BK), stride=(BK, 1)))
-        return cute.tile_to_shape(atom, (rows, BK, stages), (0, 1, 2))
-
-    def _smem_allocator():
-        mem = getattr(cutlass, "memory", None)  # 4.8 moved it; 4.6 has only cutlass.utils
-        return (mem.SmemAllocator if mem is not None and hasattr(mem, "SmemAllocator") else cutlass.utils.SmemAllocator)()
-
     class _StreamShrinkKernel:
         def __init__(self, cfg: Config):
             self.cfg = cfg
@@ -164,8 +153,8 @@ if cute is not None:
         def __call__(self, x: cute.Tensor, h: cute.Tensor, tok: cute.Tensor, row_group: cute.Tensor,
                      active: cute.Tensor, start_loc: cute.Tensor, slot_ranks: cute.Tensor,
                      has_ranks: cutlass.Int32, stream: cuda.CUstream, a_bufs: tuple):
-            sX_layout = _kmajor_layout(self.BM, self.ST)
-            sA_layout = _kmajor_layout(self.RP, self.ST)
+            sX_layout = D.kmajor_layout(self.BM, self.ST)
+            sA_layout = D.kmajor_layout(self.RP, self.ST)
             bm = self.BM
 
             @cute.struct
@@ -204,7 +193,7 @@ if cute is not None:
             kb0 = split * per
             nkb = cutlass.max(cutlass.min(per, nkb_total - kb0), 0)
 
-            st_ = _smem_allocator().allocate(self.storage)
+            st_ = D.smem_allocator().allocate(self.storage)
             sX = st_.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
             sA = st_.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
             sTok = st_.sTok.get_tensor(cute.make_layout(BM))
@@ -240,7 +229,7 @@ if cute is not None:
                 lid = mActive[g]
                 lo = cutlass.max(mStart[g] - r0, 0)
                 hi = cutlass.min(mStart[g + 1] - r0, rows)
-                keff = self._k_eff(lid, mRanks, has_ranks)
+                keff = D.k_eff(lid, mRanks, has_ranks, R)  # the A rows to load, <= R (0: no adapter)
                 if keff > 0:
                     acc.fill(0.0)
                     for p in cutlass.range_constexpr(ST - 1):
@@ -295,30 +284,10 @@ if cute is not None:
 
         @cute.jit
         def _reduce(self, sP, mH, sTok, s, lo, hi, split, nsplit, tidx):
-            """h[s, tok, c] = the cluster's partials summed in split order 0..n-1, for the group's
-            rows [lo, hi) of the tile; this CTA stores the elements [split * E / n, (split + 1) *
-            E / n) of the E = (hi - lo) * R (every split's partial loaded first: independent DSMEM
-            loads in flight together)."""
-            R, RP, NT = self.R, self.RP, self.NT
-            n_el = (hi - lo) * R
-            e_lo = split * n_el // nsplit
-            e_hi = (split + 1) * n_el // nsplit
-            base = sP.iterator.toint()
-            for e in cutlass.range(e_lo + tidx, e_hi, NT, unroll=1):
-                r = lo + e // R
-                c = e - (r - lo) * R
-                off = base + (r * (RP + P_PAD) + c) * 4
-                part = []
-                for q in cutlass.range_constexpr(MAX_SPLITS):
-                    p_q = cutlass.Float32(0.0)
-                    if q < nsplit:
-                        p_q = D.ld_dsmem_f32(off, q)
-                    part.append(p_q)
-                v = cutlass.Float32(0.0)
-                for q in cutlass.range_constexpr(MAX_SPLITS):
-                    if q < nsplit:
-                        v = v + part[q]
-                self._store(mH, s, sTok[r], c, v)
+            """h[s, tok, c] = the cluster's partials summed in split order 0..n-1
+            (D.reduce_split_partials), for the group's rows [lo, hi) of the tile."""
+            D.reduce_split_partials(sP, lo, hi, self.R, self.RP + P_PAD, MAX_SPLITS, split, nsplit, tidx, self.NT,
+                                    lambda r, c, v: self._store(mH, s, sTok[r], c, v))
 
         @cute.jit
         def _store(self, mH, s, t, c, v):
@@ -326,17 +295,6 @@ if cute is not None:
                 mH[s, t, c] = v.to(cutlass.BFloat16)  # RN, as the consumers round it
             else:
                 mH[s, t, c] = v
-
-        @cute.jit
-        def _k_eff(self, lid, mRanks, has_ranks):
-            """Rank rows to load for a slot: its effective rank rounded up to 16 (K1's rule), <= R;
-            0 for the no-adapter group."""
-            k = cutlass.Int32(0)
-            if lid >= 0:
-                k = cutlass.Int32(self.R)
-                if has_ranks != 0:
-                    k = cutlass.min((cutlass.max(mRanks[lid], 0) + 15) // 16 * 16, self.R)
-            return k
 
         @cute.jit
         def _issue(self, j, st, s, lid, keff, lo, hi, K, mX, mAs: tuple, sTok, bases, tidx):
@@ -380,18 +338,12 @@ if cute is not None:
 
 
 def _fake_args(cfg: Config):
-    from cutlass.cute.runtime import make_fake_tensor
-
-    def matrix(dtype, kdiv):
-        return make_fake_tensor(dtype, (cute.sym_int32(), cute.sym_int32(divisibility=kdiv)),
-                                stride=(cute.sym_int64(divisibility=kdiv), 1), assumed_align=16)
-
     i32, f32, bf16 = cutlass.Int32, cutlass.Float32, cutlass.BFloat16
     # Divisibility exactly as the host checks it (K % 8, row strides % 8 elements).
-    x = matrix(bf16, 8)
+    x = D.fake_matrix(bf16, 8)
     h = D.fake_rowmajor(bf16 if cfg.h_bf16 else f32, (cfg.num_slices, cute.sym_int32(), cfg.rank))
     vec = lambda: D.fake_rowmajor(i32, (cute.sym_int32(),), align=4)  # noqa: E731
-    a_bufs = tuple(matrix(bf16, 8) for _ in range(cfg.num_slices))
+    a_bufs = tuple(D.fake_matrix(bf16, 8) for _ in range(cfg.num_slices))
     return (x, h, vec(), vec(), vec(), vec(), vec(), cutlass.Int32(0), cute.runtime.make_fake_stream(), a_bufs)
 
 
