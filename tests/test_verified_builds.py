@@ -29,9 +29,11 @@ def test_family_table_counts_per_family():
     assert lines[2].split() == ["k1", "2", "0", "0", "1"]
 
 
-def _fake_shas(shas, missing=()):
+def _fake_shas(shas, missing=(), ptx=None):
+    """build_shas's stand-in: cubin shas as given, PTX shas "p" + the cubin's unless ``ptx`` names them."""
+    ptx = ptx or {}
     return lambda cache, build, only=None: (
-        {k: v for k, v in shas.items() if not only or k.split("/")[0] in only}, list(missing))
+        {k: (v, ptx.get(k, "p" + v)) for k, v in shas.items() if not only or k.split("/")[0] in only}, list(missing))
 
 
 def test_record_then_diff(tmp_path, monkeypatch, capsys):
@@ -39,12 +41,13 @@ def test_record_then_diff(tmp_path, monkeypatch, capsys):
     every build is the verified one and 1 (naming the build) once one changed or is new."""
     monkeypatch.setattr("epilora_cute.compile_cache.dsl_version", lambda: "4.8.1")
     out = tmp_path / "verified.json"
-    monkeypatch.setattr(vb, "cubin_shas", _fake_shas({"k1/a": "1", "ea/c": "3"}))
+    monkeypatch.setattr(vb, "build_shas", _fake_shas({"k1/a": "1", "ea/c": "3"}))
     assert vb.main(["record", "--run", "run27", "--commit", "1a0192f", "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
     assert rec["builds"] == {"ea/c": "3", "k1/a": "1"} and rec["dsl_version"] == "4.8.1" and rec["run"] == "run27"
+    assert rec["ptx"] == {"ea/c": "p3", "k1/a": "p1"}
     assert vb.main(["diff", "--record", str(out)]) == 0
-    monkeypatch.setattr(vb, "cubin_shas", _fake_shas({"k1/a": "1", "ea/c": "7", "ea/e": "5"}, ["k1/m"]))
+    monkeypatch.setattr(vb, "build_shas", _fake_shas({"k1/a": "1", "ea/c": "7", "ea/e": "5"}, ["k1/m"]))
     capsys.readouterr()
     assert vb.main(["diff", "--record", str(out)]) == 1
     text = capsys.readouterr().out
@@ -52,9 +55,26 @@ def test_record_then_diff(tmp_path, monkeypatch, capsys):
     assert vb.main(["diff", "--record", str(out), "--family", "k1"]) == 0  # k1's builds are all verified
 
 
+def test_diff_names_changed_cubins_of_the_verified_ptx(tmp_path, monkeypatch, capsys):
+    """A cubin that differs while its PTX is the verified one (ptxas's register allocation, session
+    41) is still "changed", and named apart; a record without PTX shas names none."""
+    monkeypatch.setattr("epilora_cute.compile_cache.dsl_version", lambda: "4.8.1")
+    out = tmp_path / "verified.json"
+    monkeypatch.setattr(vb, "build_shas", _fake_shas({"k1/a": "1", "k1/b": "2"}))
+    assert vb.main(["record", "--run", "r", "--commit", "c", "--out", str(out)]) == 0
+    monkeypatch.setattr(vb, "build_shas", _fake_shas({"k1/a": "9", "k1/b": "8"}, ptx={"k1/a": "p1"}))
+    capsys.readouterr()
+    assert vb.main(["diff", "--record", str(out)]) == 1
+    text = capsys.readouterr().out
+    assert "changed: k1/a, k1/b" in text
+    assert "same PTX as verified" in text and text.split("same PTX as verified")[1].count("k1/") == 1
+    assert vb.same_ptx(["k1/a", "k1/b"], {"k1/a": "p1", "k1/b": None}, {"k1/a": "p1", "k1/b": None}) == ["k1/a"]
+    assert vb.same_ptx(["k1/a"], {"k1/a": "p1"}, {}) == []  # run39's record has no PTX shas
+
+
 def test_record_refuses_an_incomplete_cache(tmp_path, monkeypatch):
     monkeypatch.setattr("epilora_cute.compile_cache.dsl_version", lambda: "4.8.1")
-    monkeypatch.setattr(vb, "cubin_shas", _fake_shas({"k1/a": "1"}, ["k1/b"]))
+    monkeypatch.setattr(vb, "build_shas", _fake_shas({"k1/a": "1"}, ["k1/b"]))
     assert vb.main(["record", "--run", "r", "--commit", "c", "--out", str(tmp_path / "v.json")]) == 1
     assert not (tmp_path / "v.json").exists()
 

@@ -1,8 +1,8 @@
 """Which shipped kernel binaries differ from the ones the H200 last verified.
 
-GPU time is scarce, so sessions without a device change kernels the GPU has not run. Every
-prebuilt kernel's cubin is deterministic (same source, configuration and DSL version: same bytes),
-so the record of a GPU-verified state is one SHA-256 per build:
+GPU time is scarce, so sessions without a device change kernels the GPU has not run. A prebuilt
+kernel's PTX is deterministic (same source, configuration and DSL version: same bytes) and its cubin
+nearly so, so the record of a GPU-verified state is one SHA-256 per build's cubin, and its PTX's:
 
     python tools/verified_builds.py record --run run27 --commit 1a0192f [--cache DIR] [--out FILE]
         every build of the prebuild set, looked up in the cache (compiled where missing with
@@ -15,7 +15,10 @@ so the record of a GPU-verified state is one SHA-256 per build:
         must run), 0 when all are verified, 2 when the record is for another DSL version
 
 A refactor that leaves every cubin byte-identical needs no GPU run; `diff` says which builds
-a kernel change touched, so the next device session can run exactly their tests.
+a kernel change touched, so the next device session can run exactly their tests. A changed cubin
+whose PTX is the verified one is named apart ("same PTX"): ptxas allocated registers differently
+(session 41: one prefill K2 build gave another cubin in 1 of 4 rebuilds of an unchanged tree) —
+rebuilding it usually brings back the verified bytes; it is still a binary no GPU has run.
 """
 
 from __future__ import annotations
@@ -38,9 +41,9 @@ def build_key(family: str, config) -> str:
     return f"{family}/{config.name()}"
 
 
-def cubin_shas(cache: Path | None, build: bool, only: list[str] | None = None) -> tuple[dict, list[str]]:
-    """{family/config: cubin sha256} of the prebuild set found in ``cache`` (compiled into it
-    first with ``build``), and the keys not found there."""
+def build_shas(cache: Path | None, build: bool, only: list[str] | None = None) -> tuple[dict, list[str]]:
+    """{family/config: (cubin sha256, PTX sha256 or None)} of the prebuild set found in ``cache``
+    (None where the entry kept no PTX: the carry caches drop it), and the keys not found there."""
     from epilora_cute.compile_cache import KernelUnavailable, get_artifact
     from epilora_cute.kernels import families
 
@@ -55,8 +58,15 @@ def cubin_shas(cache: Path | None, build: bool, only: list[str] | None = None) -
             except KernelUnavailable:
                 missing.append(key)
                 continue
-            found[key] = hashlib.sha256(art.cubin).hexdigest()
+            ptx = Path(art.path) / "kernel.ptx"
+            found[key] = (hashlib.sha256(art.cubin).hexdigest(),
+                          hashlib.sha256(ptx.read_bytes()).hexdigest() if ptx.is_file() else None)
     return found, missing
+
+
+def same_ptx(changed: list[str], ptx_now: dict, ptx_verified: dict) -> list[str]:
+    """The changed builds whose PTX is the verified build's (only ptxas's output differs)."""
+    return [k for k in changed if ptx_now.get(k) is not None and ptx_now.get(k) == ptx_verified.get(k)]
 
 
 def compare(current: dict, verified: dict) -> dict:
@@ -110,7 +120,8 @@ def main(argv=None) -> int:
 
     version = dsl_version()
     if args.cmd == "record":
-        shas, missing = cubin_shas(args.cache, args.build)
+        both, missing = build_shas(args.cache, args.build)
+        shas = {k: v[0] for k, v in both.items()}
         if missing:
             print(f"{len(missing)} builds are not in the cache (run with --build, or `make prebuild`): "
                   f"{missing[:5]} ...", file=sys.stderr)
@@ -119,7 +130,8 @@ def main(argv=None) -> int:
             print("nvidia-cutlass-dsl is not installed: the record names the DSL version it holds", file=sys.stderr)
             return 1
         record = {"arch": ARCH, "dsl_version": version, "run": args.run, "commit": args.commit,
-                  "builds": dict(sorted(shas.items()))}
+                  "builds": dict(sorted(shas.items())),
+                  "ptx": {k: v[1] for k, v in sorted(both.items()) if v[1] is not None}}
         args.out.write_text(json.dumps(record, indent=0, sort_keys=True) + "\n")
         print(f"{args.out}: {len(shas)} builds verified in {args.run} at {args.commit} (DSL {version})")
         return 0
@@ -129,7 +141,8 @@ def main(argv=None) -> int:
         print(f"the record is for nvidia-cutlass-dsl {record['dsl_version']}, this machine has {version}: "
               "cubins of two DSL versions cannot be compared", file=sys.stderr)
         return 2
-    shas, missing = cubin_shas(args.cache, args.build, args.family)
+    both, missing = build_shas(args.cache, args.build, args.family)
+    shas = {k: v[0] for k, v in both.items()}
     verified = record["builds"]
     if args.family:
         verified = {k: v for k, v in verified.items() if k.split("/")[0] in args.family}
@@ -141,6 +154,10 @@ def main(argv=None) -> int:
         if names:
             more = f" (+{len(names) - args.list} more)" if len(names) > args.list else ""
             print(f"{kind}: " + ", ".join(names[:args.list]) + more)
+    ptx_same = same_ptx(result["changed"], {k: v[1] for k, v in both.items()}, record.get("ptx", {}))
+    if ptx_same:
+        print(f"of the changed, same PTX as verified (ptxas's register allocation differs; a rebuild of the "
+              f"entry usually gives the verified cubin back): {', '.join(ptx_same[:args.list])}")
     if result["gone"]:
         print(f"no longer built: {len(result['gone'])} (e.g. {', '.join(result['gone'][:5])})")
     if missing:
