@@ -12,11 +12,12 @@ each case. Timing is not this tool's job (tools/bench.py is); it gives a profile
         -o prof python3 tools/profile_kernels.py qkv:2048:1
 
 Stages: k1 (kernels_dsl/k1_shrink), gemm (the vendor FP8 GEMM on K1's codes), expand_add
-(kernels_dsl/expand_add on K1's h), shrink_stream (kernels_dsl/shrink_stream, bf16 h), prefill_k2 (kernels_dsl/k2_prefill, the op's build with the
-adapter epilogue, on K1's codes stored in adapter order), triton (the whole Triton path: its quant+shrink and gemm_lora
-kernels); the decode paths (`gpu_session.sh profile-decode`): decode (the shrink + K2 on its x_q,
-1..32 tokens), at 1..8 tokens decode_sq / decode_fh (the shrink + the self-quantizing K2, or the
-K2 that computes h itself), and no_adapter (K2 without the adapter's epilogue).
+(kernels_dsl/expand_add on K1's h), shrink_stream (kernels_dsl/shrink_stream, bf16 h), prefill_k2
+(kernels_dsl/k2_prefill, the op's build with the adapter epilogue, on K1's codes stored in adapter
+order), triton (the whole Triton path: its quant+shrink and gemm_lora kernels); the decode paths
+(`gpu_session.sh profile-decode`): decode (the shrink + K2 on its x_q, 1..32 tokens), at 1..8
+tokens decode_sq / decode_fh (the shrink + the self-quantizing K2, or the K2 that computes h
+itself), and no_adapter (K2 without the adapter's epilogue).
 """
 
 from __future__ import annotations
