@@ -113,6 +113,12 @@ def token_bucket(num_tokens: int) -> int:
     return TOKEN_BUCKETS[-1]
 
 
+def stream_bucket(num_tokens: int) -> bool:
+    """Whether the streamed shrink's paths are candidates at this many tokens: their whole token
+    bucket from STREAM_MIN_TOKENS (the dispatch's rule; the bench times their columns by it too)."""
+    return token_bucket(num_tokens) >= STREAM_MIN_TOKENS
+
+
 def adapter_bucket(num_active: int) -> str:
     for lo, hi in ADAPTER_BUCKETS:
         if lo <= num_active <= hi:
@@ -350,7 +356,7 @@ def applicable_paths(call: Call) -> tuple[str, ...]:
         paths.append("hybrid")
         paths.append("hybrid_par")
         paths.append("hybrid_par_q")
-        if token_bucket(call.tokens) >= STREAM_MIN_TOKENS and _stream_shape_reason(call.rank, len(call.slices)) is None:
+        if stream_bucket(call.tokens) and _stream_shape_reason(call.rank, len(call.slices)) is None:
             paths.append("hybrid_st")
             paths.append("hybrid_par_st")
     if call.prefill_reason is None:

@@ -203,6 +203,7 @@ def test_stream_paths_apply_from_their_token_count_and_only_opted_in(monkeypatch
     # a whole token bucket: every call of one dispatch key has the same candidates
     first = d.STREAM_MIN_TOKENS // 2 + 1
     assert d.token_bucket(first) == d.STREAM_MIN_TOKENS
+    assert d.stream_bucket(first) and not d.stream_bucket(first - 1)
     assert all(p in at(tokens=first) for p in ST)
     assert not any(p in at(tokens=first - 1) for p in ST)
     assert not any(p in at(tokens=4096, rank=48) for p in ST)  # no build of that rank

@@ -17,7 +17,7 @@ replays with the L2 flushed before each (median, tools/gpu_timing):
   hybrid_par_us  the same with K1 on a second stream beside the quantization + GEMM (v0.34)
   hybrid_par_q_us  hybrid_par with that branch forked after the quantization (v0.58)
   hybrid_st_us, hybrid_par_st_us   the hybrid paths with the streamed shrink (v0.88) in place of K1,
-                 serial / beside the quantization + GEMM (from dispatch.STREAM_MIN_TOKENS tokens)
+                 serial / beside the quantization + GEMM (where dispatch.stream_bucket)
   quant_us       our quantization kernel alone (ops.quantize_fp8_per_token: the streamed paths' codes)
   shrink_stream_us   the streamed shrink alone (kernels_dsl/shrink_stream.py), h as bf16: with
                  quant_us, what replaces k1_hb_us on the streamed paths
@@ -66,7 +66,7 @@ from tools.bench_decode import QWEN3_8B, LayerCase, Projection  # noqa: E402
 from tools.bench_prefill import max_loras_for, tokens_and_adapters  # noqa: E402
 from tools.gpu_timing import read_bandwidth_gbs, time_graph  # noqa: E402
 
-from epilora_cute.dispatch import STREAM_MIN_TOKENS  # noqa: E402
+from epilora_cute.dispatch import stream_bucket  # noqa: E402
 
 RANK = 64
 TOKENS = (32, 256, 2048)
@@ -195,7 +195,7 @@ class HybridStages:
                # the whole op, per path, with fp32 h, then with bf16 h (the default since v0.78)
                **{path: op(path, "fp32") for path in HYBRID_PATHS},
                **{f"{path}_hb": op(path, "bf16") for path in HYBRID_PATHS}}
-        if c.m >= STREAM_MIN_TOKENS:  # v0.88: the streamed shrink and its paths (bf16 h, their default)
+        if stream_bucket(c.m):  # v0.88: the streamed shrink and its paths (bf16 h, their default)
             from kernels_dsl.shrink_stream import stream_shrink
 
             fns["quant"] = lambda: ops.quantize_fp8_per_token(c.x, self.codes, self.scales)
