@@ -87,16 +87,22 @@ OPT_IN_ENV = {"decode": "EPILORA_DECODE_PATH", "decode_sq": "EPILORA_DECODE_PATH
               "no_adapter": "EPILORA_DECODE_PATH",
               "hybrid": "EPILORA_HYBRID_PATH", "hybrid_par": "EPILORA_HYBRID_PAR_PATH",
               "hybrid_par_q": "EPILORA_HYBRID_PAR_PATH", "prefill": "EPILORA_PREFILL_PATH",
-              "hybrid_st": "EPILORA_HYBRID_STREAM_PATH", "hybrid_par_st": "EPILORA_HYBRID_STREAM_PATH"}
+              "hybrid_st": "EPILORA_HYBRID_STREAM_PATH", "hybrid_par_st": "EPILORA_HYBRID_STREAM_PATH",
+              "hybrid_g": "EPILORA_HYBRID_GROUPED_PATH", "hybrid_par_g": "EPILORA_HYBRID_GROUPED_PATH"}
 # The streamed shrink's hybrid paths (v0.88) are candidates in the token buckets from this one
 # (a whole bucket, so that every call sharing a dispatch key has the same candidates). v0.89 measured
 # them below 1024 (run41, H100): with 8 adapters the layer −9 % at 512 tokens, ties at 256, +20 % at
 # 128; with 32 adapters slower at 128–512 (a tile meeting many groups streams K once per group).
 STREAM_MIN_TOKENS = 512
+# The grouped shrink's hybrid paths (v0.90: one cluster per adapter group, the group's tokens
+# gathered) are candidates in the token buckets 64..512 (33..512 tokens): below, the decode path;
+# above, groups of many tokens stream their A once per 64-token chunk, where the row-tile shrinks
+# are built for it. Not GPU-verified yet: EPILORA_HYBRID_GROUPED_PATH=1 lets them in.
+GROUPED_TOKEN_BUCKETS = (64, 128, 256, 512)
 # What a key gets when it cannot be timed (under capture, or every candidate failed): the first of
 # these among the candidates — what "auto" took before the timed dispatch existed.
 DEFAULT_ORDER = ("base", "decode", "decode_sq", "decode_fh", "triton", "hybrid", "hybrid_par", "hybrid_par_q",
-                 "hybrid_st", "hybrid_par_st", "prefill", "no_adapter", "reference")
+                 "hybrid_st", "hybrid_par_st", "hybrid_g", "hybrid_par_g", "prefill", "no_adapter", "reference")
 # Batches the host knows to have no adapter (vLLM's no-LoRA flag): "base" (default) computes them
 # with vLLM's own FP8 linear path only (same codes, same CUTLASS GEMM), so a projection of
 # base-model traffic returns exactly what stock vLLM's returns; in the engine that was no slower than
@@ -117,6 +123,12 @@ def stream_bucket(num_tokens: int) -> bool:
     """Whether the streamed shrink's paths are candidates at this many tokens: their whole token
     bucket from STREAM_MIN_TOKENS (the dispatch's rule; the bench times their columns by it too)."""
     return token_bucket(num_tokens) >= STREAM_MIN_TOKENS
+
+
+def grouped_bucket(num_tokens: int) -> bool:
+    """Whether the grouped shrink's paths are candidates at this many tokens (whole token buckets,
+    GROUPED_TOKEN_BUCKETS; the bench times their columns by it too)."""
+    return token_bucket(num_tokens) in GROUPED_TOKEN_BUCKETS
 
 
 def adapter_bucket(num_active: int) -> str:
@@ -336,7 +348,8 @@ def applicable_paths(call: Call) -> tuple[str, ...]:
     host knows no token has an adapter; "hybrid", "hybrid_par" (its K1 on a second stream beside
     the GEMM) and "hybrid_par_q" (that branch forked after the quantization): sm_90a; "hybrid_st" /
     "hybrid_par_st" (the streamed shrink in place of K1, v0.88): sm_90a in the token buckets from
-    STREAM_MIN_TOKENS at the ranks it is compiled for; "prefill" (K1, the
+    STREAM_MIN_TOKENS at the ranks it is compiled for; "hybrid_g" / "hybrid_par_g" (the shrink by
+    adapter group, v0.90): the same in GROUPED_TOKEN_BUCKETS; "prefill" (K1, the
     gather, the prefill K2 with the adapter in its epilogue): sm_90a at 33..16384 tokens with shapes
     its kernels take; "triton": any CUDA GPU. "reference" is
     never a candidate on a GPU. Whether a kernel can be loaded (cached or compiled here) shows when
@@ -356,19 +369,22 @@ def applicable_paths(call: Call) -> tuple[str, ...]:
         paths.append("hybrid")
         paths.append("hybrid_par")
         paths.append("hybrid_par_q")
-        if stream_bucket(call.tokens) and _stream_shape_reason(call.rank, len(call.slices)) is None:
+        if stream_bucket(call.tokens) and _side_shrink_shape_reason("stream", call.rank, len(call.slices)) is None:
             paths.append("hybrid_st")
             paths.append("hybrid_par_st")
+        if grouped_bucket(call.tokens) and _side_shrink_shape_reason("grouped", call.rank, len(call.slices)) is None:
+            paths.append("hybrid_g")
+            paths.append("hybrid_par_g")
     if call.prefill_reason is None:
         paths.append("prefill")
     paths.append("triton")
     return tuple(paths)
 
 
-def _stream_shape_reason(rank: int, num_slices: int) -> str | None:
-    from .ops import stream_shape_reason
+def _side_shrink_shape_reason(shrink: str, rank: int, num_slices: int) -> str | None:
+    from .ops import side_shrink_shape_reason
 
-    return stream_shape_reason(rank, num_slices)
+    return side_shrink_shape_reason(shrink, rank, num_slices)
 
 
 def _env_allows(path: str, env_value: str | None) -> bool:

@@ -14,7 +14,7 @@ from .launcher import Kernel
 FAMILY_MODULES = ("kernels_dsl.fp8_quant",)
 OPTIONAL_FAMILY_MODULES = ("kernels_dsl.lora_shrink", "kernels_dsl.k2_gemm", "kernels_dsl.expand_add",
                            "kernels_dsl.k1_shrink", "kernels_dsl.k2_prefill", "kernels_dsl.l2_prefetch",
-                           "kernels_dsl.shrink_stream")
+                           "kernels_dsl.shrink_stream", "kernels_dsl.shrink_grouped")
 
 _loaded: dict[tuple, Kernel] = {}
 _lock = threading.Lock()

@@ -117,9 +117,14 @@ def _reference_quant_into(x, codes, scales, warn_reason: str | None):
 # token-tile builds, the second reading the weights from L2) at 33..64 (k2_gemm.WIDE_MAX_TOKENS).
 DECODE_MAX_TOKENS = 64
 PATHS = ("auto", "base", "decode", "decode_sq", "decode_fh", "no_adapter", "hybrid", "hybrid_par", "hybrid_par_q",
-         "hybrid_st", "hybrid_par_st", "prefill", "triton", "reference")
+         "hybrid_st", "hybrid_par_st", "hybrid_g", "hybrid_par_g", "prefill", "triton", "reference")
 # The hybrid paths whose down-projection is the streamed shrink (v0.88) instead of K1.
 STREAM_PATHS = ("hybrid_st", "hybrid_par_st")
+# The hybrid paths whose down-projection is the shrink by adapter group (v0.90) instead of K1.
+GROUPED_PATHS = ("hybrid_g", "hybrid_par_g")
+# path -> (its shrink, on a second stream beside the quantization + GEMM)
+SIDE_SHRINK_PATHS = {"hybrid_st": ("stream", False), "hybrid_par_st": ("stream", True),
+                     "hybrid_g": ("grouped", False), "hybrid_par_g": ("grouped", True)}
 # The decode and no-adapter paths' variable for "auto" (dispatch.OPT_IN_ENV): "0" keeps them out of
 # the candidates, "1" lets them in if they ever leave dispatch.VERIFIED_PATHS.
 DECODE_PATH_ENV = "EPILORA_DECODE_PATH"
@@ -435,13 +440,14 @@ def lora_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, l
         if path in ("hybrid_par", "hybrid_par_q"):
             return _hybrid_par_path(x, w_q, w_scale, a, b, meta, out, slot_ranks, quant_first=path == "hybrid_par_q")
         return _hybrid_path(x, w_q, w_scale, a, b, meta, out, slot_ranks)
-    if path in STREAM_PATHS:
-        reason = stream_reason(x, rank, len(widths))
+    if path in SIDE_SHRINK_PATHS:
+        shrink, par = SIDE_SHRINK_PATHS[path]
+        reason = side_shrink_reason(x, shrink, rank, len(widths))
         if reason is not None:
             raise ValueError(f"path={path!r} does not apply: {reason}")
         if getattr(meta, "host_num_adapters", None) == 0:  # as the hybrid: vLLM's own FP8 path
             return _base_path(x, w_q, w_scale, out)
-        return _hybrid_stream_path(x, w_q, w_scale, a, b, meta, rank, out, slot_ranks, par=path == "hybrid_par_st")
+        return _hybrid_side_shrink_path(x, w_q, w_scale, a, b, meta, rank, out, slot_ranks, shrink, par)
     if path == "prefill":
         reason = _prefill_reason(x, w_q, widths, rank, a, b)
         if reason is not None:
@@ -634,30 +640,46 @@ def _hybrid_par_path(x, w_q, w_scale, a, b, meta, out, slot_ranks, quant_first: 
     return expand_add(out, h, b, meta, slot_ranks=slot_ranks)
 
 
-def stream_shape_reason(rank: int, num_slices: int) -> str | None:
-    """Why the streamed shrink has no build for this adapter shape (None: it has)."""
-    from kernels_dsl import shrink_stream
+def _side_shrink_module(shrink: str):
+    """The kernel module of a hybrid path's down-projection other than K1 ("stream" | "grouped")."""
+    if shrink == "stream":
+        from kernels_dsl import shrink_stream as mod
+    elif shrink == "grouped":
+        from kernels_dsl import shrink_grouped as mod
+    else:
+        raise ValueError(f"unknown shrink {shrink!r}")
+    return mod
 
-    if rank not in shrink_stream.RANKS or num_slices not in shrink_stream.SLICE_COUNTS:
+
+def side_shrink_shape_reason(shrink: str, rank: int, num_slices: int) -> str | None:
+    """Why the shrink ("stream" | "grouped") has no build for this adapter shape (None: it has)."""
+    mod = _side_shrink_module(shrink)
+    if rank not in mod.RANKS or num_slices not in mod.SLICE_COUNTS:
         return f"rank {rank} / {num_slices} slices not compiled"
     return None
 
 
-def stream_reason(x, rank: int, num_slices: int) -> str | None:
-    """Why the streamed shrink can't take the call (None: it can)."""
+def side_shrink_reason(x, shrink: str, rank: int, num_slices: int) -> str | None:
+    """Why the shrink ("stream" | "grouped") can't take the call (None: it can)."""
     if arch_of(x) != "sm_90a":
-        return f"the streamed shrink needs an sm_90a GPU (have {arch_of(x) or x.device})"
-    return stream_shape_reason(rank, num_slices)
+        what = "streamed shrink" if shrink == "stream" else "grouped shrink"
+        return f"the {what} needs an sm_90a GPU (have {arch_of(x) or x.device})"
+    return side_shrink_shape_reason(shrink, rank, num_slices)
 
 
-def _hybrid_stream_path(x, w_q, w_scale, a, b, meta, rank, out, slot_ranks, par: bool):
-    """The hybrid path with the streamed shrink (v0.88): the quantization kernel's codes (the ones
-    K1 wrote, bit for bit) feed the vendor GEMM, the shrink (kernels_dsl/shrink_stream.py) computes
-    h without quantizing, then our expand-add. ``par``: the shrink on the second stream beside the
+def _hybrid_side_shrink_path(x, w_q, w_scale, a, b, meta, rank, out, slot_ranks, shrink: str, par: bool):
+    """The hybrid path with a down-projection that does not quantize in place of K1: the streamed
+    shrink (v0.88, kernels_dsl/shrink_stream.py: prefill sizes, where K1 runs at 4-8x its bytes'
+    floor) or the shrink by adapter group (v0.90, kernels_dsl/shrink_grouped.py: many small
+    groups, where both row-tile shrinks stream an adapter's A once per tile it meets). The
+    quantization kernel's codes (the ones K1 wrote, bit for bit) feed the vendor GEMM, the shrink
+    computes h, then our expand-add. ``par``: the shrink on the second stream beside the
     quantization + GEMM (hybrid_par's fork / join), else after the GEMM on the caller's stream.
-    Why: at prefill sizes K1 runs at 4-8x its bytes' floor (docs/perf.md v0.88), and on hybrid_par
-    its codes were a scratch copy nobody read."""
-    from kernels_dsl.shrink_stream import stream_shrink
+    On hybrid_par K1's codes were a scratch copy nobody read."""
+    if shrink == "stream":
+        from kernels_dsl.shrink_stream import stream_shrink as run_shrink
+    else:
+        from kernels_dsl.shrink_grouped import grouped_shrink as run_shrink
 
     from .launch_plans import expand_add
 
@@ -669,13 +691,13 @@ def _hybrid_stream_path(x, w_q, w_scale, a, b, meta, rank, out, slot_ranks, par:
         side = _side_stream(dev)
         side.wait_stream(main)  # x, the metadata and the buffers are ready
         with torch.cuda.stream(side):
-            stream_shrink(x, a, meta, h, slot_ranks)
+            run_shrink(x, a, meta, h, slot_ranks)
     codes, scales = quantize_fp8_per_token(x)
     vendor_fp8_gemm(codes, scales, w_q, w_scale, out=out)
     if par:
         main.wait_stream(side)  # the join: h is complete before expand-add reads it
     else:
-        stream_shrink(x, a, meta, h, slot_ranks)
+        run_shrink(x, a, meta, h, slot_ranks)
     return expand_add(out, h, b, meta, slot_ranks=slot_ranks)
 
 

@@ -25,8 +25,10 @@ def test_slim_rules_on_the_prebuild_set():
     for mod, cfg in slim:
         assert mod.FAMILY != cc.PREFILL_FAMILY and "trace" not in cfg.name()
         wide_pair = getattr(cfg, "token_tiles", False) or (mod.FAMILY == "lora_shrink_quant" and cfg.bn == 64)
-        if getattr(cfg, "lora", True) and not wide_pair:
+        if getattr(cfg, "lora", True) and not wide_pair and mod.FAMILY != "lora_shrink_grouped":
             assert getattr(cfg, "rank", cc.SLIM_RANK) == cc.SLIM_RANK, cfg.name()
+    # the grouped shrink (v0.90): every rank (its GPU tests run them all)
+    assert {cfg.rank for mod, cfg in slim if mod.FAMILY == "lora_shrink_grouped"} == {8, 16, 32, 64, 128, 256}
     # the decode pair at 33..64 tokens: every rank (its GPU tests run them all)
     ranks = {(mod.FAMILY, cfg.rank) for mod, cfg in slim if getattr(cfg, "token_tiles", False) and cfg.lora}
     assert {r for _, r in ranks} == {8, 16, 32, 64, 128, 256}

@@ -130,13 +130,14 @@ def test_candidates_follow_applicability_and_opt_in(monkeypatch):
     monkeypatch.delenv("EPILORA_HYBRID_PAR_PATH")
     # decode_sq / decode_fh: the decode path's 1..8-token variants (the default call has 12 tokens).
     H = ("hybrid", "hybrid_par", "hybrid_par_q")
+    G = ("hybrid_g", "hybrid_par_g")  # 33..512 tokens
     SQ = ("decode_sq", "decode_fh")
     assert d.applicable_paths(call(tokens=7)) == ("decode", *SQ, *H, "triton")
     assert d.applicable_paths(call()) == ("decode", *H, "triton")
     assert d.applicable_paths(call(tokens=7, k=4096 + 64)) == ("decode", *H, "triton")  # K % 128
     assert d.applicable_paths(call(tokens=7, host_adapters=0)) == ("base", "decode", *SQ, "no_adapter",
                                                                    *H, "triton")
-    assert d.applicable_paths(call(tokens=64, decode_reason="64 tokens")) == (*H, "triton")
+    assert d.applicable_paths(call(tokens=64, decode_reason="64 tokens")) == (*H, *G, "triton")
     assert d.applicable_paths(call(arch=None, decode_reason="needs sm_90a")) == ("triton",)
     assert d.applicable_paths(call(arch=None, decode_reason="needs sm_90a", host_adapters=0)) == ("base", "triton")
     # Verified on the H200 (run6; base: run9; decode_sq: run12): every applicable path is a
@@ -213,6 +214,25 @@ def test_stream_paths_apply_from_their_token_count_and_only_opted_in(monkeypatch
     monkeypatch.setenv("EPILORA_HYBRID_STREAM_PATH", "0")
     assert not any(p in d._allowed(at(tokens=4096)) for p in ST)
     assert d.DEFAULT_ORDER.index("hybrid_par_st") > d.DEFAULT_ORDER.index("hybrid_par_q")
+
+
+def test_grouped_paths_apply_in_their_token_buckets_and_only_opted_in(monkeypatch):
+    """v0.90's hybrid_g / hybrid_par_g: sm_90a, the token buckets 64..512 (whole buckets),
+    compiled ranks; not GPU-verified yet, so out unless EPILORA_HYBRID_GROUPED_PATH=1."""
+    monkeypatch.delenv("EPILORA_HYBRID_PAR_PATH")
+    monkeypatch.delenv("EPILORA_HYBRID_GROUPED_PATH", raising=False)
+    monkeypatch.setattr(d, "VERIFIED_PATHS", SHIPPED_VERIFIED)
+    G = ("hybrid_g", "hybrid_par_g")
+    at = lambda **kw: d.applicable_paths(call(decode_reason="many tokens", **kw))  # noqa: E731
+    for m, applies in ((32, False), (33, True), (64, True), (300, True), (512, True), (513, False), (4096, False)):
+        assert all((p in at(tokens=m)) == applies for p in G), m
+        assert d.grouped_bucket(m) == applies
+    assert not any(p in at(tokens=256, rank=48) for p in G)  # no build of that rank
+    assert not any(p in at(tokens=256, arch=None) for p in G)
+    assert not any(p in d._allowed(at(tokens=256)) for p in G)
+    monkeypatch.setenv("EPILORA_HYBRID_GROUPED_PATH", "1")
+    assert all(p in d._allowed(at(tokens=256)) for p in G)
+    assert d.DEFAULT_ORDER.index("hybrid_g") > d.DEFAULT_ORDER.index("hybrid_par_st")
 
 
 def test_describe_asks_the_prefill_reason_only_when_it_could_be_a_candidate(monkeypatch):

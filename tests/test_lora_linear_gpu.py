@@ -298,7 +298,7 @@ def test_hybrid_paths_with_bf16_h_are_bit_for_bit_fp32_h(proj, m, path, monkeypa
 
 
 @pytest.mark.parametrize("path,m,serial", [("hybrid_par", 64, "hybrid"), ("hybrid_par_q", 64, "hybrid"),
-                                           ("hybrid_par_st", 1024, "hybrid_st")])
+                                           ("hybrid_par_st", 1024, "hybrid_st"), ("hybrid_par_g", 256, "hybrid_g")])
 def test_hybrid_par_in_a_cuda_graph_with_new_inputs(path, m, serial):
     """The fork / join is captured as two branches of one graph; replays with new x and a new
     adapter mapping match the eager serial form of the path bit for bit; the second stream is
@@ -372,6 +372,50 @@ def test_stream_paths_without_adapters_are_vllms_fp8_path():
     meta.host_num_adapters = 0  # vLLM's no-LoRA flag: vLLM's FP8 path, no shrink or expand-add
     for path in ops.STREAM_PATHS:
         assert torch.equal(ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path), want)
+
+
+@pytest.mark.parametrize("m,loras", [(1, 4), (33, 4), (64, 8), (256, 32), (511, 32), (300, 3)])
+@pytest.mark.parametrize("proj", list(QWEN3_8B))
+def test_grouped_paths_match_reference(proj, m, loras):
+    """v0.90: the hybrid paths with the shrink by adapter group (quantization kernel + vendor GEMM,
+    the grouped shrink, expand-add), serial and on the second stream, into a poisoned output: the
+    two bit for bit each other and the reference within tolerance; many adapters of few tokens."""
+    widths, k = QWEN3_8B[proj]
+    x, wq, ws, a, b, mapping = _case(widths, k, m, loras=loras, adapters=loras, seed=m + 67)
+    meta = build_meta(mapping, loras)
+    ys = []
+    for path in ops.GROUPED_PATHS:
+        out = torch.full((m, sum(widths)), float("nan"), dtype=torch.bfloat16, device="cuda")
+        ys.append(ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path=path))
+        assert ys[-1].data_ptr() == out.data_ptr()
+    torch.cuda.synchronize()
+    assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16))
+    assert _rel_err(ys[0], _reference(x, wq, ws, a, b, mapping)) < 1e-2
+
+
+@pytest.mark.parametrize("path", ["hybrid_g", "hybrid_par_g"])
+def test_grouped_paths_mixed_ranks_and_no_adapters(path):
+    """32 adapter slots, effective ranks 0 / 16 / 40 / 64 (slot_ranks), tokens without adapter;
+    then a batch without adapters (not known on the host, then known: vLLM's FP8 path)."""
+    widths, k = QWEN3_8B["gate_up"]
+    m = 256
+    x, wq, ws, a, b, mapping = _case(widths, k, m, loras=32, adapters=32, seed=73)
+    ranks = torch.tensor([(0, 16, 40, 64)[i % 4] for i in range(32)], dtype=torch.int32, device="cuda")
+    for t in (*a, *b):  # the buffers are zero beyond a slot's rank, as vLLM pads
+        for lid, r in enumerate(ranks.tolist()):
+            if t.shape[-2] == 64 and t.shape[-1] == k:
+                t[lid, :, r:] = 0
+            else:
+                t[lid, :, :, r:] = 0
+    meta = build_meta(mapping, 32)
+    out = torch.full((m, sum(widths)), float("nan"), dtype=torch.bfloat16, device="cuda")
+    y = ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, slot_ranks=ranks, path=path)
+    assert _rel_err(y, _reference(x, wq, ws, a, b, mapping)) < 1e-2
+    meta = build_meta(torch.full((m,), -1, dtype=torch.int32, device="cuda"), 32)
+    want = ops.base_linear_fp8(x, wq, ws)
+    assert torch.equal(ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path), want)
+    meta.host_num_adapters = 0
+    assert torch.equal(ops.lora_linear_fp8(x, wq, ws, a, b, meta, path=path), want)
 
 
 @pytest.mark.parametrize("path", ["hybrid", "hybrid_par", "hybrid_par_q"])

@@ -249,26 +249,31 @@ def test_hybrid_par_launch_order(monkeypatch, quant_first):
                        ("main", "wait", "side@now"), ("main", "expand")]
 
 
+@pytest.mark.parametrize("shrink", ["stream", "grouped"])
 @pytest.mark.parametrize("env", ["fp32", "bf16"])
 @pytest.mark.parametrize("par", [False, True])
-def test_stream_paths_launch_order_and_h(monkeypatch, par, env):
-    """hybrid_par_st (v0.88): the streamed shrink forks onto the side stream before the
-    quantization + GEMM, expand-add after the join; hybrid_st: all on the caller's stream, the
-    shrink after the GEMM. Either way one h of EPILORA_HYBRID_H's dtype goes from the shrink to
-    the expand-add, and no K1 runs."""
-    from kernels_dsl import expand_add, k1_shrink, shrink_stream
+def test_side_shrink_paths_launch_order_and_h(monkeypatch, par, env, shrink):
+    """hybrid_par_st (v0.88) / hybrid_par_g (v0.90): the streamed / grouped shrink forks onto the
+    side stream before the quantization + GEMM, expand-add after the join; hybrid_st / hybrid_g:
+    all on the caller's stream, the shrink after the GEMM. Either way one h of EPILORA_HYBRID_H's
+    dtype goes from the shrink to the expand-add, and no K1 runs."""
+    from kernels_dsl import expand_add, k1_shrink, shrink_grouped, shrink_stream
 
     monkeypatch.setenv(ops.HYBRID_H_ENV, env)
     log, seen = [], {}
     current = _fake_streams(monkeypatch, log)
-    monkeypatch.setattr(shrink_stream, "stream_shrink", lambda x, a, meta, h, slot_ranks=None:
+    mod, fn = (shrink_stream, "stream_shrink") if shrink == "stream" else (shrink_grouped, "grouped_shrink")
+    other = "grouped_shrink" if shrink == "stream" else "stream_shrink"
+    monkeypatch.setattr(mod, fn, lambda x, a, meta, h, slot_ranks=None:
                         log.append((current[-1].name, "shrink")) or seen.setdefault("shrink", h))
+    monkeypatch.setattr(shrink_grouped if shrink == "stream" else shrink_stream, other,
+                        lambda *a, **k: log.append(("?", "other shrink")))
     monkeypatch.setattr(k1_shrink, "k1_quant_shrink", lambda *a, **k: log.append(("?", "k1")))
     monkeypatch.setattr(expand_add, "expand_add", lambda out, h, b, meta, slot_ranks=None:
                         log.append((current[-1].name, "expand")) or seen.setdefault("expand", h) is None or out)
     x, wq, ws, a, b, meta, _ = _linear_case()
     out = torch.empty(x.shape[0], wq.shape[0], dtype=torch.bfloat16)
-    ops._hybrid_stream_path(x, wq, ws, a, b, meta, a[0].shape[-2], out, None, par=par)
+    ops._hybrid_side_shrink_path(x, wq, ws, a, b, meta, a[0].shape[-2], out, None, shrink, par)
     if par:
         assert log == [("side", "wait", "main@now"), ("side", "shrink"), ("main", "quant"), ("main", "gemm"),
                        ("main", "wait", "side@now"), ("main", "expand")]

@@ -18,7 +18,12 @@ replays with the L2 flushed before each (median, tools/gpu_timing):
   hybrid_par_q_us  hybrid_par with that branch forked after the quantization (v0.58)
   hybrid_st_us, hybrid_par_st_us   the hybrid paths with the streamed shrink (v0.88) in place of K1,
                  serial / beside the quantization + GEMM (where dispatch.stream_bucket)
-  quant_us       our quantization kernel alone (ops.quantize_fp8_per_token: the streamed paths' codes)
+  hybrid_g_us, hybrid_par_g_us   the same with the shrink by adapter group (v0.90; where
+                 dispatch.grouped_bucket, 33..512 tokens)
+  shrink_grouped_us  the grouped shrink alone (kernels_dsl/shrink_grouped.py), h as bf16;
+                 shrink_grouped_bn<N>_us / _s<S>_us: other token tiles, half / twice its split
+  quant_us       our quantization kernel alone (ops.quantize_fp8_per_token: the streamed and
+                 grouped paths' codes)
   shrink_stream_us   the streamed shrink alone (kernels_dsl/shrink_stream.py), h as bf16: with
                  quant_us, what replaces k1_hb_us on the streamed paths
   k1_hb_us, expand_add_hb_us, hybrid_hb_us, hybrid_par_hb_us, hybrid_par_q_hb_us   the same with h
@@ -66,7 +71,7 @@ from tools.bench_decode import QWEN3_8B, LayerCase, Projection  # noqa: E402
 from tools.bench_prefill import max_loras_for, tokens_and_adapters  # noqa: E402
 from tools.gpu_timing import read_bandwidth_gbs, time_graph  # noqa: E402
 
-from epilora_cute.dispatch import stream_bucket  # noqa: E402
+from epilora_cute.dispatch import grouped_bucket, stream_bucket  # noqa: E402
 
 RANK = 64
 TOKENS = (32, 256, 2048)
@@ -201,6 +206,15 @@ class HybridStages:
             fns["quant"] = lambda: ops.quantize_fp8_per_token(c.x, self.codes, self.scales)
             fns["shrink_stream"] = lambda: stream_shrink(c.x, c.lora_a, c.meta, self.h_bf16)
             fns.update({path: op(path, "bf16") for path in ops.STREAM_PATHS})
+        if grouped_bucket(c.m):  # v0.90: the shrink by adapter group and its paths (bf16 h)
+            from kernels_dsl import shrink_grouped as sg
+
+            fns["quant"] = lambda: ops.quantize_fp8_per_token(c.x, self.codes, self.scales)
+            fns["shrink_grouped"] = lambda: sg.grouped_shrink(c.x, c.lora_a, c.meta, self.h_bf16)
+            fns.update({path: op(path, "bf16") for path in ops.GROUPED_PATHS})
+            for name, kw in grouped_variants(c).items():
+                fns[f"shrink_grouped_{name}"] = (lambda kw=kw: sg.grouped_shrink(c.x, c.lora_a, c.meta, self.h_bf16,
+                                                                                   **kw))
         k1_sweep, ea_sweep = _sweeps()
         if k1_sweep:
             from kernels_dsl import k1_shrink as k1mod
@@ -216,6 +230,28 @@ class HybridStages:
             if ex_kw is not None:
                 fns[f"expand_add_{name}"] = ex(**ex_kw)
         return fns
+
+
+def grouped_variants(c: LayerCase) -> dict[str, dict]:
+    """The grouped shrink's launch choices around its rule (data for `select` / `choose_splits`):
+    "bn<N>" every other token tile at the rule's split for that tile, "s<S>" half and twice the
+    rule's split at the rule's tile."""
+    from kernels_dsl import shrink_grouped as sg
+
+    groups = c.meta.host_num_adapters or c.max_loras
+    S = len(c.proj.slices)
+    rule = sg.select(S, c.rank, c.m, groups)
+    out = {}
+    for bn in sg.TOKEN_TILES:
+        if bn != rule.bn:
+            cfg = sg.Config(bn=bn, rank=c.rank, num_slices=S, stages=sg.STAGES[bn])
+            out[f"bn{bn}"] = {"config": cfg, "splits": sg.choose_splits(c.proj.k, cfg, groups)}
+    split = sg.choose_splits(c.proj.k, rule, groups)
+    nkb = -(-c.proj.k // sg.BK)
+    for s in (split // 2, split * 2):
+        if 1 <= s <= min(sg.MAX_SPLITS, nkb) and s != split:
+            out[f"s{s}"] = {"config": rule, "splits": s}
+    return out
 
 
 def _with_env(name: str, value: str, fn: Callable[[], object]) -> Callable[[], object]:

@@ -54,10 +54,10 @@ DEFAULT_TOKENS = (32, 64, 128, 256, 512, 1024, 2048)
 QUICK_TOKENS = (32, 256, 2048)
 DEFAULT_ADAPTERS = (1, 32)
 OUR_PATHS = ("triton", "hybrid", "prefill", "auto")  # the default columns; timing order: the GPU-verified path first
-# Asked for by name only (EPILORA_BENCH_OURS): the other hybrid forms (the streamed shrink's, v0.88)
-# and, at 33..64 tokens, the decode pair with K2's token tiles (docs/perf.md v0.85), beside the paths
-# "auto" weighs them against.
-EXTRA_PATHS = ("hybrid_par", "hybrid_par_q", "hybrid_st", "hybrid_par_st", "decode")
+# Asked for by name only (EPILORA_BENCH_OURS): the other hybrid forms (the streamed shrink's, v0.88;
+# the grouped shrink's, v0.90) and, at 33..64 tokens, the decode pair with K2's token tiles
+# (docs/perf.md v0.85), beside the paths "auto" weighs them against.
+EXTRA_PATHS = ("hybrid_par", "hybrid_par_q", "hybrid_st", "hybrid_par_st", "hybrid_g", "hybrid_par_g", "decode")
 MIN_MAX_LORAS = 8  # as the `layer` section; 32 adapters get max_loras 32
 
 

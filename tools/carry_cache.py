@@ -40,6 +40,8 @@ def in_slim(family: str, config, with_prefill: bool) -> bool:
         return False
     if getattr(config, "token_tiles", False) or (family == "lora_shrink_quant" and config.bn == 64):
         return True  # the decode pair at 33..64 tokens: every rank (its GPU tests run them all)
+    if family == "lora_shrink_grouped":
+        return True  # every rank: its GPU tests run them all (~6 MB)
     adapter_build = getattr(config, "lora", True)
     return not (adapter_build and getattr(config, "rank", SLIM_RANK) != SLIM_RANK)
 

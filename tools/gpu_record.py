@@ -32,7 +32,8 @@ GPU_SUITES = {
     "main": ("tests/test_k2_gpu.py", "tests/test_lora_linear_gpu.py", "tests/test_quant_gpu.py",
              "tests/test_triton_path.py", "tests/test_k1_shrink.py", "tests/test_expand_add.py",
              "tests/test_shrink_stream.py"),
-    "rest": ("tests/test_k2_prefill.py", "tests/test_l2_prefetch_gpu.py", "tests/test_meta_kernel.py"),
+    "rest": ("tests/test_k2_prefill.py", "tests/test_l2_prefetch_gpu.py", "tests/test_meta_kernel.py",
+             "tests/test_shrink_grouped.py"),
     "opt_in": ("tests/test_k2_push_gpu.py", "tests/test_k2_wide_gpu.py"),
 }
 

@@ -22,7 +22,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, race, race-tests, race-rest, stream, tt, tt-diag, layer-parts, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
+mode=${1:?record, tests, race, race-tests, race-rest, stream, grouped, tt, tt-diag, layer-parts, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -193,6 +193,22 @@ case $mode in
       python3 tools/bench.py --sections hybrid_stages --out "$OUT/hs" 2>&1 | grep -E "layer|ERROR" | cut -c1-700
     EPILORA_BENCH_TOKENS=${STREAM_TOKENS:-1024,2048,8192,16384} EPILORA_BENCH_ADAPTERS=${STREAM_ADAPTERS:-1,8} \
       EPILORA_BENCH_OURS=hybrid,hybrid_par,hybrid_st,hybrid_par_st,auto EPILORA_HYBRID_STREAM_PATH=1 \
+      timeout -s KILL 110 python3 tools/bench.py --sections prefill --out "$OUT/prefill" 2>&1 | grep -E "^prefill M" | cut -c1-700
+    (cd "$OUT" && for d in hs prefill; do [[ -d $d ]] && tar czf $d.tgz $d && rm -rf $d; done)
+    ;;
+  grouped)
+    # perf.md v0.90 (carry the slim cache with the grouped shrink, and .devvllm/2 after call A): its
+    # GPU file, the op's grouped paths, then hybrid_stages (K1 beside the quantization + grouped
+    # shrink, its token tiles and splits) and the prefill section's whole-layer rows.
+    unpack_vllm
+    timeout -s KILL 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_shrink_grouped.py \
+      2>&1 | tail -12 | tee "$OUT/tests_grouped.log"
+    timeout -s KILL 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_lora_linear_gpu.py -k "grouped or hybrid_par_g" \
+      2>&1 | tail -12 | tee -a "$OUT/tests_grouped.log"
+    EPILORA_BENCH_TOKENS=${GROUPED_TOKENS:-64,256,512} EPILORA_BENCH_ADAPTERS=${GROUPED_ADAPTERS:-8,32} timeout -s KILL 170 \
+      python3 tools/bench.py --sections hybrid_stages --out "$OUT/hs" 2>&1 | grep -E "layer|ERROR" | cut -c1-900
+    EPILORA_BENCH_TOKENS=${GROUPED_TOKENS:-64,256,512} EPILORA_BENCH_ADAPTERS=${GROUPED_ADAPTERS:-8,32} \
+      EPILORA_BENCH_OURS=hybrid,hybrid_par,hybrid_par_g,auto EPILORA_HYBRID_GROUPED_PATH=1 \
       timeout -s KILL 110 python3 tools/bench.py --sections prefill --out "$OUT/prefill" 2>&1 | grep -E "^prefill M" | cut -c1-700
     (cd "$OUT" && for d in hs prefill; do [[ -d $d ]] && tar czf $d.tgz $d && rm -rf $d; done)
     ;;
