@@ -26,6 +26,7 @@ zero-filled A rows, so they are zeros too.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from dataclasses import dataclass
@@ -64,6 +65,9 @@ class Config:
     bm: int = 128
     stages: int = 4
     h_bf16: bool = True
+    # fence.proxy.async after each k-block's cp.async wait (False: none, as CUTLASS's cp.async GMMA
+    # mainloops; bench builds "_nf" measure what the fence costs, perf.md v0.90)
+    proxy_fence: bool = True
 
     def __post_init__(self):
         if self.rank not in RANKS:
@@ -91,7 +95,8 @@ class Config:
         return (self.threads, 1, 1)
 
     def name(self) -> str:
-        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_st{self.stages}{'_hb' if self.h_bf16 else ''}"
+        return (f"r{self.rank}_s{self.num_slices}_bm{self.bm}_st{self.stages}{'_hb' if self.h_bf16 else ''}"
+                + ("" if self.proxy_fence else "_nf"))
 
     @property
     def ring_bytes(self) -> int:
@@ -239,7 +244,8 @@ if cute is not None:
                     for j in cutlass.range(nkb, unroll=1):
                         cute.arch.cp_async_wait_group(ST - 2)
                         # cp.async wrote the stage (generic proxy); WGMMA reads it (async proxy)
-                        cute.arch.fence_proxy("async.shared", space="cta")
+                        if cutlass.const_expr(cfg.proxy_fence):
+                            cute.arch.fence_proxy("async.shared", space="cta")
                         cute.arch.barrier()
                         # every warpgroup finished the stage it read last iteration: refill it
                         jn = j + ST - 1
@@ -390,7 +396,9 @@ def prebuild_configs() -> list[Config]:
     cfgs = {_ring(r, s, bm, True) for s in SLICE_COUNTS for r in RANKS for bm in BMS}
     cfgs |= {_ring(r, s, 64, False) for s in SLICE_COUNTS for r in RANKS}
     cfgs |= {_ring(64, s, 128, False) for s in SLICE_COUNTS}
-    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.stages, c.h_bf16))
+    # bench builds without the per-k-block proxy fence (perf.md v0.90): rank 64, bf16 h, both tiles
+    cfgs |= {dataclasses.replace(_ring(64, s, bm, True), proxy_fence=False) for s in SLICE_COUNTS for bm in BMS}
+    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.stages, c.h_bf16, c.proxy_fence))
 
 
 TARGET_CTAS = 2 * SM_COUNT  # two CTAs per SM: the ring keeps two resident

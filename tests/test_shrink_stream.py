@@ -182,11 +182,13 @@ def test_bad_h_dtype_argument():
 def ptx_problems(ptx: str, cfg: SS.Config) -> list[str]:
     n = cfg.rank_pad
     bad = [f"missing {ins}" for ins in (f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16",
-                                        "cp.async.cg.shared.global", "fence.proxy.async.shared::cta",
+                                        "cp.async.cg.shared.global",
                                         # the split-K sum: cluster barriers and DSMEM loads
                                         "barrier.cluster.arrive", "barrier.cluster.wait",
                                         "mapa.shared::cluster.u32", "ld.shared::cluster.f32")
            if ins not in ptx]
+    if ("fence.proxy.async.shared::cta" in ptx) != cfg.proxy_fence:
+        bad.append(f"fence.proxy.async {'missing' if cfg.proxy_fence else 'present in a _nf build'}")
     if not re.search(r"wgmma\.wait_group\.sync\.aligned\s+0;", ptx):
         bad.append("missing wgmma.wait_group 0 (the stage is refilled after the next barrier)")
     # no quantization, no atomics, no spills: one CTA writes each h element once

@@ -25,7 +25,8 @@ replays with the L2 flushed before each (median, tools/gpu_timing):
   quant_us       our quantization kernel alone (ops.quantize_fp8_per_token: the streamed and
                  grouped paths' codes)
   shrink_stream_us   the streamed shrink alone (kernels_dsl/shrink_stream.py), h as bf16: with
-                 quant_us, what replaces k1_hb_us on the streamed paths
+                 quant_us, what replaces k1_hb_us on the streamed paths; shrink_stream_nf_us the same
+                 without its per-k-block proxy fence (v0.90's bench builds)
   k1_hb_us, expand_add_hb_us, hybrid_hb_us, hybrid_par_hb_us, hybrid_par_q_hb_us   the same with h
                  stored / read as bf16 (v0.71: K1's h_bf16 builds, the op under EPILORA_HYBRID_H=bf16)
   k1_z1_us, expand_add_z1_us     the same kernels with the group split (grid z) forced to 1: the
@@ -205,6 +206,12 @@ class HybridStages:
 
             fns["quant"] = lambda: ops.quantize_fp8_per_token(c.x, self.codes, self.scales)
             fns["shrink_stream"] = lambda: stream_shrink(c.x, c.lora_a, c.meta, self.h_bf16)
+            # v0.90: without the per-k-block proxy fence (bench builds)
+            from dataclasses import replace
+
+            from kernels_dsl.shrink_stream import select as stream_select
+            nf = replace(stream_select(len(c.proj.slices), c.rank, c.m), proxy_fence=False)
+            fns["shrink_stream_nf"] = lambda: stream_shrink(c.x, c.lora_a, c.meta, self.h_bf16, config=nf)
             fns.update({path: op(path, "bf16") for path in ops.STREAM_PATHS})
         if grouped_bucket(c.m):  # v0.90: the shrink by adapter group and its paths (bf16 h)
             from kernels_dsl import shrink_grouped as sg
