@@ -436,8 +436,10 @@ def ptx_problems(ptx: str, cfg: K1.Config | None = None) -> list[str]:
         bad += [f"h_bf16: missing {ins}" for ins in ("cvt.rn.bf16.f32", "st.global.b16") if ins not in ptx]
     if cfg is not None and cfg.wgmma:  # v0.74: swap-AB WGMMA on smem operands after the cp.async fence
         mma = (f"wgmma.mma_async.sync.aligned.m64n{cfg.bm}k16.f32.bf16.bf16", "wgmma.fence.sync.aligned",
-               "wgmma.commit_group.sync.aligned", "wgmma.wait_group.sync.aligned", "fence.proxy.async.shared::cta")
+               "wgmma.commit_group.sync.aligned", "wgmma.wait_group.sync.aligned")
         bad += [f"unexpected {ins}" for ins in ("mma.sync", "ldmatrix") if ins in ptx]
+        if ("fence.proxy.async.shared::cta" in ptx) != cfg.proxy_fence:  # v0.90's _nf builds have none
+            bad.append(f"fence.proxy.async {'missing' if cfg.proxy_fence else 'present in a _nf build'}")
     else:
         mma = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16")
     for ins in (*mma,

@@ -27,6 +27,8 @@ replays with the L2 flushed before each (median, tools/gpu_timing):
   shrink_stream_us   the streamed shrink alone (kernels_dsl/shrink_stream.py), h as bf16: with
                  quant_us, what replaces k1_hb_us on the streamed paths; shrink_stream_nf_us the same
                  without its per-k-block proxy fence (v0.90's bench builds)
+  k1_hb_nf_us    K1's WGMMA selection (bf16 h) without its per-k-block proxy fence (v0.90's bench
+                 builds; where the selection is a WGMMA build)
   k1_hb_us, expand_add_hb_us, hybrid_hb_us, hybrid_par_hb_us, hybrid_par_q_hb_us   the same with h
                  stored / read as bf16 (v0.71: K1's h_bf16 builds, the op under EPILORA_HYBRID_H=bf16)
   k1_z1_us, expand_add_z1_us     the same kernels with the group split (grid z) forced to 1: the
@@ -222,6 +224,14 @@ class HybridStages:
             for name, kw in grouped_variants(c).items():
                 fns[f"shrink_grouped_{name}"] = (lambda kw=kw: sg.grouped_shrink(c.x, c.lora_a, c.meta, self.h_bf16,
                                                                                    **kw))
+        from kernels_dsl import k1_shrink as k1mod
+
+        kc = k1mod.select(len(c.proj.slices), c.proj.k, c.rank, c.m)
+        if kc.wgmma and c.rank == 64:  # v0.90: K1's WGMMA build without its per-k-block proxy fence
+            from dataclasses import replace
+
+            nf = replace(kc, proxy_fence=False, h_bf16=True)
+            fns["k1_hb_nf"] = k1(h=self.h_bf16, config=nf)
         k1_sweep, ea_sweep = _sweeps()
         if k1_sweep:
             from kernels_dsl import k1_shrink as k1mod
