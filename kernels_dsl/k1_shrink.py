@@ -699,10 +699,11 @@ WIDE_ROWS_M = 4096  # from here one-slice projections take the 64-row 8-warp til
 def _retune(cfg: Config, resident: Config, m: int) -> Config:
     """cfg (the by-size mma.sync tile) on WGMMA or 8 warps where run30 measured that faster;
     cfg itself where the rank or the shared memory rules the faster machinery out."""
+    # WGMMA builds without the per-k-block proxy fence (v0.90b: it drained the ring each k-block)
     if m <= SHALLOW_SMALL_M:
-        return _or(cfg, lambda: dataclasses.replace(cfg, wgmma=True))
+        return _or(cfg, lambda: dataclasses.replace(cfg, wgmma=True, proxy_fence=False))
     if cfg.bm == 16:  # deep K on a 2-stage ring: the resident ring on WGMMA
-        return _or(cfg, lambda: dataclasses.replace(resident, wgmma=True))
+        return _or(cfg, lambda: dataclasses.replace(resident, wgmma=True, proxy_fence=False))
     if cfg.num_slices >= 2 or m >= WIDE_ROWS_M:
         wide = _or(None, lambda: Config(rank=cfg.rank, num_slices=cfg.num_slices, bm=64, kc=cfg.kc, stages=3, wn_x=2))
         if wide is not None and wide.smem_bytes <= SMEM_TWO_PER_SM:
@@ -780,9 +781,9 @@ def prebuild_configs() -> list[Config]:
     for s, k in SWEEP_SHAPES:
         cfgs.update(sweep_configs(s, k, 64).values())
     cfgs.update(WGMMA_TEST_CONFIGS)
-    # bench builds without the per-k-block proxy fence (perf.md v0.90): the WGMMA selections by
-    # size at rank 64, both h dtypes
-    cfgs |= {dataclasses.replace(c, proxy_fence=False, h_bf16=hb) for c in by_size if c.wgmma and c.rank == 64
+    # the WGMMA selections with the proxy fence (before v0.90b) at rank 64, both h dtypes: the bench's
+    # k1_hb_fence column and the GPU tests' comparison
+    cfgs |= {dataclasses.replace(c, proxy_fence=True, h_bf16=hb) for c in by_size if c.wgmma and c.rank == 64
              for hb in (False, True)}
     return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.kc, c.bm, c.stages, c.h_bf16, c.wn_x, c.wgmma,
                                        c.proxy_fence))

@@ -26,7 +26,6 @@ zero-filled A rows, so they are zeros too.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import sys
 from dataclasses import dataclass
@@ -368,11 +367,13 @@ MAX_RING = 6  # deeper rings gave K1 nothing above 4-6 stages (run13 / run30)
 SM_COUNT = 132  # H100 / H200: the row-tile rule below wants a CTA per SM at least
 
 
-def _ring(rank: int, num_slices: int, bm: int, h_bf16: bool) -> Config:
-    """The deepest ring (<= MAX_RING stages, >= 2) that keeps two CTAs per SM."""
+def _ring(rank: int, num_slices: int, bm: int, h_bf16: bool, proxy_fence: bool = False) -> Config:
+    """The deepest ring (<= MAX_RING stages, >= 2) that keeps two CTAs per SM; without the
+    per-k-block proxy fence unless asked (v0.90b: it drained the ring each k-block)."""
     for stages in range(MAX_RING, 1, -1):
         try:
-            cfg = Config(rank=rank, num_slices=num_slices, bm=bm, stages=stages, h_bf16=h_bf16)
+            cfg = Config(rank=rank, num_slices=num_slices, bm=bm, stages=stages, h_bf16=h_bf16,
+                         proxy_fence=proxy_fence)
         except ValueError:
             continue
         if cfg.smem_bytes <= SMEM_TWO_PER_SM:
@@ -396,8 +397,9 @@ def prebuild_configs() -> list[Config]:
     cfgs = {_ring(r, s, bm, True) for s in SLICE_COUNTS for r in RANKS for bm in BMS}
     cfgs |= {_ring(r, s, 64, False) for s in SLICE_COUNTS for r in RANKS}
     cfgs |= {_ring(64, s, 128, False) for s in SLICE_COUNTS}
-    # bench builds without the per-k-block proxy fence (perf.md v0.90): rank 64, bf16 h, both tiles
-    cfgs |= {dataclasses.replace(_ring(64, s, bm, True), proxy_fence=False) for s in SLICE_COUNTS for bm in BMS}
+    # with the per-k-block proxy fence (before v0.90b): rank 64, bf16 h, both tiles (the bench's
+    # shrink_stream_fence column)
+    cfgs |= {_ring(64, s, bm, True, proxy_fence=True) for s in SLICE_COUNTS for bm in BMS}
     return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.stages, c.h_bf16, c.proxy_fence))
 
 

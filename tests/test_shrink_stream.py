@@ -110,8 +110,8 @@ def test_rings_keep_two_ctas_per_sm():
     for cfg in SS.prebuild_configs():
         assert cfg.smem_bytes <= SS.SMEM_TWO_PER_SM, cfg.name()
         assert cfg.stages >= 2
-    assert SS.select(3, 64, 8192, True) == SS.Config(rank=64, num_slices=3, bm=128, stages=4)
-    assert SS.select(1, 64, 100, True) == SS.Config(rank=64, num_slices=1, bm=64, stages=6)
+    assert SS.select(3, 64, 8192, True) == SS.Config(rank=64, num_slices=3, bm=128, stages=4, proxy_fence=False)
+    assert SS.select(1, 64, 100, True) == SS.Config(rank=64, num_slices=1, bm=64, stages=6, proxy_fence=False)
 
 
 def test_prebuild_set_has_every_selection():
