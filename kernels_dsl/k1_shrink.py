@@ -93,9 +93,6 @@ class Config:
     h_bf16: bool = False
     wn_x: int = 1
     wgmma: bool = False
-    # wgmma builds: fence.proxy.async after each k-block's cp.async wait (False: none, as CUTLASS's
-    # cp.async GMMA mainloops; the "_nf" bench builds measure what it costs, perf.md v0.90)
-    proxy_fence: bool = True
 
     def __post_init__(self):
         if self.rank not in RANKS:
@@ -112,8 +109,6 @@ class Config:
             raise ValueError("wn_x must be 1 or 2")
         if self.wgmma and (self.rank not in WGMMA_RANKS or self.wn_x != 1):
             raise ValueError(f"wgmma builds take ranks {WGMMA_RANKS} and wn_x = 1")
-        if not self.proxy_fence and not self.wgmma:
-            raise ValueError("proxy_fence=False applies to wgmma builds only")
         if self.wn * 16 > self.rank_pad or self.threads > 256:
             raise ValueError("wn_x = 2 needs >= 16 rank columns per warp and <= 8 warps")
         if self.threads // (BK // 8) > min(self.bm, self.rank_pad):
@@ -152,8 +147,7 @@ class Config:
         hb = "_hb" if self.h_bf16 else ""
         wx = "_wn2" if self.wn_x == 2 else ""
         wg = "_wg" if self.wgmma else ""
-        nf = "" if self.proxy_fence else "_nf"
-        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_kc{self.kc}_st{self.stages}{hb}{wx}{wg}{nf}"
+        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_kc{self.kc}_st{self.stages}{hb}{wx}{wg}"
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -390,7 +384,7 @@ if cute is not None:
                 for j in cutlass.range(nkb, unroll=1):
                     i = gi * nkb + j
                     cute.arch.cp_async_wait_group(ST - 2)
-                    if cutlass.const_expr(cfg.wgmma and cfg.proxy_fence):
+                    if cutlass.const_expr(cfg.wgmma):
                         # cp.async wrote the stage (generic proxy); WGMMA reads it (async proxy)
                         cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.barrier()
@@ -699,11 +693,10 @@ WIDE_ROWS_M = 4096  # from here one-slice projections take the 64-row 8-warp til
 def _retune(cfg: Config, resident: Config, m: int) -> Config:
     """cfg (the by-size mma.sync tile) on WGMMA or 8 warps where run30 measured that faster;
     cfg itself where the rank or the shared memory rules the faster machinery out."""
-    # WGMMA builds without the per-k-block proxy fence (v0.90b: it drained the ring each k-block)
     if m <= SHALLOW_SMALL_M:
-        return _or(cfg, lambda: dataclasses.replace(cfg, wgmma=True, proxy_fence=False))
+        return _or(cfg, lambda: dataclasses.replace(cfg, wgmma=True))
     if cfg.bm == 16:  # deep K on a 2-stage ring: the resident ring on WGMMA
-        return _or(cfg, lambda: dataclasses.replace(resident, wgmma=True, proxy_fence=False))
+        return _or(cfg, lambda: dataclasses.replace(resident, wgmma=True))
     if cfg.num_slices >= 2 or m >= WIDE_ROWS_M:
         wide = _or(None, lambda: Config(rank=cfg.rank, num_slices=cfg.num_slices, bm=64, kc=cfg.kc, stages=3, wn_x=2))
         if wide is not None and wide.smem_bytes <= SMEM_TWO_PER_SM:
@@ -781,12 +774,7 @@ def prebuild_configs() -> list[Config]:
     for s, k in SWEEP_SHAPES:
         cfgs.update(sweep_configs(s, k, 64).values())
     cfgs.update(WGMMA_TEST_CONFIGS)
-    # the WGMMA selections with the proxy fence (before v0.90b) at rank 64, both h dtypes: the bench's
-    # k1_hb_fence column and the GPU tests' comparison
-    cfgs |= {dataclasses.replace(c, proxy_fence=True, h_bf16=hb) for c in by_size if c.wgmma and c.rank == 64
-             for hb in (False, True)}
-    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.kc, c.bm, c.stages, c.h_bf16, c.wn_x, c.wgmma,
-                                       c.proxy_fence))
+    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.kc, c.bm, c.stages, c.h_bf16, c.wn_x, c.wgmma))
 
 
 # The bench's K1 sweep (`hybrid_stages` with EPILORA_BENCH_K1SWEEP=1): Qwen3-8B's (slices, K) at

@@ -284,11 +284,11 @@ if cute is not None:
                 # t-1's stage is free and refills it (the decode shrink's loop).
                 for t in cutlass.range(total, unroll=1):
                     s = t % ST
-                    # No proxy fence between the copies' arrival and the WGMMAs (CUTLASS's cp.async
-                    # GMMA mainloops have none either): fence.proxy.async here waited for every
-                    # cp.async of the thread still in flight, i.e. the whole ring, each k-block
-                    # (run42: ~9 GB/s per CTA, the streamed shrink's and K1's WGMMA rate too).
                     cute.arch.mbarrier_wait(full + s, (t // ST) % 2)
+                    # cp.async wrote the stage (generic proxy); WGMMA reads it (async proxy). Not
+                    # what limits a CTA's rate: K1's WGMMA builds without it measured the same
+                    # (run42, perf.md v0.90b).
+                    cute.arch.fence_proxy("async.shared", space="cta")
                     cute.nvgpu.warpgroup.fence()
                     for kk in cutlass.range_constexpr(NK16):
                         cute.gemm(tiled_mma, acc, tCrA[(None, None, kk, s)], tCrX[(None, None, kk, s)], acc)

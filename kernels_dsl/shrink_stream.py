@@ -64,9 +64,6 @@ class Config:
     bm: int = 128
     stages: int = 4
     h_bf16: bool = True
-    # fence.proxy.async after each k-block's cp.async wait (False: none, as CUTLASS's cp.async GMMA
-    # mainloops; bench builds "_nf" measure what the fence costs, perf.md v0.90)
-    proxy_fence: bool = True
 
     def __post_init__(self):
         if self.rank not in RANKS:
@@ -94,8 +91,7 @@ class Config:
         return (self.threads, 1, 1)
 
     def name(self) -> str:
-        return (f"r{self.rank}_s{self.num_slices}_bm{self.bm}_st{self.stages}{'_hb' if self.h_bf16 else ''}"
-                + ("" if self.proxy_fence else "_nf"))
+        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_st{self.stages}{'_hb' if self.h_bf16 else ''}"
 
     @property
     def ring_bytes(self) -> int:
@@ -243,8 +239,7 @@ if cute is not None:
                     for j in cutlass.range(nkb, unroll=1):
                         cute.arch.cp_async_wait_group(ST - 2)
                         # cp.async wrote the stage (generic proxy); WGMMA reads it (async proxy)
-                        if cutlass.const_expr(cfg.proxy_fence):
-                            cute.arch.fence_proxy("async.shared", space="cta")
+                        cute.arch.fence_proxy("async.shared", space="cta")
                         cute.arch.barrier()
                         # every warpgroup finished the stage it read last iteration: refill it
                         jn = j + ST - 1
@@ -367,13 +362,11 @@ MAX_RING = 6  # deeper rings gave K1 nothing above 4-6 stages (run13 / run30)
 SM_COUNT = 132  # H100 / H200: the row-tile rule below wants a CTA per SM at least
 
 
-def _ring(rank: int, num_slices: int, bm: int, h_bf16: bool, proxy_fence: bool = False) -> Config:
-    """The deepest ring (<= MAX_RING stages, >= 2) that keeps two CTAs per SM; without the
-    per-k-block proxy fence unless asked (v0.90b: it drained the ring each k-block)."""
+def _ring(rank: int, num_slices: int, bm: int, h_bf16: bool) -> Config:
+    """The deepest ring (<= MAX_RING stages, >= 2) that keeps two CTAs per SM."""
     for stages in range(MAX_RING, 1, -1):
         try:
-            cfg = Config(rank=rank, num_slices=num_slices, bm=bm, stages=stages, h_bf16=h_bf16,
-                         proxy_fence=proxy_fence)
+            cfg = Config(rank=rank, num_slices=num_slices, bm=bm, stages=stages, h_bf16=h_bf16)
         except ValueError:
             continue
         if cfg.smem_bytes <= SMEM_TWO_PER_SM:
@@ -397,10 +390,7 @@ def prebuild_configs() -> list[Config]:
     cfgs = {_ring(r, s, bm, True) for s in SLICE_COUNTS for r in RANKS for bm in BMS}
     cfgs |= {_ring(r, s, 64, False) for s in SLICE_COUNTS for r in RANKS}
     cfgs |= {_ring(64, s, 128, False) for s in SLICE_COUNTS}
-    # with the per-k-block proxy fence (before v0.90b): rank 64, bf16 h, both tiles (the bench's
-    # shrink_stream_fence column)
-    cfgs |= {_ring(64, s, bm, True, proxy_fence=True) for s in SLICE_COUNTS for bm in BMS}
-    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.stages, c.h_bf16, c.proxy_fence))
+    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.bm, c.stages, c.h_bf16))
 
 
 TARGET_CTAS = 2 * SM_COUNT  # two CTAs per SM: the ring keeps two resident

@@ -66,7 +66,7 @@ def test_geometry_group_split_and_variants():
     g = geometry(QWEN3_8B[0], 32, 64, 32)  # qkv, 32 tokens, 32 adapter slots
     # K1 v0.31: bm 16 up to 1024 tokens, grid y = row tiles x 3 slices; z (v0.20) a power of two up
     # to ~3 CTAs per SM; on WGMMA there (v0.76); above, 64 rows on 8 warps (v0.76)
-    assert g["k1_cfg"] == "r64_s3_bm16_kc512_st4_wg_nf" and g["k1_grid"] == "8x6x8"
+    assert g["k1_cfg"] == "r64_s3_bm16_kc512_st4_wg" and g["k1_grid"] == "8x6x8"
     assert g["expand_grid"].startswith("48x1x")
     big = geometry(QWEN3_8B[0], 2048, 64, 32)
     assert big["k1_cfg"] == "r64_s3_bm64_kc512_st3_wn2" and big["k1_grid"] == "8x96x1"

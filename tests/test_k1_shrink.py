@@ -258,16 +258,15 @@ def test_select_retunes_by_size():
     """v0.76 (run30's sweep): up to SHALLOW_SMALL_M the by-size tile on WGMMA (ranks 64 / 128);
     above, 64 rows on 8 warps for qkv / gate_up and, from WIDE_ROWS_M tokens, for o; o below that
     the by-size tile on 8 warps; down (K 12288) the resident ring on WGMMA; ranks the faster builds
-    do not take keep the mma.sync tile. WGMMA builds without the per-k-block proxy fence (v0.90b)."""
-    wg = functools.partial(dataclasses.replace, wgmma=True, proxy_fence=False)
+    do not take keep the mma.sync tile."""
     for s in (2, 3):
-        assert K1.select(s, 4096, 64, 256) == wg(K1._select_by_size(s, 4096, 64, 256))
+        assert K1.select(s, 4096, 64, 256) == dataclasses.replace(K1._select_by_size(s, 4096, 64, 256), wgmma=True)
         for m in (1025, 2048, 8192):
             assert K1.select(s, 4096, 64, m) == K1.Config(rank=64, num_slices=s, bm=64, kc=512, stages=3, wn_x=2)
     assert K1.select(1, 4096, 64, 2048) == K1.Config(rank=64, num_slices=1, bm=32, kc=512, stages=4, wn_x=2)
     assert K1.select(1, 4096, 64, K1.WIDE_ROWS_M) == K1.Config(rank=64, num_slices=1, bm=64, kc=512, stages=3, wn_x=2)
-    assert K1.select(1, 12288, 64, 256) == wg(K1.select(1, 12288, 64))
-    assert K1.select(1, 12288, 64, 2048) == wg(K1.select(1, 12288, 64))
+    assert K1.select(1, 12288, 64, 256) == dataclasses.replace(K1.select(1, 12288, 64), wgmma=True)
+    assert K1.select(1, 12288, 64, 2048) == dataclasses.replace(K1.select(1, 12288, 64), wgmma=True)
     # ranks without WGMMA builds (8, 16, 32, 256) keep the mma.sync tile below SHALLOW_SMALL_M
     assert not K1.select(1, 4096, 8, 33).wgmma and K1.select(3, 4096, 256, 33) == K1._select_by_size(3, 4096, 256, 33)
     assert K1.select(1, 4096, 128, 256).wgmma and K1.select(2, 4096, 128, 2048).wn_x == 2
@@ -437,10 +436,8 @@ def ptx_problems(ptx: str, cfg: K1.Config | None = None) -> list[str]:
         bad += [f"h_bf16: missing {ins}" for ins in ("cvt.rn.bf16.f32", "st.global.b16") if ins not in ptx]
     if cfg is not None and cfg.wgmma:  # v0.74: swap-AB WGMMA on smem operands after the cp.async fence
         mma = (f"wgmma.mma_async.sync.aligned.m64n{cfg.bm}k16.f32.bf16.bf16", "wgmma.fence.sync.aligned",
-               "wgmma.commit_group.sync.aligned", "wgmma.wait_group.sync.aligned")
+               "wgmma.commit_group.sync.aligned", "wgmma.wait_group.sync.aligned", "fence.proxy.async.shared::cta")
         bad += [f"unexpected {ins}" for ins in ("mma.sync", "ldmatrix") if ins in ptx]
-        if ("fence.proxy.async.shared::cta" in ptx) != cfg.proxy_fence:  # v0.90's _nf builds have none
-            bad.append(f"fence.proxy.async {'missing' if cfg.proxy_fence else 'present in a _nf build'}")
     else:
         mma = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16")
     for ins in (*mma,

@@ -25,10 +25,7 @@ replays with the L2 flushed before each (median, tools/gpu_timing):
   quant_us       our quantization kernel alone (ops.quantize_fp8_per_token: the streamed and
                  grouped paths' codes)
   shrink_stream_us   the streamed shrink alone (kernels_dsl/shrink_stream.py), h as bf16: with
-                 quant_us, what replaces k1_hb_us on the streamed paths; shrink_stream_fence_us the same
-                 with the per-k-block proxy fence it had before v0.90b (bench builds)
-  k1_hb_fence_us K1's WGMMA selection (bf16 h) with the per-k-block proxy fence it had before v0.90b
-                 (bench builds; where the selection is a WGMMA build)
+                 quant_us, what replaces k1_hb_us on the streamed paths
   k1_hb_us, expand_add_hb_us, hybrid_hb_us, hybrid_par_hb_us, hybrid_par_q_hb_us   the same with h
                  stored / read as bf16 (v0.71: K1's h_bf16 builds, the op under EPILORA_HYBRID_H=bf16)
   k1_z1_us, expand_add_z1_us     the same kernels with the group split (grid z) forced to 1: the
@@ -208,12 +205,6 @@ class HybridStages:
 
             fns["quant"] = lambda: ops.quantize_fp8_per_token(c.x, self.codes, self.scales)
             fns["shrink_stream"] = lambda: stream_shrink(c.x, c.lora_a, c.meta, self.h_bf16)
-            # with the per-k-block proxy fence it had before v0.90b (bench builds)
-            from dataclasses import replace
-
-            from kernels_dsl.shrink_stream import select as stream_select
-            fenced = replace(stream_select(len(c.proj.slices), c.rank, c.m), proxy_fence=True)
-            fns["shrink_stream_fence"] = lambda: stream_shrink(c.x, c.lora_a, c.meta, self.h_bf16, config=fenced)
             fns.update({path: op(path, "bf16") for path in ops.STREAM_PATHS})
         if grouped_bucket(c.m):  # v0.90: the shrink by adapter group and its paths (bf16 h)
             from kernels_dsl import shrink_grouped as sg
@@ -224,14 +215,6 @@ class HybridStages:
             for name, kw in grouped_variants(c).items():
                 fns[f"shrink_grouped_{name}"] = (lambda kw=kw: sg.grouped_shrink(c.x, c.lora_a, c.meta, self.h_bf16,
                                                                                    **kw))
-        from kernels_dsl import k1_shrink as k1mod
-
-        kc = k1mod.select(len(c.proj.slices), c.proj.k, c.rank, c.m)
-        if kc.wgmma and c.rank == 64:  # K1's WGMMA build with the per-k-block proxy fence (before v0.90b)
-            from dataclasses import replace
-
-            fenced = replace(kc, proxy_fence=True, h_bf16=True)
-            fns["k1_hb_fence"] = k1(h=self.h_bf16, config=fenced)
         k1_sweep, ea_sweep = _sweeps()
         if k1_sweep:
             from kernels_dsl import k1_shrink as k1mod
