@@ -460,17 +460,11 @@ def grouped_shrink(x: torch.Tensor, lora_a_slices, meta, h: torch.Tensor | None 
     from epilora_cute.arch import arch_of
     from epilora_cute.kernels import get_kernel
 
-    from .expand_add import _check_meta, check_slot_ranks
-    from .k1_shrink import adapter_slices, check_x
-    from .shrink_stream import _output
+    from .shrink_stream import checked_call
 
-    M, K = check_x(x)
-    as_ = adapter_slices(lora_a_slices, x)
+    M, K, as_, h = checked_call(x, lora_a_slices, meta, h, slot_ranks, h_dtype)
     S = len(as_)
     L, R, _ = as_[0].shape
-    h = _output(x, S, R, h, h_dtype)
-    _check_meta(meta, M, x.device)
-    check_slot_ranks(slot_ranks, L, x.device)
     h_bf16 = h.dtype == torch.bfloat16
     n_groups = groups if groups is not None else (meta.host_num_adapters or L)
     cfg = config or select(S, R, max(M, 1), n_groups, h_bf16)

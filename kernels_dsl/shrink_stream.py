@@ -432,16 +432,9 @@ def stream_shrink(x: torch.Tensor, lora_a_slices, meta, h: torch.Tensor | None =
     from epilora_cute.arch import arch_of
     from epilora_cute.kernels import get_kernel
 
-    from .expand_add import _check_meta, check_slot_ranks
-    from .k1_shrink import adapter_slices, check_x
-
-    M, K = check_x(x)
-    as_ = adapter_slices(lora_a_slices, x)
+    M, K, as_, h = checked_call(x, lora_a_slices, meta, h, slot_ranks, h_dtype)
     S = len(as_)
     L, R, _ = as_[0].shape
-    h = _output(x, S, R, h, h_dtype)
-    _check_meta(meta, M, x.device)
-    check_slot_ranks(slot_ranks, L, x.device)
     h_bf16 = h.dtype == torch.bfloat16
     cfg = config or select(S, R, max(M, 1), h_bf16)
     if cfg.rank != R or cfg.num_slices != S:
@@ -464,6 +457,22 @@ def stream_shrink(x: torch.Tensor, lora_a_slices, meta, h: torch.Tensor | None =
            meta.lora_token_start_loc, ranks, *[a.reshape(L * R, K) for a in as_],
            1 if slot_ranks is not None else 0, grid=g, cluster=cl, smem=cfg.smem_bytes)
     return h
+
+
+def checked_call(x: torch.Tensor, lora_a_slices, meta, h, slot_ranks, h_dtype: torch.dtype):
+    """The entry checks the shrinks without quantization share (this one, shrink_grouped's): x,
+    the A slices, h (the given one, else a new one of h_dtype), the metadata, slot_ranks. Returns
+    (M, K, the A slices as [max_loras, R, K], h)."""
+    from .expand_add import _check_meta, check_slot_ranks
+    from .k1_shrink import adapter_slices, check_x
+
+    M, K = check_x(x)
+    as_ = adapter_slices(lora_a_slices, x)
+    L, R, _ = as_[0].shape
+    h = _output(x, len(as_), R, h, h_dtype)
+    _check_meta(meta, M, x.device)
+    check_slot_ranks(slot_ranks, L, x.device)
+    return M, K, as_, h
 
 
 def _output(x: torch.Tensor, num_slices: int, rank: int, h, h_dtype: torch.dtype) -> torch.Tensor:
