@@ -12,7 +12,8 @@ each case. Timing is not this tool's job (tools/bench.py is); it gives a profile
         -o prof python3 tools/profile_kernels.py qkv:2048:1
 
 Stages: k1 (kernels_dsl/k1_shrink), gemm (the vendor FP8 GEMM on K1's codes), expand_add
-(kernels_dsl/expand_add on K1's h), shrink_stream (kernels_dsl/shrink_stream, bf16 h), prefill_k2
+(kernels_dsl/expand_add on K1's h), shrink_stream (kernels_dsl/shrink_stream, bf16 h), shrink_grouped
+(kernels_dsl/shrink_grouped at its launch rule, bf16 h), prefill_k2
 (kernels_dsl/k2_prefill, the op's build with the adapter epilogue, on K1's codes stored in adapter
 order), triton (the whole Triton path: its quant+shrink and gemm_lora kernels); the decode paths
 (`gpu_session.sh profile-decode`): decode (the shrink + K2 on its x_q, 1..32 tokens), at 1..8
@@ -40,8 +41,8 @@ from kernels_dsl import k2_prefill  # noqa: E402
 RANK = 64
 # The prefill K2 builds --k2-builds names, by Build.tag().
 K2_BUILDS = {b.tag(): b for b in k2_prefill.MAIN_LOOP_BUILDS + (k2_prefill.OP_BUILD,)}
-STAGES = ("k1", "gemm", "expand_add", "shrink_stream", "prefill_k2", "triton", "decode", "decode_sq", "decode_fh",
-          "no_adapter")
+STAGES = ("k1", "gemm", "expand_add", "shrink_stream", "shrink_grouped", "prefill_k2", "triton", "decode", "decode_sq",
+          "decode_fh", "no_adapter")
 
 
 def parse_case(text: str) -> tuple[str, int, int]:
@@ -70,13 +71,17 @@ def launchers(case: LayerCase, stages, k2_builds=("overlap_vs",), k2_lora=True) 
         return lambda: ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=c.y, path=path)
 
     fns = {k: op(k) for k in ("triton", "decode", "decode_sq", "decode_fh", "no_adapter")}
-    if any(k in stages for k in ("k1", "gemm", "expand_add", "shrink_stream")):
+    if any(k in stages for k in ("k1", "gemm", "expand_add", "shrink_stream", "shrink_grouped")):
         hs = HybridStages(case)
         fns |= {k: fn for k, fn in hs.launchers().items() if k in ("k1", "gemm", "expand_add")}
         if "shrink_stream" in stages:  # at any size (the bench times it only where the dispatch may take it)
             from kernels_dsl.shrink_stream import stream_shrink
 
             fns["shrink_stream"] = lambda: stream_shrink(c.x, c.lora_a, c.meta, hs.h_bf16)
+        if "shrink_grouped" in stages:  # at any size (the dispatch offers it at 33..512 tokens)
+            from kernels_dsl.shrink_grouped import grouped_shrink
+
+            fns["shrink_grouped"] = lambda: grouped_shrink(c.x, c.lora_a, c.meta, hs.h_bf16)
     if "prefill_k2" in stages:  # the chosen builds (tags; default the op's), on K1's sorted codes and h
         from tools.bench_prefill_k2 import PrefillK2Case
 
