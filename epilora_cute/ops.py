@@ -7,6 +7,7 @@ taken only where the result is identical (the quantization) or explicitly reques
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 from typing import NamedTuple
@@ -640,15 +641,17 @@ def _hybrid_par_path(x, w_q, w_scale, a, b, meta, out, slot_ranks, quant_first: 
     return expand_add(out, h, b, meta, slot_ranks=slot_ranks)
 
 
+# The hybrid paths' down-projections other than K1: name -> (kernel module, its entry, what to call
+# it in errors).
+_SIDE_SHRINKS = {"stream": ("kernels_dsl.shrink_stream", "stream_shrink", "streamed shrink"),
+                 "grouped": ("kernels_dsl.shrink_grouped", "grouped_shrink", "grouped shrink")}
+
+
 def _side_shrink_module(shrink: str):
     """The kernel module of a hybrid path's down-projection other than K1 ("stream" | "grouped")."""
-    if shrink == "stream":
-        from kernels_dsl import shrink_stream as mod
-    elif shrink == "grouped":
-        from kernels_dsl import shrink_grouped as mod
-    else:
+    if shrink not in _SIDE_SHRINKS:
         raise ValueError(f"unknown shrink {shrink!r}")
-    return mod
+    return importlib.import_module(_SIDE_SHRINKS[shrink][0])
 
 
 def side_shrink_shape_reason(shrink: str, rank: int, num_slices: int) -> str | None:
@@ -662,8 +665,7 @@ def side_shrink_shape_reason(shrink: str, rank: int, num_slices: int) -> str | N
 def side_shrink_reason(x, shrink: str, rank: int, num_slices: int) -> str | None:
     """Why the shrink ("stream" | "grouped") can't take the call (None: it can)."""
     if arch_of(x) != "sm_90a":
-        what = "streamed shrink" if shrink == "stream" else "grouped shrink"
-        return f"the {what} needs an sm_90a GPU (have {arch_of(x) or x.device})"
+        return f"the {_SIDE_SHRINKS[shrink][2]} needs an sm_90a GPU (have {arch_of(x) or x.device})"
     return side_shrink_shape_reason(shrink, rank, num_slices)
 
 
@@ -676,12 +678,9 @@ def _hybrid_side_shrink_path(x, w_q, w_scale, a, b, meta, rank, out, slot_ranks,
     computes h, then our expand-add. ``par``: the shrink on the second stream beside the
     quantization + GEMM (hybrid_par's fork / join), else after the GEMM on the caller's stream.
     On hybrid_par K1's codes were a scratch copy nobody read."""
-    if shrink == "stream":
-        from kernels_dsl.shrink_stream import stream_shrink as run_shrink
-    else:
-        from kernels_dsl.shrink_grouped import grouped_shrink as run_shrink
-
     from .launch_plans import expand_add
+
+    run_shrink = getattr(_side_shrink_module(shrink), _SIDE_SHRINKS[shrink][1])
 
     m = x.shape[0]
     dev = x.device

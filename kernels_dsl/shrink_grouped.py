@@ -405,6 +405,12 @@ STAGES = {8: 6, 16: 6, 32: 5, 64: 5}
 TARGET_CTAS = 3 * SM_COUNT
 
 
+def expected_groups(meta, max_loras: int) -> int:
+    """The adapter groups the launch rule plans for: the host's count when it knows it
+    (meta.host_num_adapters), else max_loras (an upper bound, known without reading the device)."""
+    return meta.host_num_adapters or max_loras
+
+
 @functools.lru_cache(maxsize=8192)  # a pure function of its arguments, asked on every launch
 def select(num_slices: int, rank: int, m: int, groups: int, h_bf16: bool = True) -> Config:
     """The row chunk: the smallest token tile holding 1.5x the mean group (m / groups tokens), so
@@ -466,7 +472,7 @@ def grouped_shrink(x: torch.Tensor, lora_a_slices, meta, h: torch.Tensor | None 
     S = len(as_)
     L, R, _ = as_[0].shape
     h_bf16 = h.dtype == torch.bfloat16
-    n_groups = groups if groups is not None else (meta.host_num_adapters or L)
+    n_groups = groups if groups is not None else expected_groups(meta, L)
     cfg = config or select(S, R, max(M, 1), n_groups, h_bf16)
     if cfg.rank != R or cfg.num_slices != S:
         raise ValueError(f"config {cfg.name()} does not match rank {R} / {S} slices")
@@ -503,8 +509,9 @@ def emulate(x: torch.Tensor, lora_a_slices, meta, slot_ranks=None, config: Confi
     M, K = x.shape
     L, R, _ = as_[0].shape
     S = len(as_)
-    cfg = config or select(S, R, max(M, 1), meta.host_num_adapters or L, h_dtype == torch.bfloat16)
-    nsplit = splits or choose_splits(K, cfg, meta.host_num_adapters or L)
+    groups = expected_groups(meta, L)
+    cfg = config or select(S, R, max(M, 1), groups, h_dtype == torch.bfloat16)
+    nsplit = splits or choose_splits(K, cfg, groups)
     nkb = -(-K // BK)
     ranges = [(min(q * nkb // nsplit * BK, K), min((q + 1) * nkb // nsplit * BK, K)) for q in range(nsplit)]
     tok = meta.token_indices_sorted_by_lora_ids.long()

@@ -330,15 +330,34 @@ def test_stream_paths_match_reference(proj, m):
     two bit for bit each other (same codes, GEMM and h) and the reference within tolerance."""
     widths, k = QWEN3_8B[proj]
     x, wq, ws, a, b, mapping = _case(widths, k, m, seed=m + 61)
-    meta = build_meta(mapping, 4)
+    _assert_serial_and_par_agree(ops.STREAM_PATHS, x, wq, ws, a, b, build_meta(mapping, 4), mapping)
+
+
+def _assert_serial_and_par_agree(paths, x, wq, ws, a, b, meta, mapping):
+    """The serial and the second-stream form of a hybrid path, each into a poisoned output it
+    writes in place: bit for bit each other (same codes, GEMM and h) and the reference within
+    tolerance."""
     ys = []
-    for path in ops.STREAM_PATHS:
-        out = torch.full((m, sum(widths)), float("nan"), dtype=torch.bfloat16, device="cuda")
+    for path in paths:
+        out = torch.full((x.shape[0], wq.shape[0]), float("nan"), dtype=torch.bfloat16, device="cuda")
         ys.append(ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path=path))
         assert ys[-1].data_ptr() == out.data_ptr()
     torch.cuda.synchronize()
     assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16))
     assert _rel_err(ys[0], _reference(x, wq, ws, a, b, mapping)) < 1e-2
+
+
+def _mixed_rank_slots(a, b, k, loras=32):
+    """Effective ranks 0 / 16 / 40 / 64 over the slots (slot_ranks), the buffers zeroed beyond each
+    slot's rank as vLLM pads them (work beyond it is skipped)."""
+    ranks = torch.tensor([(0, 16, 40, 64)[i % 4] for i in range(loras)], dtype=torch.int32, device="cuda")
+    for t in (*a, *b):
+        for lid, r in enumerate(ranks.tolist()):
+            if t.shape[-2] == 64 and t.shape[-1] == k:
+                t[lid, :, r:] = 0
+            else:
+                t[lid, :, :, r:] = 0
+    return ranks
 
 
 @pytest.mark.parametrize("path", ["hybrid_st", "hybrid_par_st"])
@@ -347,13 +366,7 @@ def test_stream_paths_mixed_ranks_and_many_adapters(path):
     widths, k = QWEN3_8B["gate_up"]
     m = 2048
     x, wq, ws, a, b, mapping = _case(widths, k, m, loras=32, adapters=32, seed=71)
-    ranks = torch.tensor([(0, 16, 40, 64)[i % 4] for i in range(32)], dtype=torch.int32, device="cuda")
-    for t in (*a, *b):  # work beyond a slot's rank is skipped: the buffers are zero there, as vLLM pads
-        for lid, r in enumerate(ranks.tolist()):
-            if t.shape[-2] == 64 and t.shape[-1] == k:
-                t[lid, :, r:] = 0
-            else:
-                t[lid, :, :, r:] = 0
+    ranks = _mixed_rank_slots(a, b, k)
     meta = build_meta(mapping, 32)
     out = torch.full((m, sum(widths)), float("nan"), dtype=torch.bfloat16, device="cuda")
     y = ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, slot_ranks=ranks, path=path)
@@ -382,15 +395,7 @@ def test_grouped_paths_match_reference(proj, m, loras):
     two bit for bit each other and the reference within tolerance; many adapters of few tokens."""
     widths, k = QWEN3_8B[proj]
     x, wq, ws, a, b, mapping = _case(widths, k, m, loras=loras, adapters=loras, seed=m + 67)
-    meta = build_meta(mapping, loras)
-    ys = []
-    for path in ops.GROUPED_PATHS:
-        out = torch.full((m, sum(widths)), float("nan"), dtype=torch.bfloat16, device="cuda")
-        ys.append(ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path=path))
-        assert ys[-1].data_ptr() == out.data_ptr()
-    torch.cuda.synchronize()
-    assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16))
-    assert _rel_err(ys[0], _reference(x, wq, ws, a, b, mapping)) < 1e-2
+    _assert_serial_and_par_agree(ops.GROUPED_PATHS, x, wq, ws, a, b, build_meta(mapping, loras), mapping)
 
 
 @pytest.mark.parametrize("path", ["hybrid_g", "hybrid_par_g"])
@@ -400,13 +405,7 @@ def test_grouped_paths_mixed_ranks_and_no_adapters(path):
     widths, k = QWEN3_8B["gate_up"]
     m = 256
     x, wq, ws, a, b, mapping = _case(widths, k, m, loras=32, adapters=32, seed=73)
-    ranks = torch.tensor([(0, 16, 40, 64)[i % 4] for i in range(32)], dtype=torch.int32, device="cuda")
-    for t in (*a, *b):  # the buffers are zero beyond a slot's rank, as vLLM pads
-        for lid, r in enumerate(ranks.tolist()):
-            if t.shape[-2] == 64 and t.shape[-1] == k:
-                t[lid, :, r:] = 0
-            else:
-                t[lid, :, :, r:] = 0
+    ranks = _mixed_rank_slots(a, b, k)
     meta = build_meta(mapping, 32)
     out = torch.full((m, sum(widths)), float("nan"), dtype=torch.bfloat16, device="cuda")
     y = ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, slot_ranks=ranks, path=path)

@@ -200,16 +200,16 @@ class HybridStages:
                # the whole op, per path, with fp32 h, then with bf16 h (the default since v0.78)
                **{path: op(path, "fp32") for path in HYBRID_PATHS},
                **{f"{path}_hb": op(path, "bf16") for path in HYBRID_PATHS}}
+        if stream_bucket(c.m) or grouped_bucket(c.m):  # the codes the streamed / grouped paths' GEMM reads
+            fns["quant"] = lambda: ops.quantize_fp8_per_token(c.x, self.codes, self.scales)
         if stream_bucket(c.m):  # v0.88: the streamed shrink and its paths (bf16 h, their default)
             from kernels_dsl.shrink_stream import stream_shrink
 
-            fns["quant"] = lambda: ops.quantize_fp8_per_token(c.x, self.codes, self.scales)
             fns["shrink_stream"] = lambda: stream_shrink(c.x, c.lora_a, c.meta, self.h_bf16)
             fns.update({path: op(path, "bf16") for path in ops.STREAM_PATHS})
         if grouped_bucket(c.m):  # v0.90: the shrink by adapter group and its paths (bf16 h)
             from kernels_dsl import shrink_grouped as sg
 
-            fns["quant"] = lambda: ops.quantize_fp8_per_token(c.x, self.codes, self.scales)
             fns["shrink_grouped"] = lambda: sg.grouped_shrink(c.x, c.lora_a, c.meta, self.h_bf16)
             fns.update({path: op(path, "bf16") for path in ops.GROUPED_PATHS})
             for name, kw in grouped_variants(c).items():
@@ -238,7 +238,7 @@ def grouped_variants(c: LayerCase) -> dict[str, dict]:
     rule's split at the rule's tile."""
     from kernels_dsl import shrink_grouped as sg
 
-    groups = c.meta.host_num_adapters or c.max_loras
+    groups = sg.expected_groups(c.meta, c.max_loras)
     S = len(c.proj.slices)
     rule = sg.select(S, c.rank, c.m, groups)
     out = {}
