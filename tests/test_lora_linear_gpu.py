@@ -23,6 +23,15 @@ def _case(widths, k, m, rank=64, loras=4, adapters=3, seed=0):
     return x, wq, ws, a, b, mapping
 
 
+@pytest.fixture
+def stream_priority(request):
+    """v0.91's setting (the quantization + GEMM of the forked hybrid paths on a high-priority
+    stream) for one test, restored after it."""
+    before = ops.set_stream_priority(request.param)
+    yield request.param
+    ops.set_stream_priority(before)
+
+
 def _rel_err(y, ref):
     return ((y.float() - ref).norm() / ref.norm()).item()
 
@@ -256,13 +265,15 @@ def test_hybrid_path_matches_reference(proj, m):
     assert _rel_err(y, _reference(x, wq, ws, a, b, mapping)) < 1e-2
 
 
+@pytest.mark.parametrize("stream_priority", [False, True], indirect=True)
 @pytest.mark.parametrize("path", ["hybrid_par", "hybrid_par_q"])
 @pytest.mark.parametrize("m", [1, 33, 64, 256, 2048])
 @pytest.mark.parametrize("proj", ["qkv", "o", "down"])
-def test_hybrid_par_is_the_hybrid_path_bit_for_bit(proj, m, path):
+def test_hybrid_par_is_the_hybrid_path_bit_for_bit(proj, m, path, stream_priority):
     """hybrid_par (K1 on a second stream beside the quantization + GEMM) and hybrid_par_q (that
     branch forked after the quantization) return the hybrid path's y bit for bit (the same codes,
-    GEMM and h), into a poisoned output, and match the reference."""
+    GEMM and h), into a poisoned output, and match the reference; with the quantization + GEMM on
+    the high-priority stream (v0.91) as without."""
     widths, k = QWEN3_8B[proj]
     x, wq, ws, a, b, mapping = _case(widths, k, m, seed=m + 11)
     meta = build_meta(mapping, 4)
@@ -297,12 +308,14 @@ def test_hybrid_paths_with_bf16_h_are_bit_for_bit_fp32_h(proj, m, path, monkeypa
     assert y.data_ptr() == out.data_ptr() and torch.equal(y.view(torch.int16), want.view(torch.int16))
 
 
+@pytest.mark.parametrize("stream_priority", [False, True], indirect=True)
 @pytest.mark.parametrize("path,m,serial", [("hybrid_par", 64, "hybrid"), ("hybrid_par_q", 64, "hybrid"),
                                            ("hybrid_par_st", 1024, "hybrid_st"), ("hybrid_par_g", 256, "hybrid_g")])
-def test_hybrid_par_in_a_cuda_graph_with_new_inputs(path, m, serial):
-    """The fork / join is captured as two branches of one graph; replays with new x and a new
-    adapter mapping match the eager serial form of the path bit for bit; the second stream is
-    joined (the capture would fail otherwise) and the output is written once per replay."""
+def test_hybrid_par_in_a_cuda_graph_with_new_inputs(path, m, serial, stream_priority):
+    """The fork / join is captured as two branches of one graph (three with v0.91's high-priority
+    stream); replays with new x and a new adapter mapping match the eager serial form of the path
+    bit for bit; the streams are joined (the capture would fail otherwise) and the output is
+    written once per replay."""
     widths, k = QWEN3_8B["qkv"]
     x, wq, ws, a, b, mapping = _case(widths, k, m, seed=31)
     meta = build_meta(mapping, 4, m)
@@ -331,6 +344,28 @@ def test_stream_paths_match_reference(proj, m):
     widths, k = QWEN3_8B[proj]
     x, wq, ws, a, b, mapping = _case(widths, k, m, seed=m + 61)
     _assert_serial_and_par_agree(ops.STREAM_PATHS, x, wq, ws, a, b, build_meta(mapping, 4), mapping)
+
+
+@pytest.mark.parametrize("path,m", [("hybrid_par_st", 33), ("hybrid_par_st", 2048), ("hybrid_par_g", 64),
+                                    ("hybrid_par_g", 256)])
+@pytest.mark.parametrize("proj", ["qkv", "gate_up"])
+def test_side_shrink_par_paths_with_stream_priority_bit_for_bit(proj, path, m):
+    """v0.91: hybrid_par_st / hybrid_par_g with the quantization + GEMM on the high-priority stream
+    write the same y, bit for bit, as with everything on the caller's stream, into a poisoned output."""
+    widths, k = QWEN3_8B[proj]
+    x, wq, ws, a, b, mapping = _case(widths, k, m, seed=m + 71)
+    meta = build_meta(mapping, 4)
+    ys = []
+    for priority in (False, True):
+        before = ops.set_stream_priority(priority)
+        try:
+            out = torch.full((m, sum(widths)), float("nan"), dtype=torch.bfloat16, device="cuda")
+            ys.append(ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path=path))
+        finally:
+            ops.set_stream_priority(before)
+    torch.cuda.synchronize()
+    assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16))
+    assert _rel_err(ys[1], _reference(x, wq, ws, a, b, mapping)) < 1e-2
 
 
 def _assert_serial_and_par_agree(paths, x, wq, ws, a, b, meta, mapping):

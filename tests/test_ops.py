@@ -166,7 +166,7 @@ def test_hybrid_paths_hand_h_of_the_chosen_dtype_to_the_expand_add(monkeypatch, 
         seen["expand"] = h
         return out
 
-    monkeypatch.setattr(ops, "quantize_fp8_per_token", lambda x: reference.quantize_fp8_per_token(x))
+    monkeypatch.setattr(ops, "quantize_fp8_per_token", lambda x, *bufs: reference.quantize_fp8_per_token(x))
     monkeypatch.setattr(ops, "vendor_fp8_gemm", lambda codes, scales, w_q, w_scale, out=None: out)
     monkeypatch.setattr(ops, "_side_stream", lambda dev: torch.cuda.current_stream(dev))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: type("S", (), {
@@ -205,7 +205,7 @@ def _fake_streams(monkeypatch, log: list) -> list:
             self.at = f"{stream.name}@{sum(1 for e in log if e[0] == stream.name)}"
             log.append((stream.name, "record", self.at))
 
-    main, side = FakeStream("main"), FakeStream("side")
+    main, side, crit = FakeStream("main"), FakeStream("side"), FakeStream("crit")
     current = [main]
 
     @contextlib.contextmanager
@@ -218,15 +218,31 @@ def _fake_streams(monkeypatch, log: list) -> list:
     monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(ops, "_side_stream", lambda dev: side)
-    monkeypatch.setattr(ops, "quantize_fp8_per_token", lambda x: log.append((current[-1].name, "quant")) or
+    monkeypatch.setattr(ops, "_critical_streams", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "Stream", type("FakeStreamType", (), {
+        "priority_range": staticmethod(lambda: (0, -5)),
+        "__new__": lambda cls, dev, priority=0: crit if priority == -5 else pytest.fail("not the highest priority")}))
+    monkeypatch.setattr(ops, "quantize_fp8_per_token", lambda x, *bufs: log.append((current[-1].name, "quant")) or
                         reference.quantize_fp8_per_token(x))
     monkeypatch.setattr(ops, "vendor_fp8_gemm", lambda codes, scales, w_q, w_scale, out=None:
                         log.append((current[-1].name, "gemm")) or out)
     return current
 
 
+@pytest.fixture
+def priority(monkeypatch, request):
+    """EPILORA_STREAM_PRIORITY for one test (the setting is read once per process)."""
+    monkeypatch.setenv(ops.STREAM_PRIORITY_ENV, request.param)
+    ops.set_stream_priority(None)
+    yield request.param == "1"
+    monkeypatch.delenv(ops.STREAM_PRIORITY_ENV)
+    ops.set_stream_priority(None)
+
+
+@pytest.mark.parametrize("priority", ["0"], indirect=True)
 @pytest.mark.parametrize("quant_first", [False, True])
-def test_hybrid_par_launch_order(monkeypatch, quant_first):
+def test_hybrid_par_launch_order(monkeypatch, quant_first, priority):
     """hybrid_par: the side branch (K1) forks from the caller's stream before the quantization;
     hybrid_par_q (v0.58): after it, K1 issued after the GEMM; expand-add waits for the join either
     way."""
@@ -249,10 +265,79 @@ def test_hybrid_par_launch_order(monkeypatch, quant_first):
                        ("main", "wait", "side@now"), ("main", "expand")]
 
 
+@pytest.mark.parametrize("priority", ["1"], indirect=True)
+@pytest.mark.parametrize("quant_first", [False, True])
+def test_hybrid_par_with_stream_priority(monkeypatch, quant_first, priority):
+    """v0.91: the quantization + GEMM on the high-priority stream, after the caller's work so far and
+    joined back before the expand-add (hybrid_par_q's side branch still waits for the
+    quantization); the side branch as without priority."""
+    from kernels_dsl import expand_add, k1_shrink
+
+    log = []
+    current = _fake_streams(monkeypatch, log)
+    monkeypatch.setattr(k1_shrink, "k1_quant_shrink", lambda x, a, meta, codes, scales, h, slot_ranks=None:
+                        log.append((current[-1].name, "k1")))
+    monkeypatch.setattr(expand_add, "expand_add", lambda out, h, b, meta, slot_ranks=None:
+                        log.append((current[-1].name, "expand")) or out)
+    x, wq, ws, a, b, meta, _ = _linear_case()
+    out = torch.empty(x.shape[0], wq.shape[0], dtype=torch.bfloat16)
+    ops._hybrid_par_path(x, wq, ws, a, b, meta, out, None, quant_first=quant_first)
+    critical = [("crit", "wait", "main@now"), ("crit", "quant")]
+    if quant_first:
+        critical += [("crit", "record", "crit@2")]
+    critical += [("crit", "gemm"), ("main", "wait", "crit@now")]
+    if quant_first:
+        assert log == critical + [("side", "wait", "crit@2"), ("side", "k1"), ("main", "wait", "side@now"),
+                                  ("main", "expand")]
+    else:
+        assert log == [("side", "wait", "main@now"), ("side", "k1")] + critical + [
+            ("main", "wait", "side@now"), ("main", "expand")]
+    assert ops.stream_priority_enabled()
+
+
+@pytest.mark.parametrize("priority", ["1"], indirect=True)
+@pytest.mark.parametrize("shrink", ["stream", "grouped"])
+def test_side_shrink_par_paths_with_stream_priority(monkeypatch, shrink, priority):
+    """v0.91 on hybrid_par_st / hybrid_par_g: the shrink forks first, the quantization + GEMM run on
+    the high-priority stream, both join before the expand-add."""
+    from kernels_dsl import expand_add, shrink_grouped, shrink_stream
+
+    log = []
+    current = _fake_streams(monkeypatch, log)
+    mod, fn = (shrink_stream, "stream_shrink") if shrink == "stream" else (shrink_grouped, "grouped_shrink")
+    monkeypatch.setattr(mod, fn, lambda x, a, meta, h, slot_ranks=None: log.append((current[-1].name, "shrink")))
+    monkeypatch.setattr(expand_add, "expand_add", lambda out, h, b, meta, slot_ranks=None:
+                        log.append((current[-1].name, "expand")) or out)
+    x, wq, ws, a, b, meta, _ = _linear_case()
+    out = torch.empty(x.shape[0], wq.shape[0], dtype=torch.bfloat16)
+    ops._hybrid_side_shrink_path(x, wq, ws, a, b, meta, a[0].shape[-2], out, None, shrink, True)
+    assert log == [("side", "wait", "main@now"), ("side", "shrink"), ("crit", "wait", "main@now"),
+                   ("crit", "quant"), ("crit", "gemm"), ("main", "wait", "crit@now"),
+                   ("main", "wait", "side@now"), ("main", "expand")]
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("0", False), ("", False), ("yes", False)])
+def test_stream_priority_setting(monkeypatch, value, on):
+    """EPILORA_STREAM_PRIORITY: "1" on, "0" / unset off, anything else off with a warning (a typo
+    must not stop an engine); set_stream_priority overrides it for a bench and restores it."""
+    monkeypatch.setenv(ops.STREAM_PRIORITY_ENV, value)
+    ops.set_stream_priority(None)
+    try:
+        assert ops.stream_priority_enabled() is on
+        assert ops.set_stream_priority(not on) is on
+        assert ops.stream_priority_enabled() is (not on)
+        ops.set_stream_priority(None)
+        assert ops.stream_priority_enabled() is on
+    finally:
+        monkeypatch.delenv(ops.STREAM_PRIORITY_ENV)
+        ops.set_stream_priority(None)
+
+
+@pytest.mark.parametrize("priority", ["0"], indirect=True)
 @pytest.mark.parametrize("shrink", ["stream", "grouped"])
 @pytest.mark.parametrize("env", ["fp32", "bf16"])
 @pytest.mark.parametrize("par", [False, True])
-def test_side_shrink_paths_launch_order_and_h(monkeypatch, par, env, shrink):
+def test_side_shrink_paths_launch_order_and_h(monkeypatch, par, env, shrink, priority):
     """hybrid_par_st (v0.88) / hybrid_par_g (v0.90): the streamed / grouped shrink forks onto the
     side stream before the quantization + GEMM, expand-add after the join; hybrid_st / hybrid_g:
     all on the caller's stream, the shrink after the GEMM. Either way one h of EPILORA_HYBRID_H's

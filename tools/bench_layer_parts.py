@@ -10,7 +10,11 @@ is ONE graph of the four projections (qkv, o, gate_up, down), L2 flushed before 
 `ops.quantize_fp8_per_token`, `ops.vendor_fp8_gemm`, `launch_plans.expand_add`) with the op's
 stream order, rank 64, tokens dealt round-robin over the adapters (max_loras = max(8, adapters)):
 
-  op_us          lora_linear_fp8(path="hybrid_par"): the op as the dispatch runs it
+  op_us          lora_linear_fp8(path="hybrid_par") with EPILORA_STREAM_PRIORITY=0: K1 forked, the
+                 quantization + GEMM on the caller's stream (the path before v0.91)
+  op_pri_us      the same with the quantization + GEMM on a high-priority stream (v0.91)
+  op_q_us, op_q_pri_us, op_st_us, op_st_pri_us, op_g_us, op_g_pri_us
+                 hybrid_par_q, hybrid_par_st and hybrid_par_g without and with that priority
   mirror_us      this module's re-composition of it: K1 on a side stream forked before the
                  quantization, quantization + GEMM on the main stream, the join, the expand-add
                  (should equal op_us: the check that the parts below are the op's)
@@ -22,7 +26,7 @@ stream order, rank 64, tokens dealt round-robin over the adapters (max_loras = m
   quant_us, gemm_us, k1_us, expand_us   each part alone, four projections in one graph
 
 and, derived (µs): adapter_cost = mirror - base; expand_exposed = mirror - no_expand;
-k1_exposed = mirror - no_k1; fork_saves = serial - mirror. Without vLLM the GEMM is cuBLAS
+k1_exposed = mirror - no_k1; fork_saves = serial - mirror; priority_saves = op - op_pri. Without vLLM the GEMM is cuBLAS
 (torch._scaled_mm), which is slower than vLLM's CUTLASS at these sizes: compare within a run.
 """
 
@@ -47,10 +51,16 @@ from tools.gpu_timing import time_graph  # noqa: E402
 RANK = 64
 DEFAULT_TOKENS = (32, 64)
 DEFAULT_ADAPTERS = (8, 1)
-PARTS = ("op", "mirror", "no_expand", "no_k1", "serial", "base", "quant", "gemm", "k1", "expand")
+# op columns -> (path, stream priority)
+OP_PARTS = {"op": ("hybrid_par", False), "op_pri": ("hybrid_par", True),
+            "op_q": ("hybrid_par_q", False), "op_q_pri": ("hybrid_par_q", True),
+            "op_st": ("hybrid_par_st", False), "op_st_pri": ("hybrid_par_st", True),
+            "op_g": ("hybrid_par_g", False), "op_g_pri": ("hybrid_par_g", True)}
+PARTS = (*OP_PARTS, "mirror", "no_expand", "no_k1", "serial", "base", "quant", "gemm", "k1", "expand")
 # derived column -> (minuend, subtrahend)
 DERIVED = {"adapter_cost": ("mirror", "base"), "expand_exposed": ("mirror", "no_expand"),
-           "k1_exposed": ("mirror", "no_k1"), "fork_saves": ("serial", "mirror")}
+           "k1_exposed": ("mirror", "no_k1"), "fork_saves": ("serial", "mirror"),
+           "priority_saves": ("op", "op_pri")}
 
 
 def settings(env: Mapping[str, str] | None = None) -> tuple[list[int], list[int]]:
@@ -97,11 +107,15 @@ class LayerParts:
         self.quant()
         torch.cuda.synchronize()
 
-    def op(self) -> None:
+    def op(self, path: str = "hybrid_par", priority: bool = False) -> None:
         from epilora_cute import ops
 
         c = self.c
-        ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=self.out, path="hybrid_par")
+        before = ops.set_stream_priority(priority)  # read while the graph is captured
+        try:
+            ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=self.out, path=path)
+        finally:
+            ops.set_stream_priority(before)
 
     def quant(self) -> None:
         from epilora_cute import ops
@@ -145,7 +159,8 @@ class LayerParts:
         self.expand()
 
     def launchers(self) -> dict[str, Callable[[], None]]:
-        return {"op": self.op, "mirror": self.forked, "no_expand": lambda: self.forked(expand=False),
+        ops = {name: (lambda p=path, pri=pri: self.op(p, pri)) for name, (path, pri) in OP_PARTS.items()}
+        return {**ops, "mirror": self.forked, "no_expand": lambda: self.forked(expand=False),
                 "no_k1": lambda: self.forked(k1=False), "serial": self.serial,
                 "base": lambda: (self.quant(), self.gemm()), "quant": self.quant, "gemm": self.gemm,
                 "k1": self.k1, "expand": self.expand}
