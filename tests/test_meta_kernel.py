@@ -155,6 +155,20 @@ def test_refill_in_place_shrinking_batch():
     assert ptrs == [getattr(got, f).data_ptr() for f in META_FIELDS]
 
 
+def test_long_tails_over_several_programs():
+    """Tails longer than one program's TAIL_CHUNK (the engine's capacity is vLLM's
+    max_num_batched_tokens, thousands of tokens past a decode batch): every program's share, the
+    last one partial, over stale buffers."""
+    g = torch.Generator().manual_seed(17)
+    L, cap = 4, 2 * meta_kernel.TAIL_CHUNK + 77
+    assert meta_kernel.tail_programs(0, cap) == 3 and meta_kernel.tail_programs(cap, cap) == 0
+    for n in (0, 1, 700, meta_kernel.TAIL_CHUNK + 3, cap - 1):
+        m = random_mapping(g, n, L, "valid")
+        got = stale_meta(L, cap, g)
+        meta_kernel.fill_meta(got, m.to(DEVICE))
+        assert_same(got, torch_meta(m, L, cap), f"n={n} cap={cap}")
+
+
 def test_prepare_wiring(monkeypatch):
     """``prepare`` with the kernel switched in: same fields, num_tokens and host_num_adapters."""
     g = torch.Generator().manual_seed(2)
@@ -214,8 +228,9 @@ for L, map_type in ((1, "*i64"), (16, "*i32")):
     sig = {"map_ptr": map_type, "stride_map": "i32", "n": "i32", "cap": "i32"}
     sig.update({k: "*i32" for k in ("mapping_ptr", "sorted_idx_ptr", "active_ids_ptr", "num_tokens_ptr",
                                      "start_loc_ptr", "sorted_lora_ptr", "row_group_ptr", "num_active_ptr")})
-    sig.update(L="constexpr", IDS="constexpr", BLOCK="constexpr")
-    src = ASTSource(mk.prepare_meta_kernel, sig, constexprs={"L": L, "IDS": ids, "BLOCK": block})
+    sig.update(L="constexpr", IDS="constexpr", BLOCK="constexpr", TAIL="constexpr")
+    src = ASTSource(mk.prepare_meta_kernel, sig, constexprs={"L": L, "IDS": ids, "BLOCK": block,
+                                                              "TAIL": mk.TAIL_CHUNK})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": mk.NUM_WARPS})
     assert k.asm["cubin"], L
 print("compiled")
