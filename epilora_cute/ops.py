@@ -606,6 +606,7 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 # EPILORA_STREAM_PRIORITY=0 keeps every kernel on the caller's stream (the paths before v0.91).
 STREAM_PRIORITY_ENV = "EPILORA_STREAM_PRIORITY"
 STREAM_PRIORITY_DEFAULT = "0"
+_HIGHEST_PRIORITY = -100  # lower is higher; CUDA's range on Hopper is [-5, 0]
 _critical_streams: dict[int, torch.cuda.Stream] = {}
 _stream_priority: list[bool] = []  # [setting], read once per process (set_stream_priority for benches)
 
@@ -640,8 +641,8 @@ def _critical_stream(device: torch.device) -> torch.cuda.Stream:
     idx = device.index if device.index is not None else torch.cuda.current_device()
     crit = _critical_streams.get(idx)
     if crit is None:
-        _, highest = torch.cuda.Stream.priority_range()
-        crit = _critical_streams[idx] = torch.cuda.Stream(torch.device("cuda", idx), priority=highest)
+        # A priority below the device's range maps to its highest (torch.cuda.Stream's contract).
+        crit = _critical_streams[idx] = torch.cuda.Stream(torch.device("cuda", idx), priority=_HIGHEST_PRIORITY)
     return crit
 
 
