@@ -608,28 +608,28 @@ STREAM_PRIORITY_ENV = "EPILORA_STREAM_PRIORITY"
 STREAM_PRIORITY_DEFAULT = "0"
 _HIGHEST_PRIORITY = -100  # lower is higher; CUDA's range on Hopper is [-5, 0]
 _critical_streams: dict[int, torch.cuda.Stream] = {}
-_stream_priority: list[bool] = []  # [setting], read once per process (set_stream_priority for benches)
+_stream_priority: bool | None = None  # None: not read yet (read once per process)
 
 
 def stream_priority_enabled() -> bool:
     """Whether the forked hybrid paths run their quantization + GEMM on a high-priority stream."""
-    if not _stream_priority:
+    global _stream_priority
+    if _stream_priority is None:
         v = (os.environ.get(STREAM_PRIORITY_ENV) or STREAM_PRIORITY_DEFAULT).strip()
         if v not in ("0", "1"):
             _warn_once(f"{STREAM_PRIORITY_ENV}={v}", f"{STREAM_PRIORITY_ENV}={v!r} is not 0 or 1; "
                        f"using {STREAM_PRIORITY_DEFAULT}")
             v = STREAM_PRIORITY_DEFAULT
-        _stream_priority.append(v == "1")
-    return _stream_priority[0]
+        _stream_priority = v == "1"
+    return _stream_priority
 
 
 def set_stream_priority(on: bool | None) -> bool:
     """Set (None: re-read from the environment) the setting of stream_priority_enabled; returns the
     setting before. For benches that time both forms in one process; an engine keeps one."""
+    global _stream_priority
     before = stream_priority_enabled()
-    _stream_priority.clear()
-    if on is not None:
-        _stream_priority.append(bool(on))
+    _stream_priority = None if on is None else bool(on)
     return before
 
 
