@@ -26,8 +26,9 @@ stream order, rank 64, tokens dealt round-robin over the adapters (max_loras = m
   quant_us, gemm_us, k1_us, expand_us   each part alone, four projections in one graph
 
 and, derived (µs): adapter_cost = mirror - base; expand_exposed = mirror - no_expand;
-k1_exposed = mirror - no_k1; fork_saves = serial - mirror; priority_saves = op - op_pri. Without vLLM the GEMM is cuBLAS
-(torch._scaled_mm), which is slower than vLLM's CUTLASS at these sizes: compare within a run.
+k1_exposed = mirror - no_k1; fork_saves = serial - mirror; priority_saves = op - op_pri. Without
+vLLM the GEMM is cuBLAS (torch._scaled_mm), which is slower than vLLM's CUTLASS at these sizes:
+compare within a run.
 """
 
 from __future__ import annotations
