@@ -589,12 +589,18 @@ def _hybrid_path(x, w_q, w_scale, a, b, meta, out, slot_ranks):
 _side_streams: dict[int, torch.cuda.Stream] = {}  # hybrid_par's second stream, one per device
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
+def _device_stream(streams: dict[int, torch.cuda.Stream], device: torch.device,
+                   priority: int = 0) -> torch.cuda.Stream:
+    """The device's stream in ``streams`` (one per device, made on first use with ``priority``)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    side = _side_streams.get(idx)
-    if side is None:
-        side = _side_streams[idx] = torch.cuda.Stream(torch.device("cuda", idx))
-    return side
+    stream = streams.get(idx)
+    if stream is None:
+        stream = streams[idx] = torch.cuda.Stream(torch.device("cuda", idx), priority=priority)
+    return stream
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return _device_stream(_side_streams, device)
 
 
 # v0.91: the branch a forked hybrid layer waits for (quantization + GEMM) on a high-priority stream.
@@ -638,12 +644,8 @@ def _critical_stream(device: torch.device) -> torch.cuda.Stream:
     stream_priority_enabled() one of the device's highest priority (one per device)."""
     if not stream_priority_enabled():
         return torch.cuda.current_stream(device)
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    crit = _critical_streams.get(idx)
-    if crit is None:
-        # A priority below the device's range maps to its highest (torch.cuda.Stream's contract).
-        crit = _critical_streams[idx] = torch.cuda.Stream(torch.device("cuda", idx), priority=_HIGHEST_PRIORITY)
-    return crit
+    # A priority below the device's range maps to its highest (torch.cuda.Stream's contract).
+    return _device_stream(_critical_streams, device, _HIGHEST_PRIORITY)
 
 
 def _quant_gemm_on(stream, main, x, codes, scales, w_q, w_scale, out, fork=None) -> None:

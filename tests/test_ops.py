@@ -239,12 +239,9 @@ def priority(monkeypatch, request):
     ops.set_stream_priority(None)
 
 
-@pytest.mark.parametrize("priority", ["0"], indirect=True)
-@pytest.mark.parametrize("quant_first", [False, True])
-def test_hybrid_par_launch_order(monkeypatch, quant_first, priority):
-    """hybrid_par: the side branch (K1) forks from the caller's stream before the quantization;
-    hybrid_par_q (v0.58): after it, K1 issued after the GEMM; expand-add waits for the join either
-    way."""
+def _hybrid_par_log(monkeypatch, quant_first: bool) -> list:
+    """What each fake stream was asked to do by one hybrid_par (hybrid_par_q) call, K1 and the
+    expand-add logging themselves (``_fake_streams``)."""
     from kernels_dsl import expand_add, k1_shrink
 
     log = []
@@ -256,6 +253,16 @@ def test_hybrid_par_launch_order(monkeypatch, quant_first, priority):
     x, wq, ws, a, b, meta, _ = _linear_case()
     out = torch.empty(x.shape[0], wq.shape[0], dtype=torch.bfloat16)
     ops._hybrid_par_path(x, wq, ws, a, b, meta, out, None, quant_first=quant_first)
+    return log
+
+
+@pytest.mark.parametrize("priority", ["0"], indirect=True)
+@pytest.mark.parametrize("quant_first", [False, True])
+def test_hybrid_par_launch_order(monkeypatch, quant_first, priority):
+    """hybrid_par: the side branch (K1) forks from the caller's stream before the quantization;
+    hybrid_par_q (v0.58): after it, K1 issued after the GEMM; expand-add waits for the join either
+    way."""
+    log = _hybrid_par_log(monkeypatch, quant_first)
     if quant_first:
         assert log == [("main", "quant"), ("main", "record", "main@1"), ("main", "gemm"),
                        ("side", "wait", "main@1"), ("side", "k1"), ("main", "wait", "side@now"), ("main", "expand")]
@@ -270,17 +277,7 @@ def test_hybrid_par_with_stream_priority(monkeypatch, quant_first, priority):
     """v0.91: the quantization + GEMM on the high-priority stream, after the caller's work so far and
     joined back before the expand-add (hybrid_par_q's side branch still waits for the
     quantization); the side branch as without priority."""
-    from kernels_dsl import expand_add, k1_shrink
-
-    log = []
-    current = _fake_streams(monkeypatch, log)
-    monkeypatch.setattr(k1_shrink, "k1_quant_shrink", lambda x, a, meta, codes, scales, h, slot_ranks=None:
-                        log.append((current[-1].name, "k1")))
-    monkeypatch.setattr(expand_add, "expand_add", lambda out, h, b, meta, slot_ranks=None:
-                        log.append((current[-1].name, "expand")) or out)
-    x, wq, ws, a, b, meta, _ = _linear_case()
-    out = torch.empty(x.shape[0], wq.shape[0], dtype=torch.bfloat16)
-    ops._hybrid_par_path(x, wq, ws, a, b, meta, out, None, quant_first=quant_first)
+    log = _hybrid_par_log(monkeypatch, quant_first)
     critical = [("crit", "wait", "main@now"), ("crit", "quant")]
     if quant_first:
         critical += [("crit", "record", "crit@2")]
