@@ -712,5 +712,15 @@ def test_layer_parts_settings_derive_and_format():
     row.update(lp.derive(row), gemm_error="boom")
     text = lp.format_row(row)
     assert text.startswith("layer_parts M=   64 A= 8") and "base ERROR" in text and "expand_exposed +26.0" in text
+    assert lp.zsplits({}) == [] and lp.zsplits({"EPILORA_BENCH_K1_ZSPLITS": "1, 2"}) == [1, 2]
+    for bad in ("0", "x", "70000"):
+        with pytest.raises(ValueError, match="EPILORA_BENCH_K1_ZSPLITS"):
+            lp.zsplits({"EPILORA_BENCH_K1_ZSPLITS": bad})
+    assert lp.zsplit_parts([1, 2]) == ("mirror_z1", "k1_z1", "mirror_z2", "k1_z2")
+    zrow = {"M": 64, "adapters": 8, "mirror_us": 150.0, "mirror_z1_us": 146.5, "k1_z1_us": 20.0}
+    assert lp.derive(zrow) == {"z1_saves_us": 3.5}
+    zrow.update(lp.derive(zrow))
+    text = lp.format_row(zrow, (*lp.PARTS, *lp.zsplit_parts([1, 2])))
+    assert "mirror_z1 146.5" in text and "mirror_z2 ERROR" in text and "z1_saves +3.5" in text
     bench._optional_sections()
     assert bench.SECTIONS["layer_parts"] is lp.bench_layer_parts

@@ -25,8 +25,15 @@ stream order, rank 64, tokens dealt round-robin over the adapters (max_loras = m
   base_us        quantization + GEMM only (vLLM's FP8 layer)
   quant_us, gemm_us, k1_us, expand_us   each part alone, four projections in one graph
 
+and, with EPILORA_BENCH_K1_ZSPLITS=1,2 (how the SMs are shared at 64-256 tokens: K1 with fewer CTAs
+beside the GEMM; its group split leaves h's bits unchanged, kernels_dsl/k1_shrink.choose_zsplit):
+
+  mirror_z{z}_us mirror with K1 launched at group split z (grid z; the default is choose_zsplit's)
+  k1_z{z}_us     K1 alone at group split z
+
 and, derived (µs): adapter_cost = mirror - base; expand_exposed = mirror - no_expand;
-k1_exposed = mirror - no_k1; fork_saves = serial - mirror; priority_saves = op - op_pri. Without
+k1_exposed = mirror - no_k1; fork_saves = serial - mirror; priority_saves = op - op_pri;
+z{z}_saves = mirror - mirror_z{z}. Without
 vLLM the GEMM is cuBLAS (torch._scaled_mm), which is slower than vLLM's CUTLASS at these sizes:
 compare within a run.
 """
@@ -64,24 +71,46 @@ DERIVED = {"adapter_cost": ("mirror", "base"), "expand_exposed": ("mirror", "no_
            "priority_saves": ("op", "op_pri")}
 
 
+ZSPLITS_ENV = "EPILORA_BENCH_K1_ZSPLITS"
+
+
 def settings(env: Mapping[str, str] | None = None) -> tuple[list[int], list[int]]:
     """(token counts, adapter counts) from EPILORA_BENCH_TOKENS / EPILORA_BENCH_ADAPTERS."""
     return tokens_and_adapters(os.environ if env is None else env, DEFAULT_TOKENS, DEFAULT_ADAPTERS)
 
 
+def zsplits(env: Mapping[str, str] | None = None) -> list[int]:
+    """K1's group splits to time beside the default (EPILORA_BENCH_K1_ZSPLITS, comma-separated)."""
+    text = (os.environ if env is None else env).get(ZSPLITS_ENV, "").strip()
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        if not item.isdigit() or not 1 <= int(item) <= 65535:
+            raise ValueError(f"{ZSPLITS_ENV}: {item!r} is not a group split in 1..65535")
+        out.append(int(item))
+    return out
+
+
+def zsplit_parts(zs: Sequence[int]) -> tuple[str, ...]:
+    return tuple(name for z in zs for name in (f"mirror_z{z}", f"k1_z{z}"))
+
+
 def derive(row: dict) -> dict:
     """The derived differences of a row whose parts were timed (a part missing: its differences too)."""
     out = {}
-    for name, (a, b) in DERIVED.items():
+    pairs = dict(DERIVED)
+    pairs.update({k[: -len("_us")].replace("mirror_", "") + "_saves": ("mirror", k[: -len("_us")])
+                  for k in row if k.startswith("mirror_z") and k.endswith("_us")})
+    for name, (a, b) in pairs.items():
         if f"{a}_us" in row and f"{b}_us" in row:
             out[f"{name}_us"] = row[f"{a}_us"] - row[f"{b}_us"]
     return out
 
 
-def format_row(row: dict) -> str:
+def format_row(row: dict, parts: Sequence[str] = PARTS) -> str:
     head = f"layer_parts M={row['M']:5d} A={row['adapters']:2d}"
-    cells = [f"{p} {row[f'{p}_us']:.1f}" if f"{p}_us" in row else f"{p} ERROR" for p in PARTS]
-    cells += [f"{d} {row[f'{d}_us']:+.1f}" for d in DERIVED if f"{d}_us" in row]
+    cells = [f"{p} {row[f'{p}_us']:.1f}" if f"{p}_us" in row else f"{p} ERROR" for p in parts]
+    derived = [d for d in DERIVED] + sorted(k[: -len("_us")] for k in row if k.startswith("z") and k.endswith("_saves_us"))
+    cells += [f"{d} {row[f'{d}_us']:+.1f}" for d in derived if f"{d}_us" in row]
     return head + "  " + "  ".join(cells) + "  (us)"
 
 
@@ -128,24 +157,31 @@ class LayerParts:
 
         ops.vendor_fp8_gemm(self.codes, self.scales, self.c.w_q, self.c.w_s, out=self.out)
 
-    def k1(self) -> None:
-        from epilora_cute.launch_plans import k1_quant_shrink
-
+    def k1(self, zsplit: int | None = None) -> None:
+        """K1 as the op launches it (its plan), or through the family's entry at group split zsplit."""
         c = self.c
-        k1_quant_shrink(c.x, c.lora_a, c.meta, self.scratch_codes, self.scratch_scales, self.h)
+        if zsplit is None:
+            from epilora_cute.launch_plans import k1_quant_shrink
+
+            k1_quant_shrink(c.x, c.lora_a, c.meta, self.scratch_codes, self.scratch_scales, self.h)
+        else:
+            from kernels_dsl import k1_shrink
+
+            k1_shrink.k1_quant_shrink(c.x, c.lora_a, c.meta, self.scratch_codes, self.scratch_scales, self.h,
+                                      zsplit=zsplit)
 
     def expand(self) -> None:
         from epilora_cute.launch_plans import expand_add
 
         expand_add(self.out, self.h, self.c.lora_b, self.c.meta)
 
-    def forked(self, expand: bool = True, k1: bool = True) -> None:
+    def forked(self, expand: bool = True, k1: bool = True, zsplit: int | None = None) -> None:
         """hybrid_par's order (ops._hybrid_par_path, quant_first=False), parts optional."""
         main = torch.cuda.current_stream()
         if k1:
             self.side.wait_stream(main)
             with torch.cuda.stream(self.side):
-                self.k1()
+                self.k1(zsplit)
         self.quant()
         self.gemm()
         if k1:
@@ -159,8 +195,11 @@ class LayerParts:
         self.gemm()
         self.expand()
 
-    def launchers(self) -> dict[str, Callable[[], None]]:
+    def launchers(self, zs: Sequence[int] = ()) -> dict[str, Callable[[], None]]:
         ops = {name: (lambda p=path, pri=pri: self.op(p, pri)) for name, (path, pri) in OP_PARTS.items()}
+        for z in zs:
+            ops[f"mirror_z{z}"] = lambda z=z: self.forked(zsplit=z)
+            ops[f"k1_z{z}"] = lambda z=z: self.k1(z)
         return {**ops, "mirror": self.forked, "no_expand": lambda: self.forked(expand=False),
                 "no_k1": lambda: self.forked(k1=False), "serial": self.serial,
                 "base": lambda: (self.quant(), self.gemm()), "quant": self.quant, "gemm": self.gemm,
@@ -168,15 +207,15 @@ class LayerParts:
 
 
 def measure_row(m: int, adapters: int, side: torch.cuda.Stream,
-                timer: Callable[[Callable[[], None]], float] = time_graph) -> dict:
+                timer: Callable[[Callable[[], None]], float] = time_graph, zs: Sequence[int] = ()) -> dict:
     row = {"section": "layer_parts", "model": "Qwen3-8B", "M": m, "adapters": adapters, "rank": RANK}
     parts: Sequence[LayerParts] = []
     try:
         max_loras = max_loras_for(adapters)
         parts = [LayerParts(LayerCase(p, m, RANK, num_adapters=adapters, max_loras=max_loras), side)
                  for p in QWEN3_8B]
-        per = [lp.launchers() for lp in parts]
-        for name in PARTS:
+        per = [lp.launchers(zs) for lp in parts]
+        for name in (*PARTS, *zsplit_parts(zs)):
             try:
                 row[f"{name}_us"] = timer(lambda name=name: [fns[name]() for fns in per])
             except Exception as e:  # noqa: BLE001 - a part that can't run is reported, not fatal
@@ -196,13 +235,14 @@ def bench_layer_parts(quick: bool) -> list[dict]:
         print("layer_parts: needs an sm_90 GPU; skipped")
         return []
     tokens, adapters = settings()
+    zs = zsplits()
     side = torch.cuda.Stream()
     rows = []
     for a in adapters:
         for m in tokens:
-            row = measure_row(m, a, side)
+            row = measure_row(m, a, side, zs=zs)
             rows.append(row)
-            print(format_row(row), flush=True)
+            print(format_row(row, (*PARTS, *zsplit_parts(zs))), flush=True)
     return rows
 
 

@@ -223,8 +223,9 @@ case $mode in
       -k "hybrid_par or priority or stream_paths or grouped_paths" 2>&1 | tail -12 | tee "$OUT/tests_priority.log"
     timeout -s KILL 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_meta_kernel.py 2>&1 | tail -4 \
       | tee -a "$OUT/tests_priority.log"
+    # With K1 at group splits 1 and 2 beside the default (mirror_z*: fewer K1 CTAs beside the GEMM).
     EPILORA_BENCH_TOKENS=${PRIORITY_TOKENS:-64,256,2048} EPILORA_BENCH_ADAPTERS=${PRIORITY_ADAPTERS:-8,1,32} \
-      timeout -s KILL 280 python3 tools/bench.py --sections layer_parts --out "$OUT/layer_parts" 2>&1 \
+      EPILORA_BENCH_K1_ZSPLITS=${PRIORITY_ZSPLITS-1,2} timeout -s KILL 280 python3 tools/bench.py --sections layer_parts --out "$OUT/layer_parts" 2>&1 \
       | grep -E "^layer_parts" | cut -c1-1200
     ;;
   tests-rest)
