@@ -21,7 +21,6 @@ tests/test_launch_plans.py compares a planned launch's bytes with the family ent
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 
@@ -168,28 +167,26 @@ def _expand_grid(widths: tuple, m: int, cfg, max_loras: int):
     return grid(widths, m, cfg, max_loras=max_loras)
 
 
-def expand_add(y, h, lora_b_slices, meta, slot_ranks=None, pdl: bool = False):
+def expand_add(y, h, lora_b_slices, meta, slot_ranks=None):
     """``kernels_dsl.expand_add.expand_add`` (the kernel's own configuration), through a launch plan
-    when one serves the call. pdl: the PDL build, launched as the dependent of the stream's previous
-    kernel (the GEMM that wrote y or the shrink that wrote h; v0.93). Returns y."""
+    when one serves the call. Returns y."""
     from kernels_dsl import expand_add as ea
 
     key = None
     if enabled() and isinstance(y, torch.Tensor) and y.dim() == 2 and y.dtype is torch.bfloat16 \
             and isinstance(h, torch.Tensor) and h.dim() == 3 and h.dtype in (torch.float32, torch.bfloat16):
-        key = _expand_key(y, h, lora_b_slices, meta, slot_ranks, pdl)
+        key = _expand_key(y, h, lora_b_slices, meta, slot_ranks)
     plan = _expand_plans.lookup(key[0], key[1]) if key is not None else None
     if plan is not None and y.shape[1] == plan.n:  # (another width: the entry raises its error)
         return _expand_planned(plan, key[2], y, h, len(lora_b_slices))
-    cfg = _entry_pdl_config(y, h, lora_b_slices) if pdl else None
-    ea.expand_add(y, h, lora_b_slices, meta, slot_ranks=slot_ranks, **({"config": cfg} if cfg is not None else {}))
+    ea.expand_add(y, h, lora_b_slices, meta, slot_ranks=slot_ranks)
     if key is not None:
         objs, extra, cfg, arch = key
         _expand_plans.get(objs, lambda: _make_expand_plan(lora_b_slices, meta, slot_ranks, cfg, arch), extra)
     return y
 
 
-def _expand_key(y, h, lora_b_slices, meta, slot_ranks, pdl: bool = False):
+def _expand_key(y, h, lora_b_slices, meta, slot_ranks):
     from kernels_dsl.expand_add import select_for_h
 
     key = _objects(lora_b_slices, _expand_meta(meta), slot_ranks)
@@ -200,8 +197,6 @@ def _expand_key(y, h, lora_b_slices, meta, slot_ranks, pdl: bool = False):
     if arch is None:
         return None
     cfg = select_for_h(len(lora_b_slices), M, int(lora_b_slices[0].shape[-1]), h.dtype is torch.bfloat16)
-    if pdl:
-        cfg = _pdl_config(cfg)
     objs, extra = key
     return objs, (*extra, cfg, arch, y.device), cfg, arch
 
@@ -225,23 +220,5 @@ def _expand_planned(plan: _Plan, cfg, y, h, num_slices: int):
 
     M, _ = ea.check_y(y)
     ea.check_h(h, num_slices, M, plan.rank, y.device)
-    plan.launch(y, h, grid=_expand_grid(plan.widths, M, cfg, plan.max_loras), smem=cfg.smem_bytes, pdl=cfg.pdl)
+    plan.launch(y, h, grid=_expand_grid(plan.widths, M, cfg, plan.max_loras), smem=cfg.smem_bytes)
     return y
-
-
-def _entry_pdl_config(y, h, lora_b_slices):
-    """The entry's own choice of tile as its PDL build, or None (the entry's default, and its errors
-    for inputs it rejects, which this must not pre-empt)."""
-    from kernels_dsl import expand_add as ea
-
-    try:
-        cfg = ea.select_for_h(len(lora_b_slices), max(int(y.shape[0]), 1), int(lora_b_slices[0].shape[-1]),
-                              h.dtype is torch.bfloat16)
-    except (AttributeError, IndexError, TypeError, ValueError):
-        return None
-    return _pdl_config(cfg)
-
-
-@functools.lru_cache(maxsize=1024)  # asked on every planned launch (dataclasses.replace costs ~5 us)
-def _pdl_config(cfg):
-    return dataclasses.replace(cfg, pdl=True)

@@ -583,7 +583,7 @@ def _hybrid_path(x, w_q, w_scale, a, b, meta, out, slot_ranks):
 
     codes, scales, h = k1_quant_shrink(x, a, meta, slot_ranks=slot_ranks, h_dtype=hybrid_h_dtype())
     vendor_fp8_gemm(codes, scales, w_q, w_scale, out=out)
-    return expand_add(out, h, b, meta, slot_ranks=slot_ranks, pdl=expand_pdl_enabled())
+    return expand_add(out, h, b, meta, slot_ranks=slot_ranks)
 
 
 _side_streams: dict[int, torch.cuda.Stream] = {}  # hybrid_par's second stream, one per device
@@ -614,63 +614,29 @@ STREAM_PRIORITY_ENV = "EPILORA_STREAM_PRIORITY"
 STREAM_PRIORITY_DEFAULT = "0"
 _HIGHEST_PRIORITY = -100  # lower is higher; CUDA's range on Hopper is [-5, 0]
 _critical_streams: dict[int, torch.cuda.Stream] = {}
-
-
-class _Switch:
-    """An on / off setting of the ops from an environment variable ("1" / "0"; anything else is the
-    default, with a warning: a typo must not stop an engine), read once per process."""
-
-    def __init__(self, env: str, default: str):
-        self.env, self.default = env, default
-        self._on: bool | None = None  # None: not read yet
-
-    def enabled(self) -> bool:
-        if self._on is None:
-            v = (os.environ.get(self.env) or self.default).strip()
-            if v not in ("0", "1"):
-                _warn_once(f"{self.env}={v}", f"{self.env}={v!r} is not 0 or 1; using {self.default}")
-                v = self.default
-            self._on = v == "1"
-        return self._on
-
-    def set(self, on: bool | None) -> bool:
-        """Set it (None: re-read from the environment); returns the setting before. For benches that
-        time both forms in one process; an engine keeps one."""
-        before = self.enabled()
-        self._on = None if on is None else bool(on)
-        return before
-
-
-_stream_priority = _Switch(STREAM_PRIORITY_ENV, STREAM_PRIORITY_DEFAULT)
+_stream_priority: bool | None = None  # None: not read yet (read once per process)
 
 
 def stream_priority_enabled() -> bool:
     """Whether the forked hybrid paths run their quantization + GEMM on a high-priority stream."""
-    return _stream_priority.enabled()
+    global _stream_priority
+    if _stream_priority is None:
+        v = (os.environ.get(STREAM_PRIORITY_ENV) or STREAM_PRIORITY_DEFAULT).strip()
+        if v not in ("0", "1"):
+            _warn_once(f"{STREAM_PRIORITY_ENV}={v}", f"{STREAM_PRIORITY_ENV}={v!r} is not 0 or 1; "
+                       f"using {STREAM_PRIORITY_DEFAULT}")
+            v = STREAM_PRIORITY_DEFAULT
+        _stream_priority = v == "1"
+    return _stream_priority
 
 
 def set_stream_priority(on: bool | None) -> bool:
-    """Set (None: re-read from the environment) stream_priority_enabled's setting; returns the one before."""
-    return _stream_priority.set(on)
-
-
-# v0.93: the hybrid paths' expand-add as the PDL dependent of the kernel before it (the GEMM, or the
-# shrink on the serial side-shrink path): its launch, metadata loads and first B tile overlap that
-# kernel's tail, and it waits (griddepcontrol.wait) only before it reads h and y. Same bits.
-# Opt-in until measured (docs/perf.md v0.93).
-EXPAND_PDL_ENV = "EPILORA_EXPAND_PDL"
-EXPAND_PDL_DEFAULT = "0"
-_expand_pdl = _Switch(EXPAND_PDL_ENV, EXPAND_PDL_DEFAULT)
-
-
-def expand_pdl_enabled() -> bool:
-    """Whether the hybrid paths launch their expand-add as the GEMM's PDL dependent."""
-    return _expand_pdl.enabled()
-
-
-def set_expand_pdl(on: bool | None) -> bool:
-    """Set (None: re-read from the environment) expand_pdl_enabled's setting; returns the one before."""
-    return _expand_pdl.set(on)
+    """Set (None: re-read from the environment) the setting of stream_priority_enabled; returns the
+    setting before. For benches that time both forms in one process; an engine keeps one."""
+    global _stream_priority
+    before = stream_priority_enabled()
+    _stream_priority = None if on is None else bool(on)
+    return before
 
 
 def _critical_stream(device: torch.device) -> torch.cuda.Stream:
@@ -739,7 +705,7 @@ def _hybrid_par_path(x, w_q, w_scale, a, b, meta, out, slot_ranks, quant_first: 
         with torch.cuda.stream(side):
             k1_quant_shrink(x, a, meta, scratch_codes, scratch_scales, h, slot_ranks=slot_ranks)
     main.wait_stream(side)  # the join: h is complete before expand-add reads it
-    return expand_add(out, h, b, meta, slot_ranks=slot_ranks, pdl=expand_pdl_enabled())
+    return expand_add(out, h, b, meta, slot_ranks=slot_ranks)
 
 
 # The hybrid paths' down-projections other than K1: name -> (kernel module, its entry, what to call
@@ -800,7 +766,7 @@ def _hybrid_side_shrink_path(x, w_q, w_scale, a, b, meta, rank, out, slot_ranks,
         codes, scales = quantize_fp8_per_token(x)
         vendor_fp8_gemm(codes, scales, w_q, w_scale, out=out)
         run_shrink(x, a, meta, h, slot_ranks)
-    return expand_add(out, h, b, meta, slot_ranks=slot_ranks, pdl=expand_pdl_enabled())
+    return expand_add(out, h, b, meta, slot_ranks=slot_ranks)
 
 
 def _prefill_reason(x, w_q, widths, rank, a, b) -> str | None:

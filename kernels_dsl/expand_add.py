@@ -34,13 +34,6 @@ Per CTA:
      adds, one rounding, one 16-byte store, for rows with an adapter.
 Every output element is computed by exactly one thread in a fixed order: bitwise deterministic.
 
-PDL (Config.pdl, v0.93): launched as the programmatic dependent of the kernel before it (the
-vendor GEMM that wrote y, or the shrink that wrote h), the CTA reads the metadata and requests its
-first B tile, then executes griddepcontrol.wait before it reads h or y: the launch and that
-prologue overlap the GEMM's tail. The metadata and B must then come from kernels that completed
-before that predecessor started (the metadata kernel of the step, the adapter buffers), which is
-how the hybrid paths call it. Nothing else changes: same arithmetic, same bits.
-
 B pointers: one tensor parameter per slice (compile-time num_slices <= 4). vLLM keeps one buffer
 per slice (lora_b_stacked is a tuple), so the plugin passes the views as they are; a pointer
 array would cost a dependent load per tile and a host-side table to keep valid under CUDA graphs.
@@ -87,8 +80,7 @@ class Config:
     column tiles of one slice; the B tile of the next (tile, group) is in flight during the
     current MMAs and epilogue, and the epilogue tile has its own smem. 1: one tile per CTA.
     nb: depth of the B ring (v0.75): nb - 1 (tile, group) B tiles in flight ahead of the MMAs
-    (2: the double buffer); with ct = 1 the epilogue tile still reuses the ring.
-    pdl: a PDL dependent (v0.93): griddepcontrol.wait after the first B request, before h and y."""
+    (2: the double buffer); with ct = 1 the epilogue tile still reuses the ring."""
 
     rank: int = 64
     num_slices: int = 1
@@ -97,7 +89,6 @@ class Config:
     h_bf16: bool = False
     ct: int = 1
     nb: int = 2
-    pdl: bool = False
 
     def __post_init__(self):
         if self.rank not in RANKS:
@@ -128,8 +119,7 @@ class Config:
         hb = "_hb" if self.h_bf16 else ""
         ct = f"_ct{self.ct}" if self.ct > 1 else ""
         nb = f"_nb{self.nb}" if self.nb != 2 else ""
-        pdl = "_pdl" if self.pdl else ""
-        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}{hb}{ct}{nb}{pdl}"
+        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}{hb}{ct}{nb}"
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -317,10 +307,6 @@ if cute is not None:
                     self._load_b(g_first, 0, mActive, mRanks, has_ranks, mBs, sl, n_s, c0, ncols, tiled_copy_b, tBsB,
                                  tBcB)
                 cute.arch.cp_async_commit_group()
-                if cutlass.const_expr(cfg.pdl):
-                    # h and y come from the grid(s) this launch depends on: wait for them here,
-                    # with the launch, the metadata loads and the first B request behind us.
-                    cute.arch.griddepcontrol_wait()
 
                 if n_groups > 0:  # a z-CTA without groups only passes the barriers
                     self._stage_h(mH, mTok, sA, sl, r0, rows, tidx)
@@ -619,9 +605,6 @@ def prebuild_configs() -> list[Config]:
     # since v0.13: tests/test_expand_add.py's GPU check compares against it, and the GPU machine
     # (no DSL) runs only prebuilt configurations.
     cfgs |= {Config(rank=64, num_slices=s, bm=128, bn=128) for s in SLICE_COUNTS}
-    # v0.93: the PDL dependent of the GEMM, for every tile the hybrid paths select.
-    cfgs |= {dataclasses.replace(c, pdl=True) for c in set(cfgs) if c in selected or
-             dataclasses.replace(c, h_bf16=False) in selected}
     for s in SWEEP_SLICES:
         cfgs.update(sweep_configs(s, 64).values())
     cfgs.update(CT_TEST_CONFIGS)
@@ -817,8 +800,6 @@ def expand_add(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks
     slot_ranks: optional int32 [>= max_loras]: per-slot effective rank; work beyond it is skipped
         (exact when the buffers are zero-padded beyond it, as vLLM keeps them).
     zsplit: force the group split (grid z, choose_zsplit); the result does not depend on it.
-    config.pdl: launched as the PDL dependent of the stream's previous kernel (see the module's
-        docstring for what that previous kernel may write: h and y only).
     """
     from epilora_cute.arch import arch_of
     from epilora_cute.kernels import get_kernel
@@ -847,7 +828,7 @@ def expand_add(y: torch.Tensor, h: torch.Tensor, lora_b_slices, meta, slot_ranks
         raise ValueError(f"zsplit must be 1..65535, got {zsplit}")
     kernel = get_kernel(sys.modules[__name__], cfg, arch)
     kernel(y, h, *static_params(bs, meta, slot_ranks), grid=grid(widths, M, cfg, max_loras=L, zsplit=zsplit),
-           smem=cfg.smem_bytes, pdl=cfg.pdl)
+           smem=cfg.smem_bytes)
     return y
 
 

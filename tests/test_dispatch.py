@@ -462,13 +462,13 @@ def _fingerprint_with(monkeypatch, **env) -> str:
         monkeypatch.setenv(name, value)
     d.code_fingerprint.cache_clear()
     ops.hybrid_h_dtype.cache_clear()
-    ops.set_stream_priority(None), ops.set_expand_pdl(None)  # read once per process: read again
+    ops.set_stream_priority(None)  # read once per process: read again
     try:
         return d.code_fingerprint()
     finally:
         d.code_fingerprint.cache_clear()
         ops.hybrid_h_dtype.cache_clear()
-        ops.set_stream_priority(None), ops.set_expand_pdl(None)
+        ops.set_stream_priority(None)
 
 
 def test_code_fingerprint_follows_the_switches(monkeypatch):
@@ -480,8 +480,6 @@ def test_code_fingerprint_follows_the_switches(monkeypatch):
     monkeypatch.delenv("EPILORA_K2_PUSH")
     assert _fingerprint_with(monkeypatch, EPILORA_STREAM_PRIORITY="1") != a
     monkeypatch.delenv("EPILORA_STREAM_PRIORITY")
-    assert _fingerprint_with(monkeypatch, EPILORA_EXPAND_PDL="1") != a
-    monkeypatch.delenv("EPILORA_EXPAND_PDL")
     assert _fingerprint_with(monkeypatch) == a
 
 

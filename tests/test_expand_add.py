@@ -39,8 +39,7 @@ needs_dsl = pytest.mark.skipif(dsl_version() is None, reason="nvidia-cutlass-dsl
 FAST = [E.Config(rank=64, num_slices=3), E.Config(rank=8, num_slices=1, bm=128), E.Config(rank=256, num_slices=2, bn=64),
         E.Config(rank=64, num_slices=2, bn=64, h_bf16=True), E.Config(rank=8, num_slices=1, h_bf16=True),
         E.Config(rank=64, num_slices=2, bn=64, ct=4), E.Config(rank=8, num_slices=1, bn=128, nb=3),
-        E.Config(rank=64, num_slices=3, bn=64, ct=4, nb=3), E.Config(rank=64, num_slices=3, h_bf16=True, pdl=True),
-        E.Config(rank=64, num_slices=1, bn=64, ct=4, pdl=True)]
+        E.Config(rank=64, num_slices=3, bn=64, ct=4, nb=3)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,13 +330,9 @@ def ptx_problems(ptx: str, cfg: E.Config | None = None) -> list[str]:
             bad.append("h_bf16: unexpected cvt.rn.bf16.f32")
     elif "cvt.rn.bf16.f32" not in ptx:  # h -> bf16 operand
         bad.append("missing cvt.rn.bf16.f32")
-    pdl = cfg is not None and cfg.pdl
-    for pat in (r"\.local\b", r"griddepcontrol\.launch_dependents" if pdl else r"griddepcontrol",
-                r"^\s*(?:@%p\d+\s+)?(?:atom|red)\."):  # no spills/atomics; PDL: a dependent only
+    for pat in (r"\.local\b", r"griddepcontrol", r"^\s*(?:@%p\d+\s+)?(?:atom|red)\."):  # no spills/atomics
         if re.search(pat, ptx, re.M):
             bad.append(f"unexpected {pat}")
-    if pdl and "griddepcontrol.wait" not in ptx:  # v0.93: the wait before h and y
-        bad.append("pdl: missing griddepcontrol.wait")
     return bad
 
 
@@ -658,54 +653,14 @@ def test_select_takes_the_narrow_tile_from_wide_m():
 
 
 def test_prebuild_set_has_the_bf16_h_tiles():
-    """Every tile select() takes, also built for a bf16 h (v0.71), and both as PDL dependents (v0.93);
-    no PDL build of a tile select() never takes."""
+    """Every tile select() takes, also built for a bf16 h (v0.71)."""
     import dataclasses
 
     built = set(E.prebuild_configs())
     for s in (1, 2, 3, 4):
         for r in E.RANKS:
             for m in (1, E.WIDE_M - 1, E.WIDE_M, 8192):
-                for hb in (False, True):
-                    c = dataclasses.replace(E.select(s, m, r), h_bf16=hb)
-                    assert c in built and dataclasses.replace(c, pdl=True) in built, (s, r, m, hb)
-    chosen = {E.select(s, m, r) for s in (1, 2, 3, 4) for r in E.RANKS for m in (64, E.WIDE_M)}
-    assert {dataclasses.replace(c, pdl=False, h_bf16=False) for c in built if c.pdl} == chosen
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("graph", [False, True])
-@pytest.mark.parametrize("M,L,widths", [(64, 8, (4096, 1024, 1024)), (256, 32, (4096,)), (2048, 1, (12288, 12288))])
-def test_gpu_pdl_build_is_bitwise_the_plain_one(M, L, widths, graph):
-    """v0.93: the PDL build, launched right behind kernels that write its h and then its y (its
-    wait must hold both back), gives the plain build's y bit for bit, eager and in a CUDA graph."""
-    import dataclasses
-
-    _hopper()
-    case = make_case(M, L, 64, widths, seed=M + L, device="cuda")
-    h_src = case["h"].bfloat16()
-    y0 = case["y"].clone()
-    plain = E.select_for_h(len(widths), M, 64, True)
-    want = y0.clone()
-    E.expand_add(want, h_src, case["bs"], case["meta"], config=plain)
-    h = torch.full_like(h_src, float("nan"))
-    y = torch.full_like(y0, float("nan"))
-
-    def run():
-        h.copy_(h_src)
-        y.copy_(y0)  # the PDL launch's predecessor: its y
-        E.expand_add(y, h, case["bs"], case["meta"], config=dataclasses.replace(plain, pdl=True))
-
-    run()
-    torch.cuda.synchronize()
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            run()
-        h.fill_(float("nan")), y.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-    assert torch.equal(y.view(torch.int16), want.view(torch.int16))
+                assert dataclasses.replace(E.select(s, m, r), h_bf16=True) in built, (s, r, m)
 
 
 @pytest.mark.gpu

@@ -32,15 +32,6 @@ def stream_priority(request):
     ops.set_stream_priority(before)
 
 
-@pytest.fixture
-def expand_pdl(request):
-    """v0.93's setting (the hybrid paths' expand-add as the PDL dependent of the kernel before it)
-    for one test, restored after it."""
-    before = ops.set_expand_pdl(request.param)
-    yield request.param
-    ops.set_expand_pdl(before)
-
-
 def _rel_err(y, ref):
     return ((y.float() - ref).norm() / ref.norm()).item()
 
@@ -317,13 +308,12 @@ def test_hybrid_paths_with_bf16_h_are_bit_for_bit_fp32_h(proj, m, path, monkeypa
     assert y.data_ptr() == out.data_ptr() and torch.equal(y.view(torch.int16), want.view(torch.int16))
 
 
-@pytest.mark.parametrize("expand_pdl", [False, True], indirect=True)
 @pytest.mark.parametrize("stream_priority", [False, True], indirect=True)
 @pytest.mark.parametrize("path,m,serial", [("hybrid_par", 64, "hybrid"), ("hybrid_par_q", 64, "hybrid"),
                                            ("hybrid_par_st", 1024, "hybrid_st"), ("hybrid_par_g", 256, "hybrid_g")])
-def test_hybrid_par_in_a_cuda_graph_with_new_inputs(path, m, serial, stream_priority, expand_pdl):
+def test_hybrid_par_in_a_cuda_graph_with_new_inputs(path, m, serial, stream_priority):
     """The fork / join is captured as two branches of one graph (three with v0.91's high-priority
-    stream; with v0.93 the expand-add's edges programmatic); replays with new x and a new adapter mapping match the eager serial form of the path
+    stream); replays with new x and a new adapter mapping match the eager serial form of the path
     bit for bit; the streams are joined (the capture would fail otherwise) and the output is
     written once per replay."""
     widths, k = QWEN3_8B["qkv"]
@@ -375,32 +365,6 @@ def test_side_shrink_par_paths_with_stream_priority_bit_for_bit(proj, path, m):
             ops.set_stream_priority(before)
     torch.cuda.synchronize()
     assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16))
-    assert _rel_err(ys[1], _reference(x, wq, ws, a, b, mapping)) < 1e-2
-
-
-@pytest.mark.parametrize("stream_priority", [False, True], indirect=True)
-@pytest.mark.parametrize("path", ["hybrid", "hybrid_par", "hybrid_par_q", "hybrid_st", "hybrid_par_st", "hybrid_g",
-                                  "hybrid_par_g"])
-@pytest.mark.parametrize("m", [33, 64, 256, 2048])
-@pytest.mark.parametrize("proj", ["qkv", "down"])
-def test_hybrid_paths_with_pdl_expand_add_bit_for_bit(proj, m, path, stream_priority):
-    """v0.93: every hybrid path with its expand-add launched as the PDL dependent of the GEMM (or of
-    the serial paths' shrink) writes the same y, bit for bit, as with the plain launch, into a
-    poisoned output, eager; twice in a row (the second launch follows the first's expand-add)."""
-    widths, k = QWEN3_8B[proj]
-    x, wq, ws, a, b, mapping = _case(widths, k, m, seed=m + 81)
-    meta = build_meta(mapping, 4)
-    ys = []
-    for pdl in (False, True, True):
-        before = ops.set_expand_pdl(pdl)
-        try:
-            out = torch.full((m, sum(widths)), float("nan"), dtype=torch.bfloat16, device="cuda")
-            ys.append(ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=out, path=path))
-        finally:
-            ops.set_expand_pdl(before)
-    torch.cuda.synchronize()
-    for y in ys[1:]:
-        assert torch.equal(ys[0].view(torch.int16), y.view(torch.int16))
     assert _rel_err(ys[1], _reference(x, wq, ws, a, b, mapping)) < 1e-2
 
 

@@ -1,7 +1,5 @@
 """Public ops on the CPU: reference fallback and clear errors for bad input."""
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -314,6 +312,23 @@ def test_side_shrink_par_paths_with_stream_priority(monkeypatch, shrink, priorit
                    ("main", "wait", "side@now"), ("main", "expand")]
 
 
+@pytest.mark.parametrize("value, on", [("1", True), ("0", False), ("", False), ("yes", False)])
+def test_stream_priority_setting(monkeypatch, value, on):
+    """EPILORA_STREAM_PRIORITY: "1" on, "0" / unset off, anything else off with a warning (a typo
+    must not stop an engine); set_stream_priority overrides it for a bench and restores it."""
+    monkeypatch.setenv(ops.STREAM_PRIORITY_ENV, value)
+    ops.set_stream_priority(None)
+    try:
+        assert ops.stream_priority_enabled() is on
+        assert ops.set_stream_priority(not on) is on
+        assert ops.stream_priority_enabled() is (not on)
+        ops.set_stream_priority(None)
+        assert ops.stream_priority_enabled() is on
+    finally:
+        monkeypatch.delenv(ops.STREAM_PRIORITY_ENV)
+        ops.set_stream_priority(None)
+
+
 @pytest.mark.parametrize("priority", ["0"], indirect=True)
 @pytest.mark.parametrize("shrink", ["stream", "grouped"])
 @pytest.mark.parametrize("env", ["fp32", "bf16"])
@@ -348,92 +363,6 @@ def test_side_shrink_paths_launch_order_and_h(monkeypatch, par, env, shrink, pri
     assert seen["shrink"] is seen["expand"]
     assert seen["shrink"].dtype == {"fp32": torch.float32, "bf16": torch.bfloat16}[env]
     assert tuple(seen["shrink"].shape) == (len(a), x.shape[0], a[0].shape[-2])
-
-
-@pytest.fixture
-def expand_pdl(monkeypatch, request):
-    """EPILORA_EXPAND_PDL for one test (read once per process)."""
-    monkeypatch.setenv(ops.EXPAND_PDL_ENV, request.param)
-    ops.set_expand_pdl(None)
-    yield request.param == "1"
-    monkeypatch.delenv(ops.EXPAND_PDL_ENV)
-    ops.set_expand_pdl(None)
-
-
-@pytest.mark.parametrize("priority", ["0", "1"], indirect=True)
-@pytest.mark.parametrize("expand_pdl", ["0", "1"], indirect=True)
-@pytest.mark.parametrize("path", ["hybrid", "hybrid_par", "hybrid_par_q", "hybrid_st", "hybrid_par_st",
-                                  "hybrid_g", "hybrid_par_g"])
-def test_hybrid_paths_launch_the_expand_add_as_pdl_dependent(monkeypatch, path, expand_pdl, priority):
-    """v0.93: with EPILORA_EXPAND_PDL=1 every hybrid path asks for the PDL expand-add (after the GEMM
-    or, on the serial side-shrink paths, the shrink), with 0 for the plain one; nothing else moves."""
-    from epilora_cute import launch_plans
-    from kernels_dsl import shrink_grouped, shrink_stream
-
-    log = []
-    current = _fake_streams(monkeypatch, log)
-    for mod, fn in ((shrink_stream, "stream_shrink"), (shrink_grouped, "grouped_shrink")):
-        monkeypatch.setattr(mod, fn, lambda *a, **k: log.append((current[-1].name, "shrink")))
-    monkeypatch.setattr(launch_plans, "k1_quant_shrink", lambda x, a, meta, *bufs, slot_ranks=None, h_dtype=None:
-                        log.append((current[-1].name, "k1")) or (*reference.quantize_fp8_per_token(x), None))
-    monkeypatch.setattr(launch_plans, "expand_add", lambda out, h, b, meta, slot_ranks=None, pdl=False:
-                        log.append((current[-1].name, "expand", pdl)) or out)
-    x, wq, ws, a, b, meta, _ = _linear_case()
-    out = torch.empty(x.shape[0], wq.shape[0], dtype=torch.bfloat16)
-    rank = a[0].shape[-2]
-    if path in ("hybrid", "hybrid_par", "hybrid_par_q"):
-        if path == "hybrid":
-            ops._hybrid_path(x, wq, ws, a, b, meta, out, None)
-        else:
-            ops._hybrid_par_path(x, wq, ws, a, b, meta, out, None, quant_first=path == "hybrid_par_q")
-    else:
-        shrink = "stream" if path.endswith("_st") else "grouped"
-        ops._hybrid_side_shrink_path(x, wq, ws, a, b, meta, rank, out, None, shrink, "_par_" in path)
-    assert log[-1] == ("main", "expand", expand_pdl)
-    # what it follows on the caller's stream: the kernel that wrote y (hybrid) or h (the serial
-    # side-shrink paths), or the join of the forked paths' branches
-    before = {"hybrid": ("main", "gemm"), "hybrid_st": ("main", "shrink"), "hybrid_g": ("main", "shrink")}
-    assert log[-2] == before.get(path, ("main", "wait", "side@now"))
-    assert ops.expand_pdl_enabled() is expand_pdl
-
-
-@pytest.mark.parametrize("switch", ["stream_priority", "expand_pdl"])
-@pytest.mark.parametrize("value, on", [("1", True), ("0", False), ("", False), ("yes", False)])
-def test_switch_settings(monkeypatch, switch, value, on):
-    """EPILORA_STREAM_PRIORITY / EPILORA_EXPAND_PDL: "1" on, "0" / unset off, anything else off with
-    a warning (a typo must not stop an engine); set_* overrides it for a bench and restores it."""
-    env = {"stream_priority": ops.STREAM_PRIORITY_ENV, "expand_pdl": ops.EXPAND_PDL_ENV}[switch]
-    enabled, set_ = getattr(ops, f"{switch}_enabled"), getattr(ops, f"set_{switch}")
-    monkeypatch.setenv(env, value)
-    set_(None)
-    try:
-        assert enabled() is on
-        assert set_(not on) is on
-        assert enabled() is (not on)
-        set_(None)
-        assert enabled() is on
-    finally:
-        monkeypatch.delenv(env)
-        set_(None)
-
-
-def test_expand_add_plan_entry_takes_the_pdl_build(monkeypatch):
-    """launch_plans.expand_add(pdl=True) hands the entry select()'s tile as its PDL build; without pdl
-    the entry picks its own (no config); inputs the entry rejects reach it unchanged (its error)."""
-    from epilora_cute import launch_plans
-    from kernels_dsl import expand_add as ea
-
-    seen = []
-    monkeypatch.setattr(ea, "expand_add", lambda y, h, b, meta, slot_ranks=None, **kw: seen.append(kw.get("config")))
-    x, wq, ws, a, b, meta, _ = _linear_case(rank=16)
-    y = torch.zeros(x.shape[0], wq.shape[0], dtype=torch.bfloat16)
-    h = torch.zeros(len(b), x.shape[0], 16, dtype=torch.bfloat16)
-    launch_plans.expand_add(y, h, b, meta, pdl=True)
-    launch_plans.expand_add(y, h, b, meta)
-    launch_plans.expand_add(y, h, [t[..., :12] for t in b], meta, pdl=True)  # rank 12: not compiled
-    assert seen[0] == dataclasses.replace(ea.select_for_h(3, x.shape[0], 16, True), pdl=True) and seen[0].pdl
-    assert seen[1:] == [None, None]
-    assert seen[0] in set(ea.prebuild_configs())
 
 
 @pytest.mark.parametrize("host_adapters", [None, 1])

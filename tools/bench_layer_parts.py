@@ -15,9 +15,6 @@ stream order, rank 64, tokens dealt round-robin over the adapters (max_loras = m
   op_pri_us      the same with the quantization + GEMM on a high-priority stream (v0.91)
   op_q_us, op_q_pri_us, op_st_us, op_st_pri_us, op_g_us, op_g_pri_us
                  hybrid_par_q, hybrid_par_st and hybrid_par_g without and with that priority
-  op_x_us, op_pri_x_us, op_q_x_us
-                 hybrid_par (without, with priority) and hybrid_par_q with the expand-add launched as
-                 the GEMM's PDL dependent (v0.93, EPILORA_EXPAND_PDL=1)
   mirror_us      this module's re-composition of it: K1 on a side stream forked before the
                  quantization, quantization + GEMM on the main stream, the join, the expand-add
                  (should equal op_us: the check that the parts below are the op's)
@@ -36,7 +33,6 @@ beside the GEMM; its group split leaves h's bits unchanged, kernels_dsl/k1_shrin
 
 and, derived (µs): adapter_cost = mirror - base; expand_exposed = mirror - no_expand;
 k1_exposed = mirror - no_k1; fork_saves = serial - mirror; priority_saves = op - op_pri;
-expand_pdl_saves = op - op_x;
 z{z}_saves = mirror - mirror_z{z}. Without
 vLLM the GEMM is cuBLAS (torch._scaled_mm), which is slower than vLLM's CUTLASS at these sizes:
 compare within a run.
@@ -63,18 +59,16 @@ from tools.gpu_timing import time_graph  # noqa: E402
 RANK = 64
 DEFAULT_TOKENS = (32, 64)
 DEFAULT_ADAPTERS = (8, 1)
-# op columns -> (path, stream priority, the expand-add as PDL dependent)
-OP_PARTS = {"op": ("hybrid_par", False, False), "op_pri": ("hybrid_par", True, False),
-            "op_q": ("hybrid_par_q", False, False), "op_q_pri": ("hybrid_par_q", True, False),
-            "op_st": ("hybrid_par_st", False, False), "op_st_pri": ("hybrid_par_st", True, False),
-            "op_g": ("hybrid_par_g", False, False), "op_g_pri": ("hybrid_par_g", True, False),
-            "op_x": ("hybrid_par", False, True), "op_pri_x": ("hybrid_par", True, True),
-            "op_q_x": ("hybrid_par_q", False, True)}
+# op columns -> (path, stream priority)
+OP_PARTS = {"op": ("hybrid_par", False), "op_pri": ("hybrid_par", True),
+            "op_q": ("hybrid_par_q", False), "op_q_pri": ("hybrid_par_q", True),
+            "op_st": ("hybrid_par_st", False), "op_st_pri": ("hybrid_par_st", True),
+            "op_g": ("hybrid_par_g", False), "op_g_pri": ("hybrid_par_g", True)}
 PARTS = (*OP_PARTS, "mirror", "no_expand", "no_k1", "serial", "base", "quant", "gemm", "k1", "expand")
 # derived column -> (minuend, subtrahend)
 DERIVED = {"adapter_cost": ("mirror", "base"), "expand_exposed": ("mirror", "no_expand"),
            "k1_exposed": ("mirror", "no_k1"), "fork_saves": ("serial", "mirror"),
-           "priority_saves": ("op", "op_pri"), "expand_pdl_saves": ("op", "op_x")}
+           "priority_saves": ("op", "op_pri")}
 
 
 ZSPLITS_ENV = "EPILORA_BENCH_K1_ZSPLITS"
@@ -143,15 +137,15 @@ class LayerParts:
         self.quant()
         torch.cuda.synchronize()
 
-    def op(self, path: str = "hybrid_par", priority: bool = False, expand_pdl: bool = False) -> None:
+    def op(self, path: str = "hybrid_par", priority: bool = False) -> None:
         from epilora_cute import ops
 
         c = self.c
-        before = ops.set_stream_priority(priority), ops.set_expand_pdl(expand_pdl)  # read while captured
+        before = ops.set_stream_priority(priority)  # read while the graph is captured
         try:
             ops.lora_linear_fp8(c.x, c.w_q, c.w_s, c.lora_a, c.lora_b, c.meta, out=self.out, path=path)
         finally:
-            ops.set_stream_priority(before[0]), ops.set_expand_pdl(before[1])
+            ops.set_stream_priority(before)
 
     def quant(self) -> None:
         from epilora_cute import ops
@@ -202,7 +196,7 @@ class LayerParts:
         self.expand()
 
     def launchers(self, zs: Sequence[int] = ()) -> dict[str, Callable[[], None]]:
-        ops = {name: (lambda p=path, pri=pri, x=x: self.op(p, pri, x)) for name, (path, pri, x) in OP_PARTS.items()}
+        ops = {name: (lambda p=path, pri=pri: self.op(p, pri)) for name, (path, pri) in OP_PARTS.items()}
         for z in zs:
             ops[f"mirror_z{z}"] = lambda z=z: self.forked(zsplit=z)
             ops[f"k1_z{z}"] = lambda z=z: self.k1(z)

@@ -213,21 +213,19 @@ case $mode in
     (cd "$OUT" && for d in hs prefill; do [[ -d $d ]] && tar czf $d.tgz $d && rm -rf $d; done)
     ;;
   priority)
-    # perf.md v0.91 / v0.93 (carry the slim cache, and .devvllm/2 after call A): the op-level GPU tests of
+    # perf.md v0.91 (carry the slim cache, and .devvllm/2 after call A): the op-level GPU tests of
     # the forked hybrid paths (priority on and off, eager and in CUDA graphs), then layer_parts:
     # every forked path with and without the high-priority stream, one graph per layer (~4-5 min).
     # Then v0.92's metadata kernel (tails by their own programs), compiled here, bit for bit the torch ops.
     unpack_vllm
     timeout -s KILL 20 python3 -c "import torch; print('critical stream priority', torch.cuda.Stream(priority=-100).priority)"
-    # v0.93 too: the hybrid paths with the PDL expand-add (op level) and the PDL build (kernel level).
-    timeout -s KILL 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_lora_linear_gpu.py \
-      -k "hybrid_par or priority or stream_paths or grouped_paths or pdl_expand" 2>&1 | tail -12 \
-      | tee "$OUT/tests_priority.log"
-    timeout -s KILL 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_meta_kernel.py \
-      tests/test_expand_add.py -k "meta or pdl or graph" 2>&1 | tail -4 | tee -a "$OUT/tests_priority.log"
+    timeout -s KILL 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_lora_linear_gpu.py \
+      -k "hybrid_par or priority or stream_paths or grouped_paths" 2>&1 | tail -12 | tee "$OUT/tests_priority.log"
+    timeout -s KILL 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_meta_kernel.py 2>&1 | tail -4 \
+      | tee -a "$OUT/tests_priority.log"
     # With K1 at group splits 1 and 2 beside the default (mirror_z*: fewer K1 CTAs beside the GEMM).
     EPILORA_BENCH_TOKENS=${PRIORITY_TOKENS:-64,256,2048} EPILORA_BENCH_ADAPTERS=${PRIORITY_ADAPTERS:-8,1,32} \
-      EPILORA_BENCH_K1_ZSPLITS=${PRIORITY_ZSPLITS-1,2} timeout -s KILL 250 python3 tools/bench.py --sections layer_parts --out "$OUT/layer_parts" 2>&1 \
+      EPILORA_BENCH_K1_ZSPLITS=${PRIORITY_ZSPLITS-1,2} timeout -s KILL 280 python3 tools/bench.py --sections layer_parts --out "$OUT/layer_parts" 2>&1 \
       | grep -E "^layer_parts" | cut -c1-1200
     ;;
   tests-rest)
