@@ -461,10 +461,23 @@ if cute is not None:
                 v = it * NT + tidx
                 r = v // CPR
                 cc = v - r * CPR
-                if r >= row_lo and r < row_hi and cc * 8 < ncols:
-                    if mSorted[r0 + r] >= 0:
-                        cute.copy(g2s, cute.zipped_divide(mY[mTok[r0 + r], None], (8,))[None, j0 + cc],
-                                  cute.zipped_divide(sY[r, None], (8,))[None, cc])
+                t = self._chunk_token(mTok, mSorted, r0, r, cc, row_lo, row_hi, ncols)
+                if t >= 0:
+                    cute.copy(g2s, cute.zipped_divide(mY[t, None], (8,))[None, j0 + cc],
+                              cute.zipped_divide(sY[r, None], (8,))[None, cc])
+
+        @cute.jit
+        def _chunk_token(self, mTok, mSorted, r0, r, cc, row_lo, row_hi, ncols):
+            """The token whose y row holds chunk cc (8 columns) of tile row r, or -1 where this CTA
+            leaves the chunk alone (a row outside its groups or without an adapter, columns past
+            the slice): the one rule _prefetch_y and the epilogue both follow."""
+            t = cutlass.Int32(-1)
+            if r >= row_lo and r < row_hi and cc * 8 < ncols:
+                srt = mSorted[r0 + r]
+                tk = mTok[r0 + r]
+                if srt >= 0:
+                    t = tk
+            return t
 
         @cute.jit
         def _epilogue(self, mY, mTok, mSorted, sC, acc, thr_mma, r0, row_lo, row_hi, ncols, col_base, c0, tidx,
@@ -491,13 +504,7 @@ if cute is not None:
                 v = it * NT + tidx
                 r = v // CPR
                 cc = v - r * CPR
-                t = cutlass.Int32(-1)
-                if r >= row_lo and r < row_hi and cc * 8 < ncols:
-                    srt = mSorted[r0 + r]
-                    tk = mTok[r0 + r]
-                    if srt >= 0:
-                        t = tk
-                toks.append(t)
+                toks.append(self._chunk_token(mTok, mSorted, r0, r, cc, row_lo, row_hi, ncols))
             ys = []
             for it in cutlass.range_constexpr(NIT):
                 v = it * NT + tidx

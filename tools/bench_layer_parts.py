@@ -98,13 +98,16 @@ def zsplit_parts(zs: Sequence[int]) -> tuple[str, ...]:
     return tuple(name for z in zs for name in (f"mirror_z{z}", f"k1_z{z}"))
 
 
+def derived_pairs(row: dict) -> dict[str, tuple[str, str]]:
+    """DERIVED, and z{z}_saves = mirror - mirror_z{z} for every group split the row timed."""
+    parts = [k[: -len("_us")] for k in row if k.startswith("mirror_z") and k.endswith("_us")]
+    return {**DERIVED, **{p[len("mirror_"):] + "_saves": ("mirror", p) for p in sorted(parts)}}
+
+
 def derive(row: dict) -> dict:
     """The derived differences of a row whose parts were timed (a part missing: its differences too)."""
     out = {}
-    pairs = dict(DERIVED)
-    pairs.update({k[: -len("_us")].replace("mirror_", "") + "_saves": ("mirror", k[: -len("_us")])
-                  for k in row if k.startswith("mirror_z") and k.endswith("_us")})
-    for name, (a, b) in pairs.items():
+    for name, (a, b) in derived_pairs(row).items():
         if f"{a}_us" in row and f"{b}_us" in row:
             out[f"{name}_us"] = row[f"{a}_us"] - row[f"{b}_us"]
     return out
@@ -113,8 +116,7 @@ def derive(row: dict) -> dict:
 def format_row(row: dict, parts: Sequence[str] = PARTS) -> str:
     head = f"layer_parts M={row['M']:5d} A={row['adapters']:2d}"
     cells = [f"{p} {row[f'{p}_us']:.1f}" if f"{p}_us" in row else f"{p} ERROR" for p in parts]
-    derived = [d for d in DERIVED] + sorted(k[: -len("_us")] for k in row if k.startswith("z") and k.endswith("_saves_us"))
-    cells += [f"{d} {row[f'{d}_us']:+.1f}" for d in derived if f"{d}_us" in row]
+    cells += [f"{d} {row[f'{d}_us']:+.1f}" for d in derived_pairs(row) if f"{d}_us" in row]
     return head + "  " + "  ".join(cells) + "  (us)"
 
 
