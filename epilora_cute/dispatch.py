@@ -47,6 +47,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, NamedTuple
 
+from . import environ
 from .compile_cache import cache_root
 
 log = logging.getLogger("epilora_cute.dispatch")
@@ -704,25 +705,27 @@ def _settled_signature(x, w_q, widths, rank, lora_a, lora_b, meta, mode: str) ->
             VERIFIED_PATHS, bucket_warmup.enabled(), bucket_warmup.generation)
 
 
-# os.environ.get costs ~1 µs per unset name (os.environ raises and catches a KeyError), a third of
-# a settled call's host time for DECISION_ENV. On POSIX os.environ keeps its contents in a dict of
-# encoded names and values, which its setters (and monkeypatch) write: read that directly.
-_ENVIRON_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
-DECISION_ENV_KEYS = tuple(os.environ.encodekey(v) for v in DECISION_ENV) if _ENVIRON_DATA is not None \
-    else DECISION_ENV
+# Read per settled call (environ: ~1 µs per unset name through os.environ, a third of a settled
+# call's host time for DECISION_ENV).
+DECISION_ENV_KEYS = environ.keys(DECISION_ENV)
+_BASE_SHORTCUT_KEYS = environ.keys((FORCE_ENV, NO_LORA_ENV))
 
 
 def _environ_values(keys: tuple) -> tuple:
     """The current values of the variables ``keys`` (DECISION_ENV_KEYS), None where unset."""
-    if _ENVIRON_DATA is not None:
-        return tuple(map(_ENVIRON_DATA.get, keys))
-    return tuple(map(os.environ.get, keys))
+    return environ.values(keys)
 
 
 def base_is_the_no_adapter_path() -> bool:
     """Whether "auto" takes "base" for every batch the host knows has no adapter: "base" allowed,
-    the default no-LoRA policy and no forced path (read now, as the dispatch reads them per call)."""
-    return not os.environ.get(FORCE_ENV) and no_lora_policy() == "base" and path_allowed("base")
+    the default no-LoRA policy and no forced path (read now, as the dispatch reads them per call;
+    asked by every eager no-adapter call of the plugin, hence the direct read)."""
+    forced, policy = environ.values(_BASE_SHORTCUT_KEYS)
+    if forced:
+        return False
+    if policy and no_lora_policy() != "base":  # set: validated (an unknown value raises) and read
+        return False
+    return path_allowed("base")
 
 
 def _synthetic_runner(x, w_q, w_scale, lora_a, lora_b, meta, tokens: int, n: int, *, slot_ranks, pdl):

@@ -703,3 +703,35 @@ def test_base_linear_refuses_what_the_vendor_gemm_cannot_take():
         ops.base_linear_fp8(x, wq.float(), ws)
     with pytest.raises((TypeError, ValueError), match="bfloat16"):
         ops.base_linear_fp8(x.float(), wq, ws)
+
+
+def test_base_shortcut_reads_the_switches_now(monkeypatch):
+    """base_is_the_no_adapter_path (asked by every eager no-adapter call, read through
+    epilora_cute.environ) follows EPILORA_FORCE_PATH and EPILORA_NO_LORA_PATH as they are set now."""
+    monkeypatch.setattr(d, "VERIFIED_PATHS", frozenset({"triton", "base"}))
+    monkeypatch.delenv(d.FORCE_ENV, raising=False)
+    monkeypatch.delenv(d.NO_LORA_ENV, raising=False)
+    assert d.base_is_the_no_adapter_path()
+    monkeypatch.setenv(d.NO_LORA_ENV, "base")
+    assert d.base_is_the_no_adapter_path()
+    monkeypatch.setenv(d.NO_LORA_ENV, "timed")
+    assert not d.base_is_the_no_adapter_path()
+    monkeypatch.setenv(d.NO_LORA_ENV, "bogus")
+    with pytest.raises(ValueError, match="EPILORA_NO_LORA_PATH"):
+        d.base_is_the_no_adapter_path()
+    monkeypatch.setenv(d.NO_LORA_ENV, "")
+    assert d.base_is_the_no_adapter_path()
+    monkeypatch.setenv(d.FORCE_ENV, "hybrid")
+    assert not d.base_is_the_no_adapter_path()
+
+
+def test_environ_reads_what_os_environ_holds(monkeypatch):
+    from epilora_cute import environ
+
+    ks = environ.keys(("EPILORA_TEST_A", "EPILORA_TEST_B"))
+    monkeypatch.delenv("EPILORA_TEST_A", raising=False)
+    monkeypatch.setenv("EPILORA_TEST_B", "x=ü")
+    a, b = environ.values(ks)
+    assert a is None and environ.text(a) is None and environ.text(b) == "x=ü"
+    monkeypatch.setenv("EPILORA_TEST_A", "")
+    assert environ.text(environ.values(ks)[0]) == ""

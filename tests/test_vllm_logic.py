@@ -388,6 +388,7 @@ def test_kernel_path(monkeypatch):
     assert fused.kernel_path("cpu") == "reference"
     monkeypatch.setattr(fused, "_cute_applies", lambda d: True)
     fused._kernel_path.cache_clear()
+    fused._kernel_path_for.cache_clear()
     try:
         assert fused.kernel_path("cuda:0") == "cute"
         assert fused.device_ok(torch.device("cuda:0")) == (True, "")
@@ -396,6 +397,7 @@ def test_kernel_path(monkeypatch):
         assert fused.device_ok(torch.device("cuda:0")) == (True, "")
     finally:
         fused._kernel_path.cache_clear()
+        fused._kernel_path_for.cache_clear()
 
 
 def test_shape_reason(monkeypatch):

@@ -128,9 +128,9 @@ def is_host_flag(flag) -> bool:
 
 def _host_no_lora(flag: torch.Tensor | None) -> bool:
     """vLLM's own "no token has an adapter" flag (``LoRAKernelMeta.no_lora_flag_cpu``, set by its
-    metadata preparation every step; its LoRA kernels return early on it). Read only when it is a
-    host flag (no device sync) and the shortcut is on."""
-    return is_host_flag(flag) and fused.no_lora_shortcut_enabled() and bool(flag.reshape(()))
+    metadata preparation every step; its LoRA kernels return early on it), from ``host_flag``:
+    only host flags are registered there (no device sync). Read when the shortcut is on."""
+    return flag is not None and fused.no_lora_shortcut_enabled() and bool(flag.item())
 
 
 def _impl(x, w_q, w_scale, lora_a, lora_b, token_lora_mapping, token_indices_sorted_by_lora_ids,

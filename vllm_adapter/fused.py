@@ -29,6 +29,7 @@ from typing import Sequence
 
 import torch
 
+from epilora_cute import environ
 from epilora_cute.metadata import LoRABatchMeta
 
 from .eligibility import ENV_REFERENCE, env_flag
@@ -91,12 +92,20 @@ def _kernel_path(device: torch.device, force_triton: str, reference: bool) -> st
     return "triton" if _triton_applies(device) else "reference"
 
 
+_KERNEL_PATH_KEYS = environ.keys(("EPILORA_FORCE_TRITON", ENV_REFERENCE))
+
+
 def kernel_path(device) -> str:
-    """'cute', 'triton' or 'reference' for tensors on ``device`` (cached: called per layer).
+    """'cute', 'triton' or 'reference' for tensors on ``device`` (cached: asked by every call).
 
     EPILORA_REFERENCE=1 forces the reference (numerics debugging)."""
-    return _kernel_path(torch.device(device), os.environ.get("EPILORA_FORCE_TRITON", ""),
-                        env_flag(ENV_REFERENCE))
+    return _kernel_path_for(device, *environ.values(_KERNEL_PATH_KEYS))
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel_path_for(device, force_triton, reference) -> str:
+    # Keyed by the switches' raw values: the environment is read on every call, decoded only here.
+    return _kernel_path(torch.device(device), environ.text(force_triton) or "", env_flag(ENV_REFERENCE))
 
 
 def device_ok(device: torch.device) -> tuple[bool, str]:
