@@ -56,7 +56,7 @@ log = logging.getLogger("epilora_cute.dispatch")
 # fingerprint a stored decision must match. (Opt-ins that change the candidate set need not be:
 # an entry is reused only if it covered every current candidate.)
 FINGERPRINT_ENV = ("EPILORA_HYBRID_H", "EPILORA_K2_PUSH", "EPILORA_K2_SQ_WIDE", "EPILORA_META_KERNEL",
-                   "EPILORA_L2_FLUSH", "EPILORA_STREAM_PRIORITY", "EPILORA_EXPAND_YP")
+                   "EPILORA_L2_FLUSH", "EPILORA_STREAM_PRIORITY")
 
 FORCE_ENV = "EPILORA_FORCE_PATH"
 TOKEN_BUCKETS = tuple(2 ** i for i in range(14))  # 1 .. 8192
@@ -177,7 +177,7 @@ def effective_switches() -> dict[str, str]:
     """FINGERPRINT_ENV's switches as the code reads them, not as typed: " BF16 " and "bf16" are
     one setting (they launch the same kernels), so they share stored decisions. A value its
     parser rejects keeps its raw text (the op raises on it when it runs)."""
-    from kernels_dsl import expand_add, k2_gemm
+    from kernels_dsl import k2_gemm
     from . import metadata, ops, timing
 
     readers = {"EPILORA_HYBRID_H": lambda: str(ops.hybrid_h_dtype()),
@@ -185,8 +185,7 @@ def effective_switches() -> dict[str, str]:
                "EPILORA_K2_SQ_WIDE": lambda: str(k2_gemm.sq_wide_enabled()),
                "EPILORA_META_KERNEL": lambda: str(metadata.meta_kernel_enabled()),
                "EPILORA_L2_FLUSH": timing.flush_mode,
-               "EPILORA_STREAM_PRIORITY": lambda: str(ops.stream_priority_enabled()),
-               "EPILORA_EXPAND_YP": lambda: str(expand_add.y_prefetch_enabled())}
+               "EPILORA_STREAM_PRIORITY": lambda: str(ops.stream_priority_enabled())}
     out = {}
     for name in FINGERPRINT_ENV:
         try:

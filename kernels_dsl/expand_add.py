@@ -49,7 +49,6 @@ array would cost a dependent load per tile and a host-side table to keep valid u
 
 from __future__ import annotations
 
-import os
 import sys
 import functools
 import dataclasses
@@ -652,32 +651,16 @@ def column_tiles_per_cta(num_slices: int) -> int:
     return 4 if num_slices == 1 else 8
 
 
-Y_PREFETCH_ENV = "EPILORA_EXPAND_YP"
-
-
-def y_prefetch_enabled() -> bool:
-    """EPILORA_EXPAND_YP=1: the one-column-tile builds (below WIDE_M tokens) prefetch their y tile
-    (Config.yp, v0.94; the same y bit for bit). Off unless set to 1 until the GPU has timed it."""
-    return os.environ.get(Y_PREFETCH_ENV, "").strip() == "1"
-
-
-def select_for_h(num_slices: int, m: int, rank: int, h_bf16: bool) -> Config:
-    """select()'s tile reading h as bf16 (h_bf16) or fp32, with its y prefetch where asked for."""
-    return _select_for_h(num_slices, m, rank, h_bf16, y_prefetch_enabled())
-
-
 @functools.lru_cache(maxsize=8192)  # asked on every launch (dataclasses.replace costs ~5 us)
-def _select_for_h(num_slices: int, m: int, rank: int, h_bf16: bool, yp: bool) -> Config:
-    cfg = select(num_slices, m, rank)
-    return dataclasses.replace(cfg, h_bf16=h_bf16, yp=yp and cfg.ct == 1)
+def select_for_h(num_slices: int, m: int, rank: int, h_bf16: bool) -> Config:
+    """select()'s tile reading h as bf16 (h_bf16) or fp32."""
+    return dataclasses.replace(select(num_slices, m, rank), h_bf16=h_bf16)
 
 
 def prebuild_configs() -> list[Config]:
     selected = {select(s, m, r) for s in SLICE_COUNTS for r in RANKS for m in (64, WIDE_M)}
     # select()'s tiles also for K1's bf16 h (the hybrid path's, v0.71).
     cfgs = selected | {dataclasses.replace(c, h_bf16=True) for c in selected}
-    # ... and with their y prefetch where they sweep one column tile (EPILORA_EXPAND_YP, v0.94).
-    cfgs |= {dataclasses.replace(c, yp=True) for c in cfgs if c.ct == 1}
     # The former prefill choice (bm 128 from 2048 tokens; rank 64, the bench's rank), not selected
     # since v0.13: tests/test_expand_add.py's GPU check compares against it, and the GPU machine
     # (no DSL) runs only prebuilt configurations.

@@ -624,7 +624,7 @@ def test_gpu_y_prefetch_is_bitwise_the_plain_build(M, L, R, widths, h_bf16):
     h[:, neg] = float("nan")
     y0 = case["y"].clone()
     y0[neg] = float("nan")
-    plain = dataclasses.replace(E.select_for_h(len(widths), M, R, h_bf16), yp=False)
+    plain = E.select_for_h(len(widths), M, R, h_bf16)
     cfg = dataclasses.replace(plain, yp=True)
     ref = y0.clone()
     E.expand_add(ref, h, case["bs"], case["meta"], ranks, config=plain)
@@ -698,37 +698,6 @@ def test_prebuild_set_has_the_bf16_h_tiles():
         for r in E.RANKS:
             for m in (1, E.WIDE_M - 1, E.WIDE_M, 8192):
                 assert dataclasses.replace(E.select(s, m, r), h_bf16=True) in built, (s, r, m)
-
-
-@pytest.mark.parametrize("flag,expect", [(None, False), ("0", False), ("1", True), (" 1 ", True)])
-def test_y_prefetch_switch_selects_prebuilt_tiles(monkeypatch, flag, expect):
-    """EPILORA_EXPAND_YP=1 (v0.94, opt-in): every one-column-tile choice takes its yp twin, sweeping
-    tiles (ct > 1, from WIDE_M at ranks <= 128) stay as they are; every choice is prebuilt."""
-    if flag is None:
-        monkeypatch.delenv(E.Y_PREFETCH_ENV, raising=False)
-    else:
-        monkeypatch.setenv(E.Y_PREFETCH_ENV, flag)
-    built = set(E.prebuild_configs())
-    for s in (1, 2, 3, 4):
-        for r in E.RANKS:
-            for m in (1, 64, E.WIDE_M - 1, E.WIDE_M, 8192):
-                for hb in (False, True):
-                    cfg = E.select_for_h(s, m, r, hb)
-                    assert cfg.h_bf16 == hb and cfg in built, cfg.name()
-                    assert cfg.yp == (expect and cfg.ct == 1), (cfg.name(), m)
-                    if m < E.WIDE_M:
-                        assert cfg.ct == 1
-
-
-def test_y_prefetch_switch_is_in_the_dispatch_fingerprint(monkeypatch):
-    """Decisions timed with the y prefetch on are stored apart from those timed without."""
-    from epilora_cute import dispatch as D
-
-    monkeypatch.delenv(E.Y_PREFETCH_ENV, raising=False)
-    off = D.effective_switches()
-    monkeypatch.setenv(E.Y_PREFETCH_ENV, "1")
-    on = D.effective_switches()
-    assert off["EPILORA_EXPAND_YP"] == "False" and on["EPILORA_EXPAND_YP"] == "True"
 
 
 @pytest.mark.gpu
