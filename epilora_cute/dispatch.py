@@ -700,7 +700,7 @@ def _settled_signature(x, w_q, widths, rank, lora_a, lora_b, meta, mode: str) ->
 
     layout_ok = ops._buffer_layout_reason(x, w_q, lora_a, lora_b) is None
     return (x.device, x.shape[0], x.shape[1], tuple(widths), rank, meta.max_loras,
-            getattr(meta, "host_num_adapters", None), mode, layout_ok, _environ_values(DECISION_ENV_KEYS),
+            getattr(meta, "host_num_adapters", None), mode, layout_ok, environ.values(DECISION_ENV_KEYS),
             VERIFIED_PATHS, bucket_warmup.enabled(), bucket_warmup.generation)
 
 
@@ -708,11 +708,6 @@ def _settled_signature(x, w_q, widths, rank, lora_a, lora_b, meta, mode: str) ->
 # call's host time for DECISION_ENV).
 DECISION_ENV_KEYS = environ.keys(DECISION_ENV)
 _BASE_SHORTCUT_KEYS = environ.keys((FORCE_ENV, NO_LORA_ENV))
-
-
-def _environ_values(keys: tuple) -> tuple:
-    """The current values of the variables ``keys`` (DECISION_ENV_KEYS), None where unset."""
-    return environ.values(keys)
 
 
 def base_is_the_no_adapter_path() -> bool:

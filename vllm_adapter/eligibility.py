@@ -55,7 +55,11 @@ OK = Verdict(True, "per-tensor FP8 base, dynamic per-token activations")
 
 def env_flag(name: str, default: bool = False) -> bool:
     """A boolean environment variable: ``default`` when unset, off for "", 0, false, no, off."""
-    value = os.environ.get(name)
+    return flag_value(os.environ.get(name), default)
+
+
+def flag_value(value: str | None, default: bool = False) -> bool:
+    """``env_flag``'s reading of a variable's value (None: unset)."""
     if value is None:
         return default
     return value.strip().lower() not in ("", "0", "false", "no", "off")

@@ -32,7 +32,7 @@ import torch
 from epilora_cute import environ
 from epilora_cute.metadata import LoRABatchMeta
 
-from .eligibility import ENV_REFERENCE, env_flag
+from .eligibility import ENV_REFERENCE, env_flag, flag_value
 
 # Hopper: the CuTe-DSL kernels target sm_90 (wgmma + TMA).
 MIN_CAPABILITY = (9, 0)
@@ -105,7 +105,7 @@ def kernel_path(device) -> str:
 @functools.lru_cache(maxsize=64)
 def _kernel_path_for(device, force_triton, reference) -> str:
     # Keyed by the switches' raw values: the environment is read on every call, decoded only here.
-    return _kernel_path(torch.device(device), environ.text(force_triton) or "", env_flag(ENV_REFERENCE))
+    return _kernel_path(torch.device(device), environ.text(force_triton) or "", flag_value(environ.text(reference)))
 
 
 def device_ok(device: torch.device) -> tuple[bool, str]:
