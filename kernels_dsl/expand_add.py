@@ -34,14 +34,6 @@ Per CTA:
      adds, one rounding, one 16-byte store, for rows with an adapter.
 Every output element is computed by exactly one thread in a fixed order: bitwise deterministic.
 
-y prefetch (Config.yp, v0.94, one column tile per CTA): run44 has the expand-add at ~8 µs per
-projection whatever its bytes (64 tokens x 1 adapter: 33.5 µs for a layer's four, ~1.5 µs of
-bytes), i.e. a chain of round trips: the metadata, then B; the token indices, then h; and in the
-epilogue the token indices again, then y. With yp the CTA requests its y tile (cp.async into its
-own shared tile, the rows with an adapter in this CTA's groups) together with group 0's B, so the
-epilogue's two round trips overlap the B and h chains; the epilogue then reads y from shared
-memory. Same arithmetic, same bits.
-
 B pointers: one tensor parameter per slice (compile-time num_slices <= 4). vLLM keeps one buffer
 per slice (lora_b_stacked is a tuple), so the plugin passes the views as they are; a pointer
 array would cost a dependent load per tile and a host-side table to keep valid under CUDA graphs.
@@ -88,8 +80,7 @@ class Config:
     column tiles of one slice; the B tile of the next (tile, group) is in flight during the
     current MMAs and epilogue, and the epilogue tile has its own smem. 1: one tile per CTA.
     nb: depth of the B ring (v0.75): nb - 1 (tile, group) B tiles in flight ahead of the MMAs
-    (2: the double buffer); with ct = 1 the epilogue tile still reuses the ring.
-    yp: the y tile prefetched into shared memory with group 0's B (v0.94; ct = 1 only)."""
+    (2: the double buffer); with ct = 1 the epilogue tile still reuses the ring."""
 
     rank: int = 64
     num_slices: int = 1
@@ -98,7 +89,6 @@ class Config:
     h_bf16: bool = False
     ct: int = 1
     nb: int = 2
-    yp: bool = False
 
     def __post_init__(self):
         if self.rank not in RANKS:
@@ -115,8 +105,6 @@ class Config:
             raise ValueError(f"ct must be one of {COLUMN_TILES_PER_CTA}")
         if self.nb not in B_RING_DEPTHS:
             raise ValueError(f"nb must be one of {B_RING_DEPTHS}")
-        if self.yp and self.ct != 1:
-            raise ValueError("yp (the y tile prefetch) takes one column tile per CTA (ct = 1)")
 
     @property
     def rank_pad(self) -> int:
@@ -131,8 +119,7 @@ class Config:
         hb = "_hb" if self.h_bf16 else ""
         ct = f"_ct{self.ct}" if self.ct > 1 else ""
         nb = f"_nb{self.nb}" if self.nb != 2 else ""
-        yp = "_yp" if self.yp else ""
-        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}{hb}{ct}{nb}{yp}"
+        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_bn{self.bn}{hb}{ct}{nb}"
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -147,8 +134,7 @@ class Config:
         b = self.nb * self.bn * self.rank_pad * 2
         c = self.bm * (self.bn + C_PAD) * 4
         if self.ct == 1:
-            head = _align(_align(a, 1024) + max(b, c), 1024)
-            return _align(head + self.bm * self.bn * 2, 1024) if self.yp else head  # + sY (bf16 y tile)
+            return _align(_align(a, 1024) + max(b, c), 1024)
         return _align(_align(_align(a, 1024) + b, 1024) + c, 1024)
 
 
@@ -223,14 +209,7 @@ if cute is not None:
                 g2s, cute.make_layout((self.threads // cpr, cpr), stride=(cpr, 1)), cute.make_layout((1, 8)))
             c_elems = cute.cosize(sC_layout) * 2  # fp32 epilogue tile in bf16 units (it reuses sB)
 
-            if cutlass.const_expr(cfg.ct == 1 and cfg.yp):
-                @cute.struct
-                class Storage:
-                    sA: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sA_layout)], 1024]
-                    sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, max(cute.cosize(sB_layout), c_elems)],
-                                          1024]
-                    sY: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, self.BM * self.BN], 1024]
-            elif cutlass.const_expr(cfg.ct == 1):
+            if cutlass.const_expr(cfg.ct == 1):
                 @cute.struct
                 class Storage:
                     sA: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sA_layout)], 1024]
@@ -324,12 +303,6 @@ if cute is not None:
                 thr_cb = tiled_copy_b.get_slice(tidx)
                 tBsB = thr_cb.partition_D(sB)
                 tBcB = thr_cb.partition_D(cute.make_identity_tensor((BN, RP)))
-                sY = None
-                if cutlass.const_expr(cfg.yp):
-                    # The y tile flies with group 0's B (one commit group): the epilogue's token
-                    # index -> y round trips overlap the B and h chains (v0.94).
-                    sY = st.sY.get_tensor(cute.make_layout((BM, BN), stride=(BN, 1)))
-                    self._prefetch_y(mY, mTok, mSorted, sY, r0, row_lo, row_hi, ncols, col_base, c0, tidx)
                 if n_groups > 0:
                     self._load_b(g_first, 0, mActive, mRanks, has_ranks, mBs, sl, n_s, c0, ncols, tiled_copy_b, tBsB,
                                  tBcB)
@@ -373,8 +346,7 @@ if cute is not None:
                     # ---- epilogue: acc -> smem (fp32) -> y += tile, one rounding, 16-byte accesses
                     cute.arch.cp_async_wait_group(0)
                     cute.arch.barrier()
-                    self._epilogue(mY, mTok, mSorted, sC, acc, thr_mma, r0, row_lo, row_hi, ncols, col_base, c0, tidx,
-                                   sY)
+                    self._epilogue(mY, mTok, mSorted, sC, acc, thr_mma, r0, row_lo, row_hi, ncols, col_base, c0, tidx)
                 else:
                     # (tile j, group gi) pairs in order through the ring of NB B tiles: pair p + NB - 1's
                     # B (across tiles: the next tile's first groups after a tile's last) is requested
@@ -410,7 +382,7 @@ if cute is not None:
                         if cutlass.const_expr(CT == 1):
                             cute.arch.cp_async_wait_group(0)  # sC is the ring: no B request left
                         self._epilogue(mY, mTok, mSorted, sC, acc, thr_mma, r0, row_lo, row_hi,
-                                       cutlass.min(n_s - cj, BN), col_base, cj, tidx, sY)
+                                       cutlass.min(n_s - cj, BN), col_base, cj, tidx)
                         acc.fill(0.0)
                     cute.arch.cp_async_wait_group(0)
 
@@ -447,44 +419,9 @@ if cute is not None:
                         cute.gemm(tiled_mma, acc, tCrA[None, None, kk], tCrB[None, None, kk], acc)
 
         @cute.jit
-        def _prefetch_y(self, mY, mTok, mSorted, sY, r0, row_lo, row_hi, ncols, col_base, c0, tidx):
-            """cp.async of this thread's epilogue chunks of y (16 bytes each, the rows [row_lo,
-            row_hi) with an adapter) into sY at the same tile coordinates: the thread that reads a
-            chunk in the epilogue is the one that requested it."""
-            BN, NT = self.BN, self.threads
-            CPR = BN // 8
-            NIT = self.BM * CPR // NT
-            j0 = (col_base + c0) // 8
-            g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.BFloat16,
-                                      num_bits_per_copy=128)
-            for it in cutlass.range_constexpr(NIT):
-                v = it * NT + tidx
-                r = v // CPR
-                cc = v - r * CPR
-                t = self._chunk_token(mTok, mSorted, r0, r, cc, row_lo, row_hi, ncols)
-                if t >= 0:
-                    cute.copy(g2s, cute.zipped_divide(mY[t, None], (8,))[None, j0 + cc],
-                              cute.zipped_divide(sY[r, None], (8,))[None, cc])
-
-        @cute.jit
-        def _chunk_token(self, mTok, mSorted, r0, r, cc, row_lo, row_hi, ncols):
-            """The token whose y row holds chunk cc (8 columns) of tile row r, or -1 where this CTA
-            leaves the chunk alone (a row outside its groups or without an adapter, columns past
-            the slice): the one rule _prefetch_y and the epilogue both follow."""
-            t = cutlass.Int32(-1)
-            if r >= row_lo and r < row_hi and cc * 8 < ncols:
-                srt = mSorted[r0 + r]
-                tk = mTok[r0 + r]
-                if srt >= 0:
-                    t = tk
-            return t
-
-        @cute.jit
-        def _epilogue(self, mY, mTok, mSorted, sC, acc, thr_mma, r0, row_lo, row_hi, ncols, col_base, c0, tidx,
-                      sY=None):
+        def _epilogue(self, mY, mTok, mSorted, sC, acc, thr_mma, r0, row_lo, row_hi, ncols, col_base, c0, tidx):
             """acc -> sC (fp32) -> y += tile for the rows [row_lo, row_hi) with an adapter and the
-            tile's ncols columns from y's column col_base + c0: one rounding, 16-byte accesses.
-            sY: y's tile as _prefetch_y staged it (yp), read instead of y's global rows."""
+            tile's ncols columns from y's column col_base + c0: one rounding, 16-byte accesses."""
             BM, BN, NT = self.BM, self.BN, self.threads
             tCcC = thr_mma.partition_C(cute.make_identity_tensor((BM, BN)))
             for i in cutlass.range_constexpr(cute.size(acc)):
@@ -504,17 +441,20 @@ if cute is not None:
                 v = it * NT + tidx
                 r = v // CPR
                 cc = v - r * CPR
-                toks.append(self._chunk_token(mTok, mSorted, r0, r, cc, row_lo, row_hi, ncols))
+                t = cutlass.Int32(-1)
+                if r >= row_lo and r < row_hi and cc * 8 < ncols:
+                    srt = mSorted[r0 + r]
+                    tk = mTok[r0 + r]
+                    if srt >= 0:
+                        t = tk
+                toks.append(t)
             ys = []
             for it in cutlass.range_constexpr(NIT):
                 v = it * NT + tidx
                 cc = v - (v // CPR) * CPR
                 r_y = cute.make_rmem_tensor(cute.make_layout(8), cutlass.BFloat16)
                 if toks[it] >= 0:
-                    if cutlass.const_expr(sY is not None):
-                        cute.autovec_copy(cute.zipped_divide(sY[v // CPR, None], (8,))[None, cc], r_y)
-                    else:
-                        cute.autovec_copy(cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc], r_y)
+                    cute.autovec_copy(cute.zipped_divide(mY[toks[it], None], (8,))[None, j0 + cc], r_y)
                 ys.append(r_y)
             for it in cutlass.range_constexpr(NIT):
                 v = it * NT + tidx
@@ -701,9 +641,6 @@ def sweep_configs(num_slices: int, rank: int) -> dict[str, Config]:
     for bn, nb in ((128, 3), (128, 4), (64, 3)):
         out[f"bm64_bn{bn}_nb{nb}"] = tile(bn, nb=nb)
     out["bm64_bn64_ct4_nb3"] = tile(64, ct=4, nb=3)
-    # v0.94: select()'s tile below WIDE_M with its y tile prefetched, for fp32 and bf16 h
-    out["bm64_bn128_yp"] = tile(128, yp=True)
-    out["bm64_bn128_hb_yp"] = tile(128, h_bf16=True, yp=True)
     return out
 
 

@@ -39,8 +39,7 @@ needs_dsl = pytest.mark.skipif(dsl_version() is None, reason="nvidia-cutlass-dsl
 FAST = [E.Config(rank=64, num_slices=3), E.Config(rank=8, num_slices=1, bm=128), E.Config(rank=256, num_slices=2, bn=64),
         E.Config(rank=64, num_slices=2, bn=64, h_bf16=True), E.Config(rank=8, num_slices=1, h_bf16=True),
         E.Config(rank=64, num_slices=2, bn=64, ct=4), E.Config(rank=8, num_slices=1, bn=128, nb=3),
-        E.Config(rank=64, num_slices=3, bn=64, ct=4, nb=3), E.Config(rank=64, num_slices=3, h_bf16=True, yp=True),
-        E.Config(rank=8, num_slices=1, nb=3, yp=True)]
+        E.Config(rank=64, num_slices=3, bn=64, ct=4, nb=3)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,8 +270,6 @@ def test_config_validation():
         E.Config(rank=12)
     with pytest.raises(ValueError):
         E.Config(bm=48)
-    with pytest.raises(ValueError, match="yp"):
-        E.Config(bn=64, ct=4, yp=True)
 
 
 def _cpu_case():
@@ -600,40 +597,6 @@ CT_GPU_CASES = [  # (M, adapters, rank, widths, the column-sweeping / deep-ring 
     (300, 4, 8, (4096,), E.CT_TEST_CONFIGS[0]),
     (777, 8, 256, (1024, 512, 512, 256), E.CT_TEST_CONFIGS[1]),
 ]
-
-
-# Rank 64: the sweep's builds (tools/carry_cache.py's slim set carries them).
-YP_GPU_CASES = [(64, 8, 64, (4096, 1024, 1024)), (64, 1, 64, (12288, 12288)), (256, 32, 64, (4096,)),
-                (511, 4, 64, (1024, 512, 512)), (33, 8, 64, (4096,)), (100, 8, 64, (2048, 256))]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("h_bf16", [False, True])
-@pytest.mark.parametrize("M,L,R,widths", YP_GPU_CASES)
-def test_gpu_y_prefetch_is_bitwise_the_plain_build(M, L, R, widths, h_bf16):
-    """v0.94: select()'s tile with its y tile prefetched into shared memory writes the plain build's y
-    bit for bit: mixed effective ranks, tokens without an adapter (their y and h rows poisoned, left
-    untouched), the default and forced group splits."""
-    import dataclasses
-
-    _hopper()
-    ranks = torch.tensor([(R, R // 2, 0, 8)[i % 4] for i in range(L)], dtype=torch.int32).cuda()
-    case = make_case(M, L, R, widths, seed=M + R + L, slot_ranks=ranks.cpu(), device="cuda")
-    h = case["h"].bfloat16() if h_bf16 else case["h"]
-    neg = case["ids"] < 0
-    h[:, neg] = float("nan")
-    y0 = case["y"].clone()
-    y0[neg] = float("nan")
-    plain = E.select_for_h(len(widths), M, R, h_bf16)
-    cfg = dataclasses.replace(plain, yp=True)
-    ref = y0.clone()
-    E.expand_add(ref, h, case["bs"], case["meta"], ranks, config=plain)
-    for z in (None, 1, 5):
-        y = y0.clone()
-        E.expand_add(y, h, case["bs"], case["meta"], ranks, config=cfg, zsplit=z)
-        torch.cuda.synchronize()
-        assert torch.equal(y.view(torch.int16), ref.view(torch.int16)), z
-    assert torch.equal(ref[neg].view(torch.int16), y0[neg].view(torch.int16))
 
 
 @pytest.mark.gpu

@@ -24,8 +24,6 @@ stream order, rank 64, tokens dealt round-robin over the adapters (max_loras = m
                  order: what the fork saves)
   base_us        quantization + GEMM only (vLLM's FP8 layer)
   quant_us, gemm_us, k1_us, expand_us   each part alone, four projections in one graph
-  mirror_yp_us, expand_yp_us   mirror / expand with the expand-add's y tile prefetched (v0.94,
-                 expand_add.Config.yp: select()'s tile below 2048 tokens, rank 64)
 
 and, with EPILORA_BENCH_K1_ZSPLITS=1,2 (how the SMs are shared at 64-256 tokens: K1 with fewer CTAs
 beside the GEMM; its group split leaves h's bits unchanged, kernels_dsl/k1_shrink.choose_zsplit):
@@ -35,7 +33,6 @@ beside the GEMM; its group split leaves h's bits unchanged, kernels_dsl/k1_shrin
 
 and, derived (µs): adapter_cost = mirror - base; expand_exposed = mirror - no_expand;
 k1_exposed = mirror - no_k1; fork_saves = serial - mirror; priority_saves = op - op_pri;
-yp_saves = mirror - mirror_yp;
 z{z}_saves = mirror - mirror_z{z}. Without
 vLLM the GEMM is cuBLAS (torch._scaled_mm), which is slower than vLLM's CUTLASS at these sizes:
 compare within a run.
@@ -67,12 +64,11 @@ OP_PARTS = {"op": ("hybrid_par", False), "op_pri": ("hybrid_par", True),
             "op_q": ("hybrid_par_q", False), "op_q_pri": ("hybrid_par_q", True),
             "op_st": ("hybrid_par_st", False), "op_st_pri": ("hybrid_par_st", True),
             "op_g": ("hybrid_par_g", False), "op_g_pri": ("hybrid_par_g", True)}
-PARTS = (*OP_PARTS, "mirror", "no_expand", "no_k1", "serial", "base", "quant", "gemm", "k1", "expand", "mirror_yp",
-         "expand_yp")
+PARTS = (*OP_PARTS, "mirror", "no_expand", "no_k1", "serial", "base", "quant", "gemm", "k1", "expand")
 # derived column -> (minuend, subtrahend)
 DERIVED = {"adapter_cost": ("mirror", "base"), "expand_exposed": ("mirror", "no_expand"),
            "k1_exposed": ("mirror", "no_k1"), "fork_saves": ("serial", "mirror"),
-           "priority_saves": ("op", "op_pri"), "yp_saves": ("mirror", "mirror_yp")}
+           "priority_saves": ("op", "op_pri")}
 
 
 ZSPLITS_ENV = "EPILORA_BENCH_K1_ZSPLITS"
@@ -176,23 +172,12 @@ class LayerParts:
             k1_shrink.k1_quant_shrink(c.x, c.lora_a, c.meta, self.scratch_codes, self.scratch_scales, self.h,
                                       zsplit=zsplit)
 
-    def expand(self, yp: bool = False) -> None:
-        """The expand-add as the op launches it (its plan), or (yp) through the family's entry with
-        select()'s tile prefetching its y tile (v0.94)."""
-        if not yp:
-            from epilora_cute.launch_plans import expand_add
+    def expand(self) -> None:
+        from epilora_cute.launch_plans import expand_add
 
-            expand_add(self.out, self.h, self.c.lora_b, self.c.meta)
-            return
-        import dataclasses
+        expand_add(self.out, self.h, self.c.lora_b, self.c.meta)
 
-        from kernels_dsl import expand_add as ea
-
-        c = self.c
-        cfg = ea.select_for_h(len(c.lora_b), self.out.shape[0], RANK, self.h.dtype is torch.bfloat16)
-        ea.expand_add(self.out, self.h, c.lora_b, c.meta, config=dataclasses.replace(cfg, yp=True))
-
-    def forked(self, expand: bool = True, k1: bool = True, zsplit: int | None = None, yp: bool = False) -> None:
+    def forked(self, expand: bool = True, k1: bool = True, zsplit: int | None = None) -> None:
         """hybrid_par's order (ops._hybrid_par_path, quant_first=False), parts optional."""
         main = torch.cuda.current_stream()
         if k1:
@@ -204,7 +189,7 @@ class LayerParts:
         if k1:
             main.wait_stream(self.side)
         if expand:
-            self.expand(yp)
+            self.expand()
 
     def serial(self) -> None:
         self.k1()
@@ -220,8 +205,7 @@ class LayerParts:
         return {**ops, "mirror": self.forked, "no_expand": lambda: self.forked(expand=False),
                 "no_k1": lambda: self.forked(k1=False), "serial": self.serial,
                 "base": lambda: (self.quant(), self.gemm()), "quant": self.quant, "gemm": self.gemm,
-                "k1": self.k1, "expand": self.expand, "mirror_yp": lambda: self.forked(yp=True),
-                "expand_yp": lambda: self.expand(yp=True)}
+                "k1": self.k1, "expand": self.expand}
 
 
 def measure_row(m: int, adapters: int, side: torch.cuda.Stream,

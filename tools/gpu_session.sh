@@ -22,7 +22,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, priority, yp, race, race-tests, race-rest, stream, grouped, tt, tt-diag, layer-parts, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
+mode=${1:?record, tests, priority, race, race-tests, race-rest, stream, grouped, tt, tt-diag, layer-parts, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -211,17 +211,6 @@ case $mode in
       EPILORA_BENCH_OURS=hybrid,hybrid_par,hybrid_par_g,auto EPILORA_HYBRID_GROUPED_PATH=1 \
       timeout -s KILL 110 python3 tools/bench.py --sections prefill --out "$OUT/prefill" 2>&1 | grep -E "^prefill M" | cut -c1-700
     (cd "$OUT" && for d in hs prefill; do [[ -d $d ]] && tar czf $d.tgz $d && rm -rf $d; done)
-    ;;
-  yp)
-    # perf.md v0.94 (carry the slim cache; vLLM optional: without it the GEMM is cuBLAS, which the
-    # expand-add comparisons do not depend on): the y-prefetch build bit for bit the plain one, then
-    # layer_parts (expand_yp against expand, mirror_yp against mirror) at 64 / 256 tokens (~2 min).
-    unpack_vllm
-    timeout -s KILL 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_expand_add.py \
-      -k "y_prefetch or cuda_graph_replay" 2>&1 | tail -4 | tee "$OUT/tests_yp.log"
-    EPILORA_BENCH_TOKENS=${YP_TOKENS:-64,256} EPILORA_BENCH_ADAPTERS=${YP_ADAPTERS:-8,1,32} \
-      timeout -s KILL 200 python3 tools/bench.py --sections layer_parts --out "$OUT/layer_parts" 2>&1 \
-      | grep -E "^layer_parts" | cut -c1-1600
     ;;
   priority)
     # perf.md v0.91 (carry the slim cache, and .devvllm/2 after call A): the op-level GPU tests of
