@@ -278,17 +278,34 @@ if cute is not None:
             rows = cutlass.min(M - r0, BM)
             if sl >= 0 and rows > 0:
                 ncols = cutlass.min(n_s - c0, BN)
+                # Level 1 of the CTA's dependent loads, all requested before any is waited for (each
+                # level is an HBM round trip while the metadata is cold; v0.96: run46's profile had
+                # the warps wait for the group bounds before asking for the slot, and ask for the
+                # token indices only once B was requested): the groups of the tile's first and last
+                # rows, the token of every row whose h this thread stages, and the token and slot
+                # of every row whose y it adds to.
+                h_toks = self._row_values(mTok, r0, rows, tidx, self._h_vectors_per_row(), self._h_chunks())
+                ep_toks = h_toks
+                if cutlass.const_expr(self._h_vectors_per_row() != BN // 8):  # other rows per chunk
+                    ep_toks = self._row_values(mTok, r0, rows, tidx, BN // 8, self._epilogue_chunks())
+                ep_slots = self._row_values(mSorted, r0, rows, tidx, BN // 8, self._epilogue_chunks())
+                g_tile = mRowGroup[r0]
+                g_last = mRowGroup[r0 + rows - 1]
+
                 # This CTA's adapter groups: the tile's groups cut into grid-z chunks (group split).
                 # A row belongs to one group, so each y row is written by exactly one z-CTA; nz = 1
                 # is the tile's whole group range (rows [0, rows)).
-                g_tile = mRowGroup[r0]
-                ng_tile = mRowGroup[r0 + rows - 1] - g_tile + 1
+                ng_tile = g_last - g_tile + 1
                 per_z = (ng_tile + nz - 1) // nz
                 gz_lo = cutlass.min(bz * per_z, ng_tile)
                 n_groups = cutlass.max(cutlass.min(per_z, ng_tile - gz_lo), 0)
                 g_first = g_tile + gz_lo
-                row_lo = cutlass.max(mStart[g_first] - r0, 0)
-                row_hi = cutlass.max(cutlass.min(mStart[g_first + n_groups] - r0, rows), row_lo)
+                # Level 2, together: the first group's slot (B's rows; clamped to a group of the
+                # tile, so in bounds for a z-CTA without groups too), the groups' row bounds, h.
+                lid_first = mActive[cutlass.min(g_first, g_last)]
+                start_lo = mStart[g_first]
+                start_hi = mStart[g_first + n_groups]
+                hs = self._load_h(mH, h_toks, sl, rows, n_groups > 0, tidx)
 
                 st = _dsl.smem_allocator().allocate(self.storage)
                 sA = st.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
@@ -299,17 +316,21 @@ if cute is not None:
                 else:
                     sC = st.sC.get_tensor(sC_layout)
 
-                # ---- group 0's B is requested first, then h is staged while it flies ------------
+                # ---- level 3: group 0's B, while h lands in registers -------------------------
                 thr_cb = tiled_copy_b.get_slice(tidx)
                 tBsB = thr_cb.partition_D(sB)
                 tBcB = thr_cb.partition_D(cute.make_identity_tensor((BN, RP)))
                 if n_groups > 0:
-                    self._load_b(g_first, 0, mActive, mRanks, has_ranks, mBs, sl, n_s, c0, ncols, tiled_copy_b, tBsB,
-                                 tBcB)
+                    self._load_b_slot(lid_first, 0, mRanks, has_ranks, mBs, sl, n_s, c0, ncols, tiled_copy_b, tBsB,
+                                      tBcB)
                 cute.arch.cp_async_commit_group()
 
+                row_lo = cutlass.max(start_lo - r0, 0)
+                row_hi = cutlass.max(cutlass.min(start_hi - r0, rows), row_lo)
                 if n_groups > 0:  # a z-CTA without groups only passes the barriers
-                    self._stage_h(mH, mTok, sA, sl, r0, rows, tidx)
+                    self._store_h(hs, sA, tidx)
+                # The epilogue's token per chunk, -1 for rows without an adapter (slot -1).
+                ep_t = [cutlass.select_(ep_slots[i] >= 0, ep_toks[i], -1) for i in range(len(ep_slots))]
 
                 # ---- MMA fragments -------------------------------------------------------------
                 thr_mma = tiled_mma.get_slice(tidx)
@@ -346,7 +367,7 @@ if cute is not None:
                     # ---- epilogue: acc -> smem (fp32) -> y += tile, one rounding, 16-byte accesses
                     cute.arch.cp_async_wait_group(0)
                     cute.arch.barrier()
-                    self._epilogue(mY, mTok, mSorted, sC, acc, thr_mma, r0, row_lo, row_hi, ncols, col_base, c0, tidx)
+                    self._epilogue(mY, ep_t, sC, acc, thr_mma, row_lo, row_hi, ncols, col_base, c0, tidx)
                 else:
                     # (tile j, group gi) pairs in order through the ring of NB B tiles: pair p + NB - 1's
                     # B (across tiles: the next tile's first groups after a tile's last) is requested
@@ -381,8 +402,8 @@ if cute is not None:
                         cj = c0 + j * BN
                         if cutlass.const_expr(CT == 1):
                             cute.arch.cp_async_wait_group(0)  # sC is the ring: no B request left
-                        self._epilogue(mY, mTok, mSorted, sC, acc, thr_mma, r0, row_lo, row_hi,
-                                       cutlass.min(n_s - cj, BN), col_base, cj, tidx)
+                        self._epilogue(mY, ep_t, sC, acc, thr_mma, row_lo, row_hi, cutlass.min(n_s - cj, BN),
+                                       col_base, cj, tidx)
                         acc.fill(0.0)
                     cute.arch.cp_async_wait_group(0)
 
@@ -419,9 +440,11 @@ if cute is not None:
                         cute.gemm(tiled_mma, acc, tCrA[None, None, kk], tCrB[None, None, kk], acc)
 
         @cute.jit
-        def _epilogue(self, mY, mTok, mSorted, sC, acc, thr_mma, r0, row_lo, row_hi, ncols, col_base, c0, tidx):
+        def _epilogue(self, mY, ep_t, sC, acc, thr_mma, row_lo, row_hi, ncols, col_base, c0, tidx):
             """acc -> sC (fp32) -> y += tile for the rows [row_lo, row_hi) with an adapter and the
-            tile's ncols columns from y's column col_base + c0: one rounding, 16-byte accesses."""
+            tile's ncols columns from y's column col_base + c0: one rounding, 16-byte accesses.
+            ep_t: the token of each of this thread's chunks' rows, -1 without an adapter (read at
+            the CTA's start, _row_values)."""
             BM, BN, NT = self.BM, self.BN, self.threads
             tCcC = thr_mma.partition_C(cute.make_identity_tensor((BM, BN)))
             for i in cutlass.range_constexpr(cute.size(acc)):
@@ -429,12 +452,12 @@ if cute is not None:
                 sC[rc[0], rc[1]] = acc[i]
             cute.arch.barrier()
 
-            # Three passes over this thread's NIT chunks so that the memory round trips overlap
-            # instead of queueing chunk after chunk: (1) every chunk's sorted slot and token
-            # index, (2) every chunk's 16-byte y load, (3) add, round once, store. Same
-            # arithmetic per element as one pass; rows of slot -1 neither read nor written.
+            # Two passes over this thread's NIT chunks so that the y round trips overlap instead
+            # of queueing chunk after chunk: (1) every chunk's 16-byte y load, (2) add, round once,
+            # store. Same arithmetic per element as one pass; rows of slot -1 neither read nor
+            # written.
             CPR = BN // 8
-            NIT = BM * CPR // NT
+            NIT = self._epilogue_chunks()
             j0 = (col_base + c0) // 8
             toks = []
             for it in cutlass.range_constexpr(NIT):
@@ -443,10 +466,7 @@ if cute is not None:
                 cc = v - r * CPR
                 t = cutlass.Int32(-1)
                 if r >= row_lo and r < row_hi and cc * 8 < ncols:
-                    srt = mSorted[r0 + r]
-                    tk = mTok[r0 + r]
-                    if srt >= 0:
-                        t = tk
+                    t = ep_t[it]
                 toks.append(t)
             ys = []
             for it in cutlass.range_constexpr(NIT):
@@ -470,10 +490,15 @@ if cute is not None:
         @cute.jit
         def _load_b(self, g, buf, mActive, mRanks, has_ranks, mBs: tuple, sl, n_s, c0, ncols, tiled_copy_b,
                     tBsB, tBcB):
+            """_load_b_slot for adapter group g (its slot read here)."""
+            self._load_b_slot(mActive[g], buf, mRanks, has_ranks, mBs, sl, n_s, c0, ncols, tiled_copy_b, tBsB, tBcB)
+
+        @cute.jit
+        def _load_b_slot(self, lid, buf, mRanks, has_ranks, mBs: tuple, sl, n_s, c0, ncols, tiled_copy_b, tBsB,
+                         tBcB):
             """cp.async B_sl[lid] rows [c0, c0 + ncols), the first keff columns, into buffer buf.
             Columns in [R, RP) (rank 8 only) are zero-filled: they meet zero A columns, and
             0 * garbage could be NaN. Rows beyond the slice are never stored, so left as they are."""
-            lid = mActive[g]
             keff = _dsl.k_eff(lid, mRanks, has_ranks, self.RP)  # MMA K (0: nothing to do)
             if keff > 0:
                 row0 = lid * n_s + c0
@@ -497,31 +522,61 @@ if cute is not None:
                     src = cute.zipped_divide(mBs[i][row, None], (8,))[None, col // 8]
                     cute.copy(tiled_copy_b, src, dst)
 
+        def _h_vectors_per_row(self) -> int:
+            """16-byte vectors of h per row of sA: 4 fp32 (converted) or 8 bf16 (h_bf16) each."""
+            return self.RP // (8 if self.cfg.h_bf16 else 4)
+
+        def _h_chunks(self) -> int:
+            """h vectors each thread stages (chunk it: vector it * threads + tidx, row-major)."""
+            return (self.BM * self._h_vectors_per_row() + self.threads - 1) // self.threads
+
+        def _epilogue_chunks(self) -> int:
+            """16-byte y chunks each thread adds (chunk it: it * threads + tidx, BN / 8 per row)."""
+            return self.BM * (self.BN // 8) // self.threads
+
         @cute.jit
-        def _stage_h(self, mH, mTok, sA, sl, r0, rows, tidx):
-            """sA[r, :] = bf16(h[sl, tok[r0 + r], :]) (zeros for rows past the batch and for the
-            rank padding), the row order the sorted one; 16-byte loads: 4 fp32 converted element
-            by element, or (h_bf16) 8 bf16 stored as they are with one 16-byte smem store (the
-            swizzle moves whole 16-byte chunks, so a chunk stays contiguous)."""
-            R, RP, BM, NT = self.R, self.RP, self.BM, self.threads
+        def _row_values(self, mIdx, r0, rows, tidx, per_row: int, n_chunks: int):
+            """mIdx[r0 + r] for the row r of each of this thread's n_chunks chunks (chunk it is item
+            it * threads + tidx of a row-major tile with per_row items per row), r clamped to the
+            tile's rows so that every load is in bounds (callers mask the rows beyond them)."""
+            vals = []
+            for it in cutlass.range_constexpr(n_chunks):
+                r = (it * self.threads + tidx) // per_row
+                vals.append(mIdx[r0 + cutlass.min(r, rows - 1)])
+            return vals
+
+        @cute.jit
+        def _load_h(self, mH, h_toks, sl, rows, live, tidx):
+            """This thread's chunks of bf16(h[sl, tok[r0 + r], :]) into registers, 16-byte loads
+            (h_toks: _row_values of the token indices); zeros for rows past the batch, for the rank
+            padding, and everywhere unless live (a z-CTA without groups stages nothing). The
+            stores into sA are _store_h's, after B is requested."""
+            R, BM, NT = self.R, self.BM, self.threads
             hb = self.cfg.h_bf16
-            VEC = 8 if hb else 4  # elements per 16-byte vector of h
-            VPR = RP // VEC
-            NIT = (BM * VPR + NT - 1) // NT
-            # Two passes (every chunk's token index and h load in flight together, then the
-            # stores), so that the round trips overlap instead of queueing chunk after chunk.
+            VEC = 8 if hb else 4
+            VPR = self._h_vectors_per_row()
             hs = []
-            for it in cutlass.range_constexpr(NIT):
+            for it in cutlass.range_constexpr(self._h_chunks()):
                 v = it * NT + tidx
                 r = v // VPR
                 cv = v - r * VPR
                 r_h = cute.make_rmem_tensor(cute.make_layout(VEC), cutlass.BFloat16 if hb else cutlass.Float32)
                 r_h.fill(0.0)
-                if v < BM * VPR and r < rows and cv * VEC < R:
-                    t = mTok[r0 + r]
-                    cute.autovec_copy(cute.zipped_divide(mH[sl, t, None], (VEC,))[None, cv], r_h)
+                if live and v < BM * VPR and r < rows and cv * VEC < R:
+                    cute.autovec_copy(cute.zipped_divide(mH[sl, h_toks[it], None], (VEC,))[None, cv], r_h)
                 hs.append(r_h)
-            for it in cutlass.range_constexpr(NIT):
+            return hs
+
+        @cute.jit
+        def _store_h(self, hs, sA, tidx):
+            """sA[r, :] = _load_h's chunks, the row order the sorted one: fp32 converted element by
+            element, or (h_bf16) one 16-byte smem store (the swizzle moves whole 16-byte chunks,
+            so a chunk stays contiguous)."""
+            BM, NT = self.BM, self.threads
+            hb = self.cfg.h_bf16
+            VEC = 8 if hb else 4
+            VPR = self._h_vectors_per_row()
+            for it in cutlass.range_constexpr(self._h_chunks()):
                 v = it * NT + tidx
                 if v < BM * VPR:
                     r = v // VPR

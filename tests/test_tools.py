@@ -713,6 +713,10 @@ def test_layer_parts_settings_derive_and_format():
     text = lp.format_row(row)
     assert text.startswith("layer_parts M=   64 A= 8") and "base ERROR" in text and "expand_exposed +26.0" in text
     assert lp.zsplits({}) == [] and lp.zsplits({"EPILORA_BENCH_K1_ZSPLITS": "1, 2"}) == [1, 2]
+    assert lp.selected_parts({}) == lp.PARTS
+    assert lp.selected_parts({"EPILORA_BENCH_PARTS": "mirror, expand,base"}) == ("mirror", "base", "expand")
+    with pytest.raises(ValueError, match="expnd"):
+        lp.selected_parts({"EPILORA_BENCH_PARTS": "expnd"})
     for bad in ("0", "x", "70000"):
         with pytest.raises(ValueError, match="EPILORA_BENCH_K1_ZSPLITS"):
             lp.zsplits({"EPILORA_BENCH_K1_ZSPLITS": bad})

@@ -31,6 +31,8 @@ beside the GEMM; its group split leaves h's bits unchanged, kernels_dsl/k1_shrin
   mirror_z{z}_us mirror with K1 launched at group split z (grid z; the default is choose_zsplit's)
   k1_z{z}_us     K1 alone at group split z
 
+EPILORA_BENCH_PARTS=expand,mirror (comma-separated) times only those columns.
+
 and, derived (µs): adapter_cost = mirror - base; expand_exposed = mirror - no_expand;
 k1_exposed = mirror - no_k1; fork_saves = serial - mirror; priority_saves = op - op_pri;
 z{z}_saves = mirror - mirror_z{z}. Without
@@ -72,6 +74,7 @@ DERIVED = {"adapter_cost": ("mirror", "base"), "expand_exposed": ("mirror", "no_
 
 
 ZSPLITS_ENV = "EPILORA_BENCH_K1_ZSPLITS"
+PARTS_ENV = "EPILORA_BENCH_PARTS"
 
 
 def settings(env: Mapping[str, str] | None = None) -> tuple[list[int], list[int]]:
@@ -88,6 +91,17 @@ def zsplits(env: Mapping[str, str] | None = None) -> list[int]:
             raise ValueError(f"{ZSPLITS_ENV}: {item!r} is not a group split in 1..65535")
         out.append(int(item))
     return out
+
+
+def selected_parts(env: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The columns to time (EPILORA_BENCH_PARTS, comma-separated names of PARTS; unset: all of
+    them), in PARTS' order: an A/B of one part need not time the other sixteen."""
+    text = (os.environ if env is None else env).get(PARTS_ENV, "").strip()
+    names = {t.strip() for t in text.split(",") if t.strip()}
+    unknown = sorted(names - set(PARTS))
+    if unknown:
+        raise ValueError(f"{PARTS_ENV}: {', '.join(unknown)} not among {', '.join(PARTS)}")
+    return tuple(p for p in PARTS if p in names) if names else PARTS
 
 
 def zsplit_parts(zs: Sequence[int]) -> tuple[str, ...]:
@@ -209,7 +223,8 @@ class LayerParts:
 
 
 def measure_row(m: int, adapters: int, side: torch.cuda.Stream,
-                timer: Callable[[Callable[[], None]], float] = time_graph, zs: Sequence[int] = ()) -> dict:
+                timer: Callable[[Callable[[], None]], float] = time_graph, zs: Sequence[int] = (),
+                parts_timed: Sequence[str] = PARTS) -> dict:
     row = {"section": "layer_parts", "model": "Qwen3-8B", "M": m, "adapters": adapters, "rank": RANK}
     parts: Sequence[LayerParts] = []
     try:
@@ -217,7 +232,7 @@ def measure_row(m: int, adapters: int, side: torch.cuda.Stream,
         parts = [LayerParts(LayerCase(p, m, RANK, num_adapters=adapters, max_loras=max_loras), side)
                  for p in QWEN3_8B]
         per = [lp.launchers(zs) for lp in parts]
-        for name in (*PARTS, *zsplit_parts(zs)):
+        for name in (*parts_timed, *zsplit_parts(zs)):
             try:
                 row[f"{name}_us"] = timer(lambda name=name: [fns[name]() for fns in per])
             except Exception as e:  # noqa: BLE001 - a part that can't run is reported, not fatal
@@ -238,13 +253,14 @@ def bench_layer_parts(quick: bool) -> list[dict]:
         return []
     tokens, adapters = settings()
     zs = zsplits()
+    timed = selected_parts()
     side = torch.cuda.Stream()
     rows = []
     for a in adapters:
         for m in tokens:
-            row = measure_row(m, a, side, zs=zs)
+            row = measure_row(m, a, side, zs=zs, parts_timed=timed)
             rows.append(row)
-            print(format_row(row, (*PARTS, *zsplit_parts(zs))), flush=True)
+            print(format_row(row, (*timed, *zsplit_parts(zs))), flush=True)
     return rows
 
 

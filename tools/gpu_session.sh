@@ -22,7 +22,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, priority, race, race-tests, race-rest, stream, grouped, tt, tt-diag, layer-parts, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
+mode=${1:?record, tests, ab, priority, race, race-tests, race-rest, stream, grouped, tt, tt-diag, layer-parts, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -227,6 +227,26 @@ case $mode in
     EPILORA_BENCH_TOKENS=${PRIORITY_TOKENS:-64,256,2048} EPILORA_BENCH_ADAPTERS=${PRIORITY_ADAPTERS:-8,1,32} \
       EPILORA_BENCH_K1_ZSPLITS=${PRIORITY_ZSPLITS-1,2} timeout -s KILL 280 python3 tools/bench.py --sections layer_parts --out "$OUT/layer_parts" 2>&1 \
       | grep -E "^layer_parts" | cut -c1-1200
+    ;;
+  ab)
+    # A kernel change against its base commit, both on this one warm machine (perf.md v0.96, the
+    # expand-add's prologue). Carry .gpu_carry/slim (holding both sides' builds) and .gpu_carry/base
+    # (`tools/base_tree.sh <base> <changed files>`; .devvllm/2 too on a fresh machine after call A).
+    # The changed family's GPU tests (AB_TESTS), then layer_parts (AB_PARTS, AB_TOKENS,
+    # AB_ADAPTERS) base, head, base, head: the two runs of one side show the machine's drift.
+    unpack_vllm
+    [[ -d .gpu_carry/base ]] || { echo "no .gpu_carry/base: tools/base_tree.sh first"; exit 2; }
+    timeout -s KILL ${AB_TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu ${AB_TESTS:-tests/test_expand_add.py} \
+      2>&1 | tail -8 | tee "$OUT/tests_ab.log"
+    i=0
+    for side in base head base head; do
+      i=$((i + 1)); dir=$PWD; [[ $side == base ]] && dir=$PWD/.gpu_carry/base
+      (cd "$dir" && EPILORA_BENCH_TOKENS=${AB_TOKENS:-64,256} EPILORA_BENCH_ADAPTERS=${AB_ADAPTERS:-1,8,32} \
+        EPILORA_BENCH_PARTS=${AB_PARTS:-expand,mirror,no_expand} timeout -s KILL ${AB_BENCH_S:-100} \
+        python3 tools/bench.py --sections layer_parts --out "$OUT/lp_${i}_$side" 2>&1 | grep -E "^layer_parts" | cut -c1-400 \
+        | sed "s/^/$side /")
+    done
+    (cd "$OUT" && tar czf layer_parts_ab.tgz lp_* && rm -rf lp_*)
     ;;
   tests-rest)
     # Suite "rest": the prefill K2 (~180 s on an H100, run33), the L2 prefetch, the metadata kernel.
