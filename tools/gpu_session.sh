@@ -233,16 +233,18 @@ case $mode in
     # expand-add's prologue). Carry .gpu_carry/slim (holding both sides' builds) and .gpu_carry/base
     # (`tools/base_tree.sh <base> <changed files>`; .devvllm/2 too on a fresh machine after call A).
     # The changed family's GPU tests (AB_TESTS), then layer_parts (AB_PARTS, AB_TOKENS,
-    # AB_ADAPTERS) base, head, base, head: the two runs of one side show the machine's drift.
+    # AB_ADAPTERS) for each side of AB_SIDES (default base, head, base, head: the two runs of one
+    # side show the machine's drift); a side other than head runs in .gpu_carry/<side> (base, or a
+    # variant tree built as base_tree.sh builds it).
     unpack_vllm
     [[ -d .gpu_carry/base ]] || { echo "no .gpu_carry/base: tools/base_tree.sh first"; exit 2; }
-    timeout -s KILL ${AB_TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu ${AB_TESTS:-tests/test_expand_add.py} \
+    timeout -s KILL 120 python3 -m pytest -q -p no:cacheprovider -m gpu ${AB_TESTS:-tests/test_expand_add.py} \
       2>&1 | tail -8 | tee "$OUT/tests_ab.log"
     i=0
-    for side in base head base head; do
-      i=$((i + 1)); dir=$PWD; [[ $side == base ]] && dir=$PWD/.gpu_carry/base
+    for side in ${AB_SIDES:-base head base head}; do
+      i=$((i + 1)); dir=$PWD; [[ $side != head ]] && dir=$PWD/.gpu_carry/$side
       (cd "$dir" && EPILORA_BENCH_TOKENS=${AB_TOKENS:-64,256} EPILORA_BENCH_ADAPTERS=${AB_ADAPTERS:-1,8,32} \
-        EPILORA_BENCH_PARTS=${AB_PARTS:-expand,mirror,no_expand} timeout -s KILL ${AB_BENCH_S:-100} \
+        EPILORA_BENCH_PARTS=${AB_PARTS:-expand,mirror,no_expand} timeout -s KILL 70 \
         python3 tools/bench.py --sections layer_parts --out "$OUT/lp_${i}_$side" 2>&1 | grep -E "^layer_parts" | cut -c1-400 \
         | sed "s/^/$side /")
     done
