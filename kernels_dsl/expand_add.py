@@ -22,7 +22,9 @@ tile (a warp whose rows do not meet a group issues nothing for it) with A masked
 where WGMMA would force 64-row granularity. Warp w owns rows [16w, 16w + 16) of the tile and all
 BN columns.
 
-Per CTA:
+Per CTA (v0.96: each step's loads are requested together, before the first of them is waited
+for, as their dependencies allow: row_group and the rows' token indices and slots; then the first
+group's slot, the groups' bounds and h into registers; then that group's B):
   1. h rows of the tile (gathered by token index, slice s) -> bf16 -> smem sA [BM, R].
   2. for each adapter group g meeting the tile (slot lid = active_lora_ids[g], rows
      [start_loc[g], start_loc[g+1]) n tile): B_s[lid] rows [c0, c0 + BN) -> smem (cp.async, double
