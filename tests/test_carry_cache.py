@@ -113,3 +113,25 @@ def test_families_is_its_own_rule(argv, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "not allowed with" in err or "unknown families" in err
+
+
+def test_add_merges_one_sides_builds_without_ptx(tmp_path):
+    """`add` (an A/B's base side): the families' slim entries from SRC join DEST's own entries,
+    kernel.ptx left behind; what SRC lacks is reported missing."""
+    fam = [b for b in cc.wanted() if b[0].FAMILY == "fp8_quant"]
+    other = [b for b in cc.wanted() if b[0].FAMILY == "l2_prefetch"][:1]
+    assert len(fam) >= 3 and other
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    for b in fam[:-1]:
+        _fake_entry(*b, src)
+    from epilora_cute.compile_cache import entry_dir
+
+    ptx = entry_dir(*fam[0][:2], cc.ARCH, src) / "9.9.9" / "kernel.ptx"
+    ptx.write_text("// ptx")
+    _fake_entry(*other[0], dest)
+    n, gone = cc.add(src, dest, ("fp8_quant",))
+    assert n == len(fam) - 1
+    assert gone == [f"fp8_quant/{fam[-1][1].name()}"]
+    assert cc.missing(dest, other) == []  # DEST's own entry kept
+    assert not (entry_dir(*fam[0][:2], cc.ARCH, dest) / "9.9.9" / "kernel.ptx").exists()
+    assert cc.main(["add", str(src), str(dest), "--families", "fp8_quant"]) == 1  # one still missing

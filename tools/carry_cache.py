@@ -2,6 +2,7 @@
 
     python tools/carry_cache.py slim [--with-prefill | --families F1,F2]  # .gpu_carry/.epilora_cache -> .gpu_carry/slim
     python tools/carry_cache.py check DIR [--with-prefill | --full | --families F1,F2]
+    python tools/carry_cache.py add SRC DEST --families F1[,F2]  # one side of an A/B into DEST
 
 Why the check exists: session 22 built part of the kernel set into the default cache
 (~/.cache/epilora_cute) instead of ./.epilora_cache, carried a cache without K1, and spent its
@@ -14,6 +15,10 @@ What a slim cache holds (it must fit one call beside vLLM's `.devvllm/2`): every
 prebuilt configurations except the trace builds and the adapter builds of ranks other than 64
 (the benchmarks' and the e2e's rank; the decode pair's 33..64-token builds at every rank), and without the prefill K2 unless `--with-prefill` (then its
 rank-64 and no-adapter builds). `--full` checks the whole prebuild set.
+
+`add` merges the slim set of some families from SRC (a cache built by this tree's source, e.g. a
+base tree's, `tools/base_tree.sh --family`) into DEST without PTX, leaving DEST's other entries:
+an A/B carries both sides' builds in one cache, since the builds are keyed by their source.
 """
 
 from __future__ import annotations
@@ -94,6 +99,22 @@ def slim(src: Path, dest: Path, with_prefill: bool, only: tuple[str, ...] | None
     return n
 
 
+def add(src: Path, dest: Path, only: tuple[str, ...]) -> tuple[int, list[str]]:
+    """Copy the slim-set entries of ``only``'s families from ``src`` into ``dest`` (no PTX: the GPU
+    machine loads cubins), keeping what ``dest`` holds; (entries copied, builds still missing)."""
+    from epilora_cute.compile_cache import entry_dir
+
+    builds = [(mod, cfg) for mod, cfg in wanted() if mod.FAMILY in only]
+    n = 0
+    for mod, cfg in builds:
+        entry = entry_dir(mod, cfg, ARCH, src)
+        if entry.is_dir():
+            shutil.copytree(entry, entry_dir(mod, cfg, ARCH, dest), dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("kernel.ptx"))
+            n += 1
+    return n, missing(dest, builds)
+
+
 def _size_mb(d: Path) -> float:
     return sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) / 2 ** 20
 
@@ -104,6 +125,10 @@ def main(argv=None) -> int:
     s = sub.add_parser("slim", help="make .gpu_carry/slim/.epilora_cache from .gpu_carry/.epilora_cache, then check it")
     c = sub.add_parser("check", help="every build the cache should carry is there")
     c.add_argument("cache_dir", type=Path)
+    a = sub.add_parser("add", help="merge some families' slim set from SRC into DEST (one side of an A/B)")
+    a.add_argument("src", type=Path)
+    a.add_argument("dest", type=Path)
+    a.add_argument("--families", required=True, help="comma-separated families")
     # One rule per call: --families replaces the slim rule, so it cannot be combined with the
     # slim rule's options (it used to win silently).
     sg, cg = s.add_mutually_exclusive_group(), c.add_mutually_exclusive_group()
@@ -115,6 +140,8 @@ def main(argv=None) -> int:
                        help="comma-separated families: their whole prebuild sets instead of the slim rule")
     args = ap.parse_args(argv)
     only = tuple(f for f in args.families.split(",") if f) or None
+    if args.cmd == "add" and not only:
+        ap.error("add: name the families")
     if only:
         from epilora_cute.kernels import families
 
@@ -122,6 +149,13 @@ def main(argv=None) -> int:
         unknown = sorted(set(only) - known)
         if unknown:
             ap.error(f"unknown families {unknown}; known: {sorted(known)}")
+    if args.cmd == "add":
+        n, gone = add(args.src, args.dest, only)
+        print(f"{args.dest}: {n} builds of {', '.join(only)} added, {_size_mb(args.dest):.1f} MiB")
+        if gone:
+            print(f"{len(gone)} still missing:", *gone, sep="\n  ", file=sys.stderr)
+            return 1
+        return 0
     if args.cmd == "slim":
         src, dest = ROOT / ".gpu_carry" / ".epilora_cache", ROOT / ".gpu_carry" / "slim" / ".epilora_cache"
         if not src.is_dir():

@@ -231,7 +231,8 @@ case $mode in
   ab)
     # A kernel change against its base commit, both on this one warm machine (perf.md v0.96, the
     # expand-add's prologue). Carry .gpu_carry/slim (holding both sides' builds) and .gpu_carry/base
-    # (`tools/base_tree.sh <base> <changed files>`; .devvllm/2 too on a fresh machine after call A).
+    # (`tools/slim_cache.sh`, then `tools/base_tree.sh --family <F> <base> <changed files>`, which
+    # merges the base side's builds into the slim cache; .devvllm/2 too on a fresh machine after call A).
     # The changed family's GPU tests (AB_TESTS), then layer_parts (AB_PARTS, AB_TOKENS,
     # AB_ADAPTERS) for each side of AB_SIDES (default base, head, base, head: the two runs of one
     # side show the machine's drift); a side other than head runs in .gpu_carry/<side> (base, or a
