@@ -546,9 +546,55 @@ def base_linear_fp8(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
 
 def _base_path(x, w_q, w_scale, out):
     """vLLM's FP8 linear without LoRA: its per-token quantization (our kernel, same codes and
-    scales) and its CUTLASS GEMM (``vendor_fp8_gemm``), written into ``out``."""
-    codes, scales = quantize_fp8_per_token(x)
+    scales; vLLM's own op for eager calls with EPILORA_BASE_QUANT=vllm) and its CUTLASS GEMM
+    (``vendor_fp8_gemm``), written into ``out``."""
+    codes, scales = _vendor_quant_eager(x) or quantize_fp8_per_token(x)
     return vendor_fp8_gemm(codes, scales, w_q, w_scale, out=out)
+
+
+# v0.98 (opt-in until timed): the base path's quantization by vLLM's own C++ op on eager calls.
+# The codes and scales are the same bit for bit; the point is host time: the plugin's eager
+# no-adapter call is ~33 µs of host time on the CPU here, about half of it our kernel's Python launch,
+# and a batch-1 prefill is host-bound (run46's TTFT without adapters 1.34× stock's). Not while a CUDA
+# graph is captured: there host time is free and our kernel is 0.82–1.00× vLLM's GPU time.
+BASE_QUANT_ENV = "EPILORA_BASE_QUANT"
+BASE_QUANT_DEFAULT = "ours"
+_base_quant: str | None = None  # None: not read yet (read once per process)
+
+
+def base_quant() -> str:
+    """Who quantizes on the base path's eager calls: ``ours`` (our kernel) or ``vllm`` (vLLM's op)."""
+    global _base_quant
+    if _base_quant is None:
+        v = (os.environ.get(BASE_QUANT_ENV) or BASE_QUANT_DEFAULT).strip().lower()
+        if v not in ("ours", "vllm"):
+            _warn_once(f"{BASE_QUANT_ENV}={v}", f"{BASE_QUANT_ENV}={v!r} is not ours or vllm; using {BASE_QUANT_DEFAULT}")
+            v = BASE_QUANT_DEFAULT
+        _base_quant = v
+    return _base_quant
+
+
+def set_base_quant(value: str | None) -> str:
+    """Set (None: re-read from the environment) base_quant's setting; returns the setting before.
+    For benches and tests that run both in one process; an engine keeps one."""
+    global _base_quant
+    before = base_quant()
+    _base_quant = value
+    return before
+
+
+def _vendor_quant_eager(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(codes, scales) by vLLM's per-token op when base_quant() is ``vllm``, vLLM's op exists and no
+    CUDA graph is being captured; else None (the caller quantizes with our kernel)."""
+    if base_quant() != "vllm" or _vllm_ops() is None or torch.cuda.is_current_stream_capturing():
+        return None
+    op = getattr(getattr(torch.ops, "_C", None), "dynamic_per_token_scaled_fp8_quant", None)
+    if op is None:
+        return None
+    codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    op(codes, x, scales, None)
+    return codes, scales
 
 
 # The dtype of h between K1 and the expand-add on the hybrid paths (v0.71). bf16 is what the

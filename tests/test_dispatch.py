@@ -463,12 +463,14 @@ def _fingerprint_with(monkeypatch, **env) -> str:
     d.code_fingerprint.cache_clear()
     ops.hybrid_h_dtype.cache_clear()
     ops.set_stream_priority(None)  # read once per process: read again
+    ops.set_base_quant(None)
     try:
         return d.code_fingerprint()
     finally:
         d.code_fingerprint.cache_clear()
         ops.hybrid_h_dtype.cache_clear()
         ops.set_stream_priority(None)
+        ops.set_base_quant(None)
 
 
 def test_code_fingerprint_follows_the_switches(monkeypatch):
@@ -480,6 +482,8 @@ def test_code_fingerprint_follows_the_switches(monkeypatch):
     monkeypatch.delenv("EPILORA_K2_PUSH")
     assert _fingerprint_with(monkeypatch, EPILORA_STREAM_PRIORITY="1") != a
     monkeypatch.delenv("EPILORA_STREAM_PRIORITY")
+    assert _fingerprint_with(monkeypatch, EPILORA_BASE_QUANT="vllm") != a
+    monkeypatch.delenv("EPILORA_BASE_QUANT")
     assert _fingerprint_with(monkeypatch) == a
 
 

@@ -382,6 +382,55 @@ def test_base_path_needs_a_gpu():
         ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="base")
 
 
+@pytest.mark.parametrize("setting,capturing,vendor", [("ours", False, False), ("vllm", False, True),
+                                                      ("vllm", True, False)])
+def test_base_path_quantizer_by_switch_and_capture(monkeypatch, setting, capturing, vendor):
+    """EPILORA_BASE_QUANT=vllm (v0.98, opt-in): the base path's eager calls quantize with vLLM's
+    own op (into fresh codes / scales, no scale bound), calls inside a CUDA-graph capture and the
+    default with our kernel; the GEMM gets whichever codes and scales were made."""
+    calls, seen = [], {}
+
+    def vendor_op(codes, x, scales, ub):
+        calls.append("vllm")
+        assert codes.dtype == torch.float8_e4m3fn and codes.shape == x.shape and ub is None
+        assert scales.dtype == torch.float32 and scales.shape == (x.shape[0], 1)
+        c, sc = reference.quantize_fp8_per_token(x)
+        codes.copy_(c)
+        scales.copy_(sc)
+
+    def ours(x):
+        calls.append("ours")
+        return reference.quantize_fp8_per_token(x)
+
+    monkeypatch.setattr(torch.ops, "_C", type("C", (), {"dynamic_per_token_scaled_fp8_quant": staticmethod(vendor_op)}),
+                        raising=False)
+    monkeypatch.setattr(ops, "_vllm_ops", lambda: object())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    monkeypatch.setattr(ops, "quantize_fp8_per_token", ours)
+    monkeypatch.setattr(ops, "vendor_fp8_gemm", lambda c, s, w, ws, out=None: seen.update(codes=c, scales=s) or out)
+    monkeypatch.setenv(ops.BASE_QUANT_ENV, setting)
+    ops.set_base_quant(None)
+    try:
+        x = torch.randn(5, 64).bfloat16()
+        ops._base_path(x, None, None, torch.empty(5, 8))
+    finally:
+        ops.set_base_quant(None)
+    assert calls == ["vllm" if vendor else "ours"]
+    c, sc = reference.quantize_fp8_per_token(x)
+    assert torch.equal(seen["codes"].view(torch.uint8), c.view(torch.uint8)) and torch.equal(seen["scales"], sc)
+
+
+def test_base_quant_setting_is_validated(monkeypatch, caplog):
+    monkeypatch.setenv(ops.BASE_QUANT_ENV, "cublas")
+    ops.set_base_quant(None)
+    try:
+        assert ops.base_quant() == "ours"
+    finally:
+        monkeypatch.delenv(ops.BASE_QUANT_ENV)
+        ops.set_base_quant(None)
+    assert ops.base_quant() == "ours"
+
+
 def test_prefill_path_needs_an_sm90a_gpu():
     x, wq, ws, a, b, meta, _ = _linear_case()
     with pytest.raises(ValueError, match="path='prefill' does not apply"):
