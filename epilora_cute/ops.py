@@ -559,28 +559,17 @@ def _base_path(x, w_q, w_scale, out):
 # graph is captured: there host time is free and our kernel is 0.82–1.00× vLLM's GPU time.
 BASE_QUANT_ENV = "EPILORA_BASE_QUANT"
 BASE_QUANT_DEFAULT = "ours"
-_base_quant: str | None = None  # None: not read yet (read once per process)
 
 
+@functools.lru_cache(maxsize=1)
 def base_quant() -> str:
-    """Who quantizes on the base path's eager calls: ``ours`` (our kernel) or ``vllm`` (vLLM's op)."""
-    global _base_quant
-    if _base_quant is None:
-        v = (os.environ.get(BASE_QUANT_ENV) or BASE_QUANT_DEFAULT).strip().lower()
-        if v not in ("ours", "vllm"):
-            _warn_once(f"{BASE_QUANT_ENV}={v}", f"{BASE_QUANT_ENV}={v!r} is not ours or vllm; using {BASE_QUANT_DEFAULT}")
-            v = BASE_QUANT_DEFAULT
-        _base_quant = v
-    return _base_quant
-
-
-def set_base_quant(value: str | None) -> str:
-    """Set (None: re-read from the environment) base_quant's setting; returns the setting before.
-    For benches and tests that run both in one process; an engine keeps one."""
-    global _base_quant
-    before = base_quant()
-    _base_quant = value
-    return before
+    """Who quantizes on the base path's eager calls: ``ours`` (our kernel) or ``vllm`` (vLLM's op).
+    Read once per process, as hybrid_h_dtype (``base_quant.cache_clear()`` reads it again)."""
+    v = (os.environ.get(BASE_QUANT_ENV) or BASE_QUANT_DEFAULT).strip().lower()
+    if v not in ("ours", "vllm"):
+        _warn_once(f"{BASE_QUANT_ENV}={v}", f"{BASE_QUANT_ENV}={v!r} is not ours or vllm; using {BASE_QUANT_DEFAULT}")
+        v = BASE_QUANT_DEFAULT
+    return v
 
 
 def _vendor_quant_eager(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -463,14 +463,14 @@ def _fingerprint_with(monkeypatch, **env) -> str:
     d.code_fingerprint.cache_clear()
     ops.hybrid_h_dtype.cache_clear()
     ops.set_stream_priority(None)  # read once per process: read again
-    ops.set_base_quant(None)
+    ops.base_quant.cache_clear()
     try:
         return d.code_fingerprint()
     finally:
         d.code_fingerprint.cache_clear()
         ops.hybrid_h_dtype.cache_clear()
         ops.set_stream_priority(None)
-        ops.set_base_quant(None)
+        ops.base_quant.cache_clear()
 
 
 def test_code_fingerprint_follows_the_switches(monkeypatch):

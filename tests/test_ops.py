@@ -409,25 +409,25 @@ def test_base_path_quantizer_by_switch_and_capture(monkeypatch, setting, capturi
     monkeypatch.setattr(ops, "quantize_fp8_per_token", ours)
     monkeypatch.setattr(ops, "vendor_fp8_gemm", lambda c, s, w, ws, out=None: seen.update(codes=c, scales=s) or out)
     monkeypatch.setenv(ops.BASE_QUANT_ENV, setting)
-    ops.set_base_quant(None)
+    ops.base_quant.cache_clear()
     try:
         x = torch.randn(5, 64).bfloat16()
         ops._base_path(x, None, None, torch.empty(5, 8))
     finally:
-        ops.set_base_quant(None)
+        ops.base_quant.cache_clear()
     assert calls == ["vllm" if vendor else "ours"]
     c, sc = reference.quantize_fp8_per_token(x)
     assert torch.equal(seen["codes"].view(torch.uint8), c.view(torch.uint8)) and torch.equal(seen["scales"], sc)
 
 
-def test_base_quant_setting_is_validated(monkeypatch, caplog):
+def test_base_quant_setting_is_validated(monkeypatch):
     monkeypatch.setenv(ops.BASE_QUANT_ENV, "cublas")
-    ops.set_base_quant(None)
+    ops.base_quant.cache_clear()
     try:
         assert ops.base_quant() == "ours"
     finally:
         monkeypatch.delenv(ops.BASE_QUANT_ENV)
-        ops.set_base_quant(None)
+        ops.base_quant.cache_clear()
     assert ops.base_quant() == "ours"
 
 
