@@ -524,9 +524,13 @@ if cute is not None:
                     src = cute.zipped_divide(mBs[i][row, None], (8,))[None, col // 8]
                     cute.copy(tiled_copy_b, src, dst)
 
+        def _h_vec(self) -> int:
+            """Elements of h per 16-byte vector: 4 fp32 (converted) or 8 bf16 (h_bf16)."""
+            return 8 if self.cfg.h_bf16 else 4
+
         def _h_vectors_per_row(self) -> int:
-            """16-byte vectors of h per row of sA: 4 fp32 (converted) or 8 bf16 (h_bf16) each."""
-            return self.RP // (8 if self.cfg.h_bf16 else 4)
+            """16-byte vectors of h per row of sA."""
+            return self.RP // self._h_vec()
 
         def _h_chunks(self) -> int:
             """h vectors each thread stages (chunk it: vector it * threads + tidx, row-major)."""
@@ -555,8 +559,7 @@ if cute is not None:
             stores into sA are _store_h's, after B is requested."""
             R, BM, NT = self.R, self.BM, self.threads
             hb = self.cfg.h_bf16
-            VEC = 8 if hb else 4
-            VPR = self._h_vectors_per_row()
+            VEC, VPR = self._h_vec(), self._h_vectors_per_row()
             hs = []
             for it in cutlass.range_constexpr(self._h_chunks()):
                 v = it * NT + tidx
@@ -576,8 +579,7 @@ if cute is not None:
             so a chunk stays contiguous)."""
             BM, NT = self.BM, self.threads
             hb = self.cfg.h_bf16
-            VEC = 8 if hb else 4
-            VPR = self._h_vectors_per_row()
+            VEC, VPR = self._h_vec(), self._h_vectors_per_row()
             for it in cutlass.range_constexpr(self._h_chunks()):
                 v = it * NT + tidx
                 if v < BM * VPR:
