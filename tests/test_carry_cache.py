@@ -135,3 +135,19 @@ def test_add_merges_one_sides_builds_without_ptx(tmp_path):
     assert cc.missing(dest, other) == []  # DEST's own entry kept
     assert not (entry_dir(*fam[0][:2], cc.ARCH, dest) / "9.9.9" / "kernel.ptx").exists()
     assert cc.main(["add", str(src), str(dest), "--families", "fp8_quant"]) == 1  # one still missing
+
+
+def test_add_full_takes_every_rank(tmp_path):
+    """`add --full`: the family's whole prebuild set (the GPU test file's builds at every rank),
+    not only the slim set's rank 64."""
+    every = cc.wanted(only=("expand_add",))
+    slim = [b for b in cc.wanted() if b[0].FAMILY == "expand_add"]
+    assert len(every) > len(slim)
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    for b in every:
+        _fake_entry(*b, src)
+    n, gone = cc.add(src, dest, ("expand_add",), full=True)
+    assert (n, gone) == (len(every), [])
+    assert cc.missing(dest, every) == []
+    n_slim, _ = cc.add(src, tmp_path / "slim_only", ("expand_add",))
+    assert n_slim == len(slim)

@@ -2,7 +2,7 @@
 
     python tools/carry_cache.py slim [--with-prefill | --families F1,F2]  # .gpu_carry/.epilora_cache -> .gpu_carry/slim
     python tools/carry_cache.py check DIR [--with-prefill | --full | --families F1,F2]
-    python tools/carry_cache.py add SRC DEST --families F1[,F2]  # one side of an A/B into DEST
+    python tools/carry_cache.py add SRC DEST --families F1[,F2] [--full]  # one side of an A/B into DEST
 
 Why the check exists: session 22 built part of the kernel set into the default cache
 (~/.cache/epilora_cute) instead of ./.epilora_cache, carried a cache without K1, and spent its
@@ -99,12 +99,13 @@ def slim(src: Path, dest: Path, with_prefill: bool, only: tuple[str, ...] | None
     return n
 
 
-def add(src: Path, dest: Path, only: tuple[str, ...]) -> tuple[int, list[str]]:
-    """Copy the slim-set entries of ``only``'s families from ``src`` into ``dest`` (no PTX: the GPU
-    machine loads cubins), keeping what ``dest`` holds; (entries copied, builds still missing)."""
+def add(src: Path, dest: Path, only: tuple[str, ...], full: bool = False) -> tuple[int, list[str]]:
+    """Copy the slim-set entries of ``only``'s families (full: their whole prebuild sets, every
+    rank, for the family's GPU test file) from ``src`` into ``dest`` (no PTX: the GPU machine loads
+    cubins), keeping what ``dest`` holds; (entries copied, builds still missing)."""
     from epilora_cute.compile_cache import entry_dir
 
-    builds = [(mod, cfg) for mod, cfg in wanted() if mod.FAMILY in only]
+    builds = wanted(only=only) if full else [(mod, cfg) for mod, cfg in wanted() if mod.FAMILY in only]
     n = 0
     for mod, cfg in builds:
         entry = entry_dir(mod, cfg, ARCH, src)
@@ -129,6 +130,8 @@ def main(argv=None) -> int:
     a.add_argument("src", type=Path)
     a.add_argument("dest", type=Path)
     a.add_argument("--families", required=True, help="comma-separated families")
+    a.add_argument("--full", action="store_true",
+                   help="the families' whole prebuild sets (every rank: what their GPU test files load)")
     # One rule per call: --families replaces the slim rule, so it cannot be combined with the
     # slim rule's options (it used to win silently).
     sg, cg = s.add_mutually_exclusive_group(), c.add_mutually_exclusive_group()
@@ -150,7 +153,7 @@ def main(argv=None) -> int:
         if unknown:
             ap.error(f"unknown families {unknown}; known: {sorted(known)}")
     if args.cmd == "add":
-        n, gone = add(args.src, args.dest, only)
+        n, gone = add(args.src, args.dest, only, args.full)
         print(f"{args.dest}: {n} builds of {', '.join(only)} added, {_size_mb(args.dest):.1f} MiB")
         if gone:
             print(f"{len(gone)} still missing:", *gone, sep="\n  ", file=sys.stderr)
