@@ -354,17 +354,19 @@ if cute is not None:
                 NB = cfg.nb
                 if cutlass.const_expr(CT == 1 and NB == 2):
                     # v0.99: a group's slot, rank and upper bound are in registers before its
-                    # iteration (carried from the one before), so neither the next group's B
-                    # request nor the MMAs wait for a metadata load: group g + 2's slot and g + 1's
-                    # bound are requested before the wait for g's B, the slot's rank after it.
-                    # Indices are clamped to the CTA's groups (a z-CTA without groups loads
-                    # in-bounds entries it never uses).
+                    # iteration, so neither the next group's B request nor the MMAs wait for a
+                    # metadata load. Iteration g requests group g + 3's slot and g + 2's upper
+                    # bound, and g + 2's rank (its slot arrived an iteration ago): each value is
+                    # used at least one iteration after its request, the metadata chain runs three
+                    # groups ahead of the MMAs. Indices are clamped to the CTA's groups (a z-CTA
+                    # without groups loads in-bounds entries it never uses).
                     g_end = g_first + n_groups
                     keff_c = _dsl.k_eff(lid_first, mRanks, has_ranks, RP)
+                    lo_c = start_lo
                     hi_c = mStart[cutlass.min(g_first + 1, g_end)]
                     lid_n = mActive[cutlass.min(g_first + 1, g_last)]
                     keff_n = _dsl.k_eff(lid_n, mRanks, has_ranks, RP)
-                    lo_c = start_lo
+                    lid_nn = mActive[cutlass.min(g_first + 2, g_last)]
                     for gi in cutlass.range(n_groups, unroll=1):
                         buf = gi % 2
                         # Prefetch the next group's B into the other buffer (always commit a group so
@@ -373,11 +375,11 @@ if cute is not None:
                             self._cp_b_tile(lid_n, keff_n, 1 - buf, mBs, sl, n_s, c0, ncols, tiled_copy_b, tBsB,
                                             tBcB)
                         cute.arch.cp_async_commit_group()
-                        lid_nn = mActive[cutlass.min(g_first + gi + 2, g_last)]
+                        lid_n3 = mActive[cutlass.min(g_first + gi + 3, g_last)]
                         hi_n = mStart[cutlass.min(g_first + gi + 2, g_end)]
+                        keff_nn = _dsl.k_eff(lid_nn, mRanks, has_ranks, RP)
                         cute.arch.cp_async_wait_group(1)
                         cute.arch.barrier()
-                        keff_nn = _dsl.k_eff(lid_nn, mRanks, has_ranks, RP)
                         self._mma_bounds(keff_c, lo_c - r0, hi_c - r0, buf, rows, w_lo, frags)
                         cute.arch.barrier()  # buffer `buf` is refilled two iterations later
                         lo_c = hi_c
@@ -385,6 +387,7 @@ if cute is not None:
                         keff_c = keff_n
                         lid_n = lid_nn
                         keff_n = keff_nn
+                        lid_nn = lid_n3
 
                     # ---- epilogue: acc -> smem (fp32) -> y += tile, one rounding, 16-byte accesses
                     cute.arch.cp_async_wait_group(0)
