@@ -353,41 +353,18 @@ if cute is not None:
                 w_lo = warp_i * 16  # this warp's rows in the tile
                 NB = cfg.nb
                 if cutlass.const_expr(CT == 1 and NB == 2):
-                    # v0.99: a group's slot, rank and upper bound are in registers before its
-                    # iteration, so neither the next group's B request nor the MMAs wait for a
-                    # metadata load. Iteration g requests group g + 3's slot and g + 2's upper
-                    # bound, and g + 2's rank (its slot arrived an iteration ago): each value is
-                    # used at least one iteration after its request, the metadata chain runs three
-                    # groups ahead of the MMAs. Indices are clamped to the CTA's groups (a z-CTA
-                    # without groups loads in-bounds entries it never uses).
-                    g_end = g_first + n_groups
-                    keff_c = _dsl.k_eff(lid_first, mRanks, has_ranks, RP)
-                    lo_c = start_lo
-                    hi_c = mStart[cutlass.min(g_first + 1, g_end)]
-                    lid_n = mActive[cutlass.min(g_first + 1, g_last)]
-                    keff_n = _dsl.k_eff(lid_n, mRanks, has_ranks, RP)
-                    lid_nn = mActive[cutlass.min(g_first + 2, g_last)]
                     for gi in cutlass.range(n_groups, unroll=1):
                         buf = gi % 2
                         # Prefetch the next group's B into the other buffer (always commit a group so
                         # that "all but the newest" below is always this group's B).
                         if gi + 1 < n_groups:
-                            self._cp_b_tile(lid_n, keff_n, 1 - buf, mBs, sl, n_s, c0, ncols, tiled_copy_b, tBsB,
-                                            tBcB)
+                            self._load_b(g_first + gi + 1, 1 - buf, mActive, mRanks, has_ranks, mBs, sl, n_s, c0,
+                                         ncols, tiled_copy_b, tBsB, tBcB)
                         cute.arch.cp_async_commit_group()
-                        lid_n3 = mActive[cutlass.min(g_first + gi + 3, g_last)]
-                        hi_n = mStart[cutlass.min(g_first + gi + 2, g_end)]
-                        keff_nn = _dsl.k_eff(lid_nn, mRanks, has_ranks, RP)
                         cute.arch.cp_async_wait_group(1)
                         cute.arch.barrier()
-                        self._mma_bounds(keff_c, lo_c - r0, hi_c - r0, buf, rows, w_lo, frags)
+                        self._mma_group(g_first + gi, buf, mActive, mRanks, has_ranks, mStart, r0, rows, w_lo, frags)
                         cute.arch.barrier()  # buffer `buf` is refilled two iterations later
-                        lo_c = hi_c
-                        hi_c = hi_n
-                        keff_c = keff_n
-                        lid_n = lid_nn
-                        keff_n = keff_nn
-                        lid_nn = lid_n3
 
                     # ---- epilogue: acc -> smem (fp32) -> y += tile, one rounding, 16-byte accesses
                     cute.arch.cp_async_wait_group(0)
@@ -446,16 +423,11 @@ if cute is not None:
         def _mma_group(self, g, buf, mActive, mRanks, has_ranks, mStart, r0, rows, w_lo, frags):
             """One adapter group's k16 steps into the warp's accumulator, B from buffer buf; a warp
             whose 16 rows miss the group issues nothing, rows of other groups are zeroed in A."""
-            keff = _dsl.k_eff(mActive[g], mRanks, has_ranks, self.RP)  # MMA K (0: nothing to do)
-            self._mma_bounds(keff, mStart[g] - r0, mStart[g + 1] - r0, buf, rows, w_lo, frags)
-
-        @cute.jit
-        def _mma_bounds(self, keff, lo, hi, buf, rows, w_lo, frags):
-            """_mma_group for a group of MMA K keff and tile rows [lo, hi) (clamped to [0, rows)
-            here), its slot's metadata already read."""
             s2r_a, s2r_b, tXsA, tXrA, tXsB, tXrB, tCrA, tCrB, tCcA, tiled_mma, acc = frags
-            lo = cutlass.max(lo, 0)
-            hi = cutlass.min(hi, rows)
+            lid = mActive[g]
+            keff = _dsl.k_eff(lid, mRanks, has_ranks, self.RP)  # MMA K (0: nothing to do)
+            lo = cutlass.max(mStart[g] - r0, 0)
+            hi = cutlass.min(mStart[g + 1] - r0, rows)
             # Warp-uniform: does this warp's 16-row block meet the group?
             if keff > 0 and lo < w_lo + 16 and hi > w_lo:
                 for kk in cutlass.range_constexpr(self.RP // 16):
@@ -529,12 +501,7 @@ if cute is not None:
             """cp.async B_sl[lid] rows [c0, c0 + ncols), the first keff columns, into buffer buf.
             Columns in [R, RP) (rank 8 only) are zero-filled: they meet zero A columns, and
             0 * garbage could be NaN. Rows beyond the slice are never stored, so left as they are."""
-            self._cp_b_tile(lid, _dsl.k_eff(lid, mRanks, has_ranks, self.RP), buf, mBs, sl, n_s, c0, ncols,
-                            tiled_copy_b, tBsB, tBcB)
-
-        @cute.jit
-        def _cp_b_tile(self, lid, keff, buf, mBs: tuple, sl, n_s, c0, ncols, tiled_copy_b, tBsB, tBcB):
-            """_load_b_slot with the slot's MMA K keff already known (0: nothing to load)."""
+            keff = _dsl.k_eff(lid, mRanks, has_ranks, self.RP)  # MMA K (0: nothing to do)
             if keff > 0:
                 row0 = lid * n_s + c0
                 for m in cutlass.range_constexpr(cute.size(tBsB, mode=[1])):

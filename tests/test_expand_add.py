@@ -387,12 +387,7 @@ def test_compiles_with_required_instructions(cfg):
 # Prebuilt configurations that spill under ptxas -v, GPU-verified and timed as they are. A new spill
 # elsewhere fails the test below; so does an entry here that no longer spills (the list stays
 # true). Session 23 found r16_s2_bm64_bn128 (and _hb) at 4 bytes; v0.96's prologue removed both.
-# v0.99's carried group metadata (slot, rank, bounds of the next three groups: six registers live
-# across the group loop) costs two rank-128 one-tile builds 8-12 bytes.
-KNOWN_SPILLS: dict[str, str] = {
-    "r128_s1_bm64_bn128": "8 bytes (v0.99)",
-    "r128_s3_bm64_bn128_hb": "12 bytes (v0.99)",
-}
+KNOWN_SPILLS: dict[str, str] = {}
 
 
 @needs_dsl
