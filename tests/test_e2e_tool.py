@@ -429,6 +429,7 @@ def test_pipeline_with_stand_in_engine(tmp_path, mode):
         tp = rep["runs"][cfg]["phases"]["tpot"]["one_adapter"]
         assert tp["tpot_source"] == "engine timestamps" and len(tp["tpot_engine_ms"]) == 1
         assert tp["tpot_ms"] == pytest.approx(1e3 * e2e_fake.STEP_S) and tp["ttft_ms"] == pytest.approx(1e3 * e2e_fake.STEP_S)
+        assert tp["ttft_min_ms"] == pytest.approx(1e3 * e2e_fake.STEP_S)
     md = (tmp_path / "out" / "e2e.md").read_text()
     assert "| greedy 32 tokens, no adapter: identical | 16/16 | 16/16 |" in md
     assert "TPOT rows: (stock engine timestamps, ours engine timestamps)" in md
