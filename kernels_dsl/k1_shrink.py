@@ -93,7 +93,6 @@ class Config:
     h_bf16: bool = False
     wn_x: int = 1
     wgmma: bool = False
-    pf: bool = False
 
     def __post_init__(self):
         if self.rank not in RANKS:
@@ -148,8 +147,7 @@ class Config:
         hb = "_hb" if self.h_bf16 else ""
         wx = "_wn2" if self.wn_x == 2 else ""
         wg = "_wg" if self.wgmma else ""
-        pf = "_pf" if self.pf else ""
-        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_kc{self.kc}_st{self.stages}{hb}{wx}{wg}{pf}"
+        return f"r{self.rank}_s{self.num_slices}_bm{self.bm}_kc{self.kc}_st{self.stages}{hb}{wx}{wg}"
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -356,13 +354,6 @@ if cute is not None:
                 lid0 = mActive[g_first]
             keff0 = cutlass.min(D.k_eff(lid0, mRanks, has_ranks, self.RP), self.R)
 
-            if cutlass.const_expr(cfg.pf):
-                # (v1.00) what the ring's prologue does not request yet: x's rows and group 0's A
-                # rows beyond its first ST - 1 k-blocks
-                if nkb > ST - 1 and n_groups > 0:
-                    self._prefetch_x(mX, mTok, r0, rows, k0, K, nkb, tidx)
-                    self._prefetch_group(lid0, keff0, sl, k0, K, nkb, mAs, tidx)
-
             # ---- prologue: items 0 .. ST-2 ---------------------------------------------------------
             # (items are (group, k-block) pairs; the issue ST - 1 items ahead is tracked by its pair,
             # advanced by (ahead_g, ahead_j) with one carry, instead of dividing by nkb per issue)
@@ -390,11 +381,6 @@ if cute is not None:
                 # v0.38: the common case (one group over the warp's rows at full rank) without the
                 # per-element row masks and per-column rank tests of the general path: the same MMAs.
                 whole = keff == RP and lo <= w_lo and hi >= w_lo + 16
-                if cutlass.const_expr(cfg.pf):
-                    if gi + 1 < n_groups and nkb > 0:  # the next group's A rows, one group ahead
-                        lid_n = mActive[g + 1]
-                        keff_n = cutlass.min(D.k_eff(lid_n, mRanks, has_ranks, self.RP), self.R)
-                        self._prefetch_group(lid_n, keff_n, sl, k0, K, nkb, mAs, tidx)
                 for j in cutlass.range(nkb, unroll=1):
                     i = gi * nkb + j
                     cute.arch.cp_async_wait_group(ST - 2)
@@ -537,28 +523,6 @@ if cute is not None:
                                 D.cp_async_cg_16(w_base + D.swizzle_128b(off), src.iterator.toint(), nbytes)
 
         @cute.jit
-        def _prefetch_group(self, lid, keff, s, k0, K, nkb, mAs: tuple, tidx):
-            """L2 prefetch of slot lid's A_s rows [0, keff) over this CTA's K range (a hint: one
-            cp.async.bulk.prefetch.L2 per row, rows spread over the threads; nothing for lid < 0)."""
-            nbytes = cutlass.min(nkb * BK, K - k0) * 2  # K % 8 == 0: a multiple of 16 bytes
-            if lid >= 0 and nbytes > 0:
-                for q in cutlass.range_constexpr(self.cfg.num_slices):
-                    if s == q:
-                        for n in cutlass.range(tidx, keff, self.NT, unroll=1):
-                            src = cute.zipped_divide(mAs[q][lid * self.R + n, None], (8,))[None, k0 // 8]
-                            D.prefetch_bulk_l2(src.iterator.toint(), nbytes)
-
-        @cute.jit
-        def _prefetch_x(self, mX, mTok, r0, rows, k0, K, nkb, tidx):
-            """L2 prefetch of the tile's x rows over this CTA's K range (rows without a token: none)."""
-            nbytes = cutlass.min(nkb * BK, K - k0) * 2
-            if tidx < rows and nbytes > 0:
-                t = mTok[r0 + tidx]
-                if t >= 0:
-                    src = cute.zipped_divide(mX[t, None], (8,))[None, k0 // 8]
-                    D.prefetch_bulk_l2(src.iterator.toint(), nbytes)
-
-        @cute.jit
         def _row_amax(self, sX, sAmax, rows, nkb, k0, K, tidx):
             """sAmax[r] = NaN-ignoring max |x| over this CTA's chunk of row r (fmaxf from 0)."""
             BM, NT = self.BM, self.NT
@@ -692,13 +656,7 @@ def select(num_slices: int, k: int, rank: int, m: int | None = None) -> Config:
     base = _select_resident(num_slices, k, rank)
     if m is None:
         return base
-    return dataclasses.replace(_retune(_select_by_size(num_slices, k, rank, m), base, m), pf=PREFETCH)
-
-
-# v1.00: every selection by token count prefetches its A rows one adapter group ahead into L2
-# (Config.pf; run48's profile of qkv at 256 tokens x 32 adapters: 38 % of the stall samples wait
-# on the ring's cp.async, the CTA's ring keeps ST - 1 k-blocks of 8 KB in flight)
-PREFETCH = True
+    return _retune(_select_by_size(num_slices, k, rank, m), base, m)
 
 
 def _select_by_size(num_slices: int, k: int, rank: int, m: int) -> Config:
@@ -816,16 +774,7 @@ def prebuild_configs() -> list[Config]:
     for s, k in SWEEP_SHAPES:
         cfgs.update(sweep_configs(s, k, 64).values())
     cfgs.update(WGMMA_TEST_CONFIGS)
-    # v1.00: the builds without the prefetch that the GPU test holds the selections against
-    cfgs.update(dataclasses.replace(select(s, k, 64, m), pf=False) for s, k, m in PF_TEST_SHAPES)
-    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.kc, c.bm, c.stages, c.h_bf16, c.wn_x, c.wgmma, c.pf))
-
-
-# (slices, K, tokens) of the GPU test that holds each prefetching selection bit for bit against the
-# same build without the prefetch: every machinery select() takes at rank 64 (WGMMA 16 rows, the
-# resident WGMMA ring, 8 warps at 32 / 64 rows)
-PF_TEST_SHAPES = ((3, 4096, 256), (1, 12288, 256), (3, 4096, 2048), (1, 4096, 2048), (1, 12288, 2048),
-                  (2, 4096, 64))
+    return sorted(cfgs, key=lambda c: (c.num_slices, c.rank, c.kc, c.bm, c.stages, c.h_bf16, c.wn_x, c.wgmma))
 
 
 # The bench's K1 sweep (`hybrid_stages` with EPILORA_BENCH_K1SWEEP=1): Qwen3-8B's (slices, K) at

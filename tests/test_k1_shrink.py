@@ -47,8 +47,6 @@ FAST = [
     K1.Config(rank=64, num_slices=3, bm=32, kc=512, stages=4, wn_x=2),  # v0.73: 8 warps
     K1.Config(rank=64, num_slices=3, bm=32, kc=512, stages=4, wgmma=True),  # v0.74: WGMMA, one warpgroup
     K1.Config(rank=128, num_slices=1, bm=32, kc=1536, stages=2, wgmma=True),  # two warpgroups
-    K1.Config(rank=64, num_slices=3, bm=16, kc=512, stages=4, wgmma=True, pf=True),  # v1.00: L2 prefetch
-    K1.Config(rank=256, num_slices=1, bm=32, kc=512, stages=5, pf=True),
 ]
 
 
@@ -256,40 +254,11 @@ def test_select_by_token_count():
         assert all(c.kc == K1.select(s, k, 64).kc and c.smem_bytes <= K1.SMEM_LIMIT for c in sweep.values())
 
 
-class _NoPrefetch:
-    """K1 with select() answering without v1.00's prefetch flag (the machinery rules' tests)."""
-
-    def __getattr__(self, name):
-        return getattr(K1, name)
-
-    @staticmethod
-    def select(*args):
-        return dataclasses.replace(K1.select(*args), pf=False)
-
-
-_NoPrefetch = _NoPrefetch()
-
-
-def test_select_prefetches():
-    """v1.00: every selection by token count prefetches (Config.pf), the resident rule without a
-    token count does not; the flag changes nothing else of the configuration (same name but _pf)."""
-    for s, ks in K1.projection_ks().items():
-        for k in ks:
-            for r in K1.RANKS:
-                assert not K1.select(s, k, r).pf
-                for m in (1, 256, 1025, 8192):
-                    c = K1.select(s, k, r, m)
-                    assert c.pf == K1.PREFETCH and c.name() == dataclasses.replace(c, pf=False).name() + "_pf"
-    for s, k, m in K1.PF_TEST_SHAPES:  # the GPU test's counterparts are prebuilt
-        assert dataclasses.replace(K1.select(s, k, 64, m), pf=False) in set(K1.prebuild_configs())
-
-
 def test_select_retunes_by_size():
     """v0.76 (run30's sweep): up to SHALLOW_SMALL_M the by-size tile on WGMMA (ranks 64 / 128);
     above, 64 rows on 8 warps for qkv / gate_up and, from WIDE_ROWS_M tokens, for o; o below that
     the by-size tile on 8 warps; down (K 12288) the resident ring on WGMMA; ranks the faster builds
-    do not take keep the mma.sync tile. (v1.00's L2 prefetch aside: test_select_prefetches.)"""
-    K1 = _NoPrefetch
+    do not take keep the mma.sync tile."""
     for s in (2, 3):
         assert K1.select(s, 4096, 64, 256) == dataclasses.replace(K1._select_by_size(s, 4096, 64, 256), wgmma=True)
         for m in (1025, 2048, 8192):
@@ -463,10 +432,6 @@ def ptx_problems(ptx: str, cfg: K1.Config | None = None) -> list[str]:
     import re
 
     bad = []
-    if cfg is not None:  # v1.00: the L2 prefetch in the prefetching builds only
-        pf = "cp.async.bulk.prefetch.L2.global" in ptx
-        if pf != cfg.pf:
-            bad.append(f"cp.async.bulk.prefetch.L2.global {'unexpected' if pf else 'missing'}")
     if cfg is not None and cfg.h_bf16:  # h rounded to nearest even, 2-byte stores
         bad += [f"h_bf16: missing {ins}" for ins in ("cvt.rn.bf16.f32", "st.global.b16") if ins not in ptx]
     if cfg is not None and cfg.wgmma:  # v0.74: swap-AB WGMMA on smem operands after the cp.async fence
@@ -826,31 +791,6 @@ def test_gpu_wgmma_matches_the_selection(M, L, K, S, cfg):
     assert torch.equal(c2, c1) and torch.equal(s2, s1) and torch.equal(h2.view(torch.int32), h1.view(torch.int32))
     _check(case, c1.view(torch.float8_e4m3fn), s1.view(torch.float32), h1, K)
     assert_h_close(h1, h0, K)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("L", (1, 8, 32))
-@pytest.mark.parametrize("S,K,M", K1.PF_TEST_SHAPES)
-def test_gpu_prefetch_is_bitwise_the_build_without(S, K, M, L):
-    """v1.00: select()'s prefetching build writes the codes, scales and h of the same build without
-    the L2 prefetch bit for bit (a hint: the same loads and arithmetic), and matches the reference;
-    mixed effective ranks, tokens without an adapter, special values, outputs poisoned first."""
-    _hopper()
-    R = 64
-    ranks = torch.tensor([(64, 16, 0, 32)[i % 4] for i in range(L)], dtype=torch.int32) if L > 1 else None
-    case = make_case(M, L, R, K, S, seed=M + L + K + S, slot_ranks=ranks, device="cuda", spread=True,
-                     specials=L > 1)
-    cfg = K1.select(S, K, R, M)
-    assert cfg.pf
-    outs = []
-    for c in (dataclasses.replace(cfg, pf=False), cfg):
-        codes, scales, h = _poisoned(M, K, S, R)
-        K1.k1_quant_shrink(case["x"], case["As"], case["meta"], codes, scales, h, case["slot_ranks"], config=c)
-        outs.append((codes.view(torch.uint8), scales.view(torch.int32), h.view(torch.int32)))
-    torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(outs[1], outs[0]))
-    codes, scales, h = outs[1]
-    _check(case, codes.view(torch.float8_e4m3fn), scales.view(torch.float32), h.view(torch.float32), K)
 
 
 @pytest.mark.gpu
