@@ -430,6 +430,10 @@ def test_pipeline_with_stand_in_engine(tmp_path, mode):
         assert tp["tpot_source"] == "engine timestamps" and len(tp["tpot_engine_ms"]) == 1
         assert tp["tpot_ms"] == pytest.approx(1e3 * e2e_fake.STEP_S) and tp["ttft_ms"] == pytest.approx(1e3 * e2e_fake.STEP_S)
         assert tp["ttft_min_ms"] == pytest.approx(1e3 * e2e_fake.STEP_S)
+        # the engine process's GC passes, read after each run: one entry per 1-token run
+        g = tp["gc_1_token_runs"]
+        assert len(g["ms_per_run"]) == len(tp["t_1_token_s"]) and len(g["passes"]) == 3
+        assert g["ms_total"] == pytest.approx(sum(g["ms_per_run"]), abs=1e-3) and g["max_ms"] >= 0
     md = (tmp_path / "out" / "e2e.md").read_text()
     assert "| greedy 32 tokens, no adapter: identical | 16/16 | 16/16 |" in md
     assert "TPOT rows: (stock engine timestamps, ours engine timestamps)" in md
@@ -853,10 +857,10 @@ def test_profile_phase_with_stand_in_engine(tmp_path):
         assert set(prof) == {"none", "one_adapter", "eight_adapters_b64", "none_b64"}, prof
         for case in prof.values():
             assert case["wall_ms_per_token"] >= 0 and case["kernels_per_token"] == 0 and case["top"] == []
-        # the batched case also keeps its 1-token run (the batch's prefill) as it is
-        first = prof["eight_adapters_b64"]["first_run"]
-        assert first["kernels"] == 0 and first["top"] == [] and first["wall_ms"] >= 0
-        assert "first_run" not in prof["none"] and "first_run" not in prof["one_adapter"]
+        # every case keeps its 1-token run (the prefill: the batch's, or the TTFT's 512 tokens) as it is
+        for case in prof.values():
+            first = case["first_run"]
+            assert first["kernels"] == 0 and first["top"] == [] and first["top_gaps"] == [] and first["wall_ms"] >= 0
     md = (tmp_path / "out" / "e2e.md").read_text()
     assert "Where a generated token's time goes" in md and "| ours, one_adapter |" in md
     assert "| ours, eight_adapters_b64 |" in md
@@ -872,8 +876,34 @@ def test_profile_markdown_tables():
     first = {"wall_ms": 310.0, "busy_us": 290000.0, "span_us": 300000.0, "kernels": 9000,
              "top": [["gemm", 144, 150000.0, 3.0]]}
     md = "\n".join(rpt.profile_markdown({"ours": {"phases": {"profile": {"eight_adapters_b64": {**r, "first_run": first}}}}}))
-    assert "ours, eight_adapters_b64: its 1-token run (the batch's prefill and one step)" in md
+    assert "ours, eight_adapters_b64: its 1-token run (the prefill and one step)" in md
     assert "| `gemm` | 144 | 150000.0 | 3.0 |" in md
+    assert "kernels the GPU idles before" not in md.split("its 1-token run")[-1]  # no gaps recorded: no table
+    first["top_gaps"] = [["lora_linear", 144, 900.0, 250.0]]
+    md = "\n".join(rpt.profile_markdown({"ours": {"phases": {"profile": {"none": {**r, "first_run": first}}}}}))
+    assert "ours, none: its 1-token run, kernels the GPU idles before" in md and "| `lora_linear` | 144 | 900.0 | 250.0 |" in md
+
+
+def test_gc_probe_reads_and_resets():
+    """GcProbe (the engine process's collector passes, e2e_gc_read): a forced collection shows up
+    as one generation-2 pass with its time, and each read starts the count afresh."""
+    import gc
+
+    probe = m.GcProbe()
+    gc.disable()  # no automatic passes in between: the counts are exactly the forced ones
+    try:
+        first = probe.read()
+        assert first["passes"] == [0, 0, 0] and first["max_ms"] == 0.0 and probe.installed
+        gc.collect()
+        r = probe.read()
+        assert r["passes"] == [0, 0, 1] and r["ms"][2] > 0.0 and r["max_ms"] == pytest.approx(r["ms"][2], abs=1e-3)
+        assert probe.read()["passes"] == [0, 0, 0]  # each read starts afresh
+        summary = e.gc_summary([r, None, {"passes": [1, 0, 0], "ms": [0.5, 0, 0], "max_ms": 0.5, "frozen": 7}])
+        assert summary["ms_per_run"] == [round(sum(r["ms"]), 3), 0.5] and summary["frozen"] == 7
+        assert summary["passes"][0] == r["passes"][0] + 1 and e.gc_summary([None]) is None
+    finally:
+        gc.enable()
+        gc.callbacks.remove(probe._callback)
 
 
 def test_margin_simulation_runs_and_reports(capsys):
@@ -926,7 +956,8 @@ def test_run_kernels_keeps_one_run_as_it_is():
                            "b": {"count": 2, "total_us": 25.0, "gap_before_us": 0.0}}}
     r = e._run_kernels(0.02, summary)
     assert r == {"wall_ms": pytest.approx(20.0), "busy_us": 30.0, "span_us": 40.0, "kernels": 3,
-                 "top": [["b", 2, 25.0, 0.0], ["a", 1, 5.0, 1.0]]}
+                 "top": [["b", 2, 25.0, 0.0], ["a", 1, 5.0, 1.0]],
+                 "top_gaps": [["a", 1, 5.0, 1.0]]}  # only kernels the GPU idled before, longest idle first
 
 
 def test_shared_env_keeps_the_knobs_both_engines_inherit():

@@ -44,6 +44,7 @@ import math
 import os
 import struct
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -346,6 +347,44 @@ def kernel_summary(events) -> dict:
             "kernels": {k: {"count": c, "total_us": t, "gap_before_us": g} for k, (c, t, g) in per.items()}}
 
 
+class GcProbe:
+    """The garbage collector's passes in this process (``gc.callbacks``), read and reset together:
+    per generation the count and milliseconds, the longest pass. Installed on the first read."""
+
+    def __init__(self):
+        self.installed = False
+        self._t0 = None
+        self._reset()
+
+    def _reset(self):
+        self.passes, self.ms, self.max_ms = [0, 0, 0], [0.0, 0.0, 0.0], 0.0
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            dt = 1e3 * (time.perf_counter() - self._t0)
+            g = min(max(int(info.get("generation", 2)), 0), 2)
+            self.passes[g] += 1
+            self.ms[g] += dt
+            self.max_ms = max(self.max_ms, dt)
+            self._t0 = None
+
+    def read(self) -> dict:
+        import gc
+
+        if not self.installed:
+            gc.callbacks.append(self._callback)
+            self.installed = True
+        out = {"passes": list(self.passes), "ms": [round(v, 3) for v in self.ms], "max_ms": round(self.max_ms, 3),
+               "frozen": gc.get_freeze_count(), "counts": list(gc.get_count())}
+        self._reset()
+        return out
+
+
+_GC_PROBE = GcProbe()
+
+
 class WorkerProbe:
     """Mixed into vLLM's GPU worker (``LLM(worker_extension_cls="tools.e2e_model.WorkerProbe")``);
     ``llm.collective_rpc("e2e_lora_layers")`` returns, from inside the engine, which class each
@@ -353,6 +392,11 @@ class WorkerProbe:
 
     def e2e_lora_layers(self) -> dict:
         return plain(self._e2e_lora_layers())
+
+    def e2e_gc_read(self) -> dict:
+        """The garbage collector's passes in the engine process (where the model and the plugin
+        run) since the previous call (``GcProbe``; the first call installs the hook)."""
+        return plain(_GC_PROBE.read())
 
     def e2e_profile_start(self) -> bool:
         """Start recording the GPU's kernels in this worker (torch.profiler, CUDA activity only:

@@ -317,6 +317,14 @@ def perf_rows(runs: dict) -> list[dict]:
              None, None),
             ("TTFT batch 1, 512-token prompt, one adapter, fastest sample (ms)",
              ("tpot", "one_adapter", "ttft_min_ms"), None, None),
+            # run48: ours' TTFT samples scatter (39-71 ms) where stock's do not; the engine process's
+            # garbage-collector passes in those runs, summed and the longest
+            ("GC in the TTFT runs (1-token requests), no adapter: ms in all", ("tpot", "none", "gc_1_token_runs", "ms_total"),
+             None, None),
+            ("GC in the TTFT runs (1-token requests), one adapter: ms in all",
+             ("tpot", "one_adapter", "gc_1_token_runs", "ms_total"), None, None),
+            ("GC in the TTFT runs, longest pass (ms), one adapter", ("tpot", "one_adapter", "gc_1_token_runs", "max_ms"),
+             None, None),
             ("64×(512+128), no adapter: output tok/s", ("throughput", "none", "output_tok_s"), ANCHORS["tput_none"], None),
             ("64×(512+128), 1 adapter: output tok/s", ("throughput", "one_adapter", "output_tok_s"),
              ANCHORS["tput_one_adapter"], None),
@@ -450,11 +458,15 @@ def profile_markdown(runs: dict, top: int = 12) -> list[str]:
                 L += [f"| `{row[0][:90]}` | {row[1]:.1f} | {row[2]:.1f} | {_f(row[3] if len(row) > 3 else None, '{:.1f}')} |"
                       for row in r[key][:top]]
             first = r.get("first_run")
-            if first and first.get("top"):  # the batched case's 1-token run: the batch's prefill
-                L += ["", f"{c}, {case}: its 1-token run (the batch's prefill and one step), whole run: "
+            if first and first.get("top"):  # the 1-token run: the prefill (the batch's, or the TTFT's)
+                L += ["", f"{c}, {case}: its 1-token run (the prefill and one step), whole run: "
                       f"wall {first['wall_ms']:.1f} ms, busy {first['busy_us']:.0f} µs, span {first['span_us']:.0f} µs, "
                       f"{first['kernels']} kernels", "", "| kernel | count | µs | idle before, µs |", "|---|---|---|---|"]
                 L += [f"| `{row[0][:90]}` | {row[1]} | {row[2]:.1f} | {row[3]:.1f} |" for row in first["top"][:top]]
+                if first.get("top_gaps"):  # where the GPU waited for the host in that run
+                    L += ["", f"{c}, {case}: its 1-token run, kernels the GPU idles before", "",
+                          "| kernel | count | µs | idle before, µs |", "|---|---|---|---|"]
+                    L += [f"| `{row[0][:90]}` | {row[1]} | {row[2]:.1f} | {row[3]:.1f} |" for row in first["top_gaps"][:top]]
     return L
 
 

@@ -279,13 +279,15 @@ def phase_tpot(c: Ctx) -> dict:
     out = {}
     for case, lo in (("none", None), ("one_adapter", [c.lora(0)])):
         c.greedy(p, 1, lo), c.greedy(p, n, lo)  # warm-up (adapter load, kernel JIT)
-        t1, tn, timings = [], [], []
+        t1, tn, timings, gc_runs = [], [], [], []
+        gc_read(c)  # (the collector's passes from here on, per run)
 
         def run(max_tokens: int) -> float:
             start = time.perf_counter()
             outs = c.greedy_outputs(p, max_tokens, lo)
             wall = time.perf_counter() - start
             timings.append((max_tokens, request_timing(outs[0])))
+            gc_runs.append((max_tokens, gc_read(c)))
             return wall
 
         # The 1-token time (prefill + one step) scatters far more than the n-token one (run11:
@@ -309,12 +311,39 @@ def phase_tpot(c: Ctx) -> dict:
                # the least-disturbed one, as tpot_min_ms is for the decode.
                "ttft_min_ms": min((tm["ttft_ms"] for _, tm in timings if tm and tm["ttft_ms"]), default=None),
                "prefill_ms": _median(tm["prefill_ms"] for _, tm in timings if tm)}
+        res["gc_1_token_runs"] = gc_summary([g for k, g in gc_runs if k == 1])
         if len(decode) == len(tn):
             res.update(tpot_ms=statistics.median(decode), tpot_source="engine timestamps")
         else:
             res.update(tpot_ms=paired, tpot_source="paired runs")
         out[case] = res
     return out
+
+
+def gc_read(c: Ctx) -> dict | None:
+    """The engine process's garbage-collector passes since the previous read (the worker probe's
+    ``e2e_gc_read``); None when the probe does not answer (the measurement goes on without it)."""
+    try:
+        r = rpc(c.llm, "e2e_gc_read", _rpc_timeout())
+    except TimeoutError:  # the engine no longer answers: the phase fails as any RPC's would
+        raise
+    except Exception as e:  # noqa: BLE001 - e.g. a probe without the method: no GC numbers
+        print(f"[e2e] e2e_gc_read: {type(e).__name__}: {e}", flush=True)
+        return None
+    return r[0] if isinstance(r, list) else r
+
+
+def gc_summary(reads: list) -> dict | None:
+    """The GC passes of a list of runs (``gc_read`` each): per run the milliseconds spent
+    collecting (beside the runs' TTFT samples: a run with a long pass is a slow one), the passes
+    per generation in all, the longest pass, and the heap objects vLLM froze out of the collector."""
+    reads = [r for r in reads if r]
+    if not reads:
+        return None
+    per_run = [round(sum(r["ms"]), 3) for r in reads]
+    return {"ms_per_run": per_run, "ms_total": round(sum(per_run), 3),
+            "passes": [sum(r["passes"][g] for r in reads) for g in range(3)],
+            "max_ms": max(r["max_ms"] for r in reads), "frozen": reads[-1].get("frozen")}
 
 
 def phase_throughput(c: Ctx) -> dict:
@@ -397,9 +426,11 @@ def phase_profile(c: Ctx) -> dict:
             runs.append((wall, s[0] if isinstance(s, list) else s))
         errors = [s["error"] for _, s in runs if "error" in s]
         out[case] = {"error": errors[0]} if errors else _profile_per_token(runs[0], runs[1], n)
-        if not errors and lo and len(p) > 1:
-            # The batched case's 1-token run is the batch's prefill (+ one step): where a
-            # throughput run's prefill chunks spend their time, per kernel name.
+        if not errors:
+            # The 1-token run is the prefill (+ one step): the batched case's is where a throughput
+            # run's prefill chunks spend their time; the batch-1 cases' is the TTFT's 512-token
+            # prefill, whose GPU idle time (span - busy, the gaps before each kernel) is the host's
+            # (run48: ours' TTFT 1.35x stock's, scattering 39-71 ms where stock's stays at 40-47).
             out[case]["first_run"] = _run_kernels(*runs[0])
     return out
 
@@ -408,7 +439,8 @@ def _run_kernels(wall: float, summary: dict) -> dict:
     """One profiled run as it is: wall ms, busy / span µs, kernels, the top kernel names by time."""
     rows = [[k, v["count"], v["total_us"], v["gap_before_us"]] for k, v in summary["kernels"].items()]
     return {"wall_ms": 1e3 * wall, "busy_us": summary["busy_us"], "span_us": summary["span_us"],
-            "kernels": summary["n_kernels"], "top": sorted(rows, key=lambda r: -r[2])[:40]}
+            "kernels": summary["n_kernels"], "top": sorted(rows, key=lambda r: -r[2])[:40],
+            "top_gaps": sorted((r for r in rows if r[3] > 0), key=lambda r: -r[3])[:20]}
 
 
 PHASE_FNS = {"greedy": phase_greedy, "logprobs": phase_logprobs, "tpot": phase_tpot, "throughput": phase_throughput,
