@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Callable, Iterable
 
-from .dispatch import MODES, TOKEN_BUCKETS, Call, Dispatcher, key_for, token_bucket
+from .dispatch import MODES, TOKEN_BUCKETS, Call, Dispatcher, key_for, modes_to_settle, token_bucket
 
 log = logging.getLogger("epilora_cute.dispatch")
 
@@ -63,14 +63,15 @@ def settle_buckets(call: Call, capacity: int, dispatcher: Dispatcher,
                    buckets: Iterable[int] | None = None) -> dict[int, dict[str, str]]:
     """For every bucket b (default ``buckets_to_settle``): ``make_case(b)`` gives b's call (its own
     view: which paths apply depends on the token count, e.g. the decode kernels' <= 32) and a
-    candidate runner; decide b's keys in both modes with them (timing unless known), then run each
-    decided path once. Returns {bucket: {mode: path}}. A bucket whose inputs cannot be built or run
-    is logged and left to settle on first contact."""
+    candidate runner; decide b's keys in the modes it can run in (``dispatch.modes_to_settle``:
+    both, or eager alone above the engine's CUDA-graph sizes) with them (timing unless known), then
+    run each decided path once. Returns {bucket: {mode: path}}. A bucket whose inputs cannot be
+    built or run is logged and left to settle on first contact."""
     out: dict[int, dict[str, str]] = {}
     for b in (buckets_to_settle(call.tokens, capacity) if buckets is None else buckets):
         try:
             call_b, run = make_case(b)
-            paths = {m: dispatcher.path_for(call_b, run, mode=m, capturing=False) for m in MODES}
+            paths = {m: dispatcher.path_for(call_b, run, mode=m, capturing=False) for m in modes_to_settle(b)}
             for p in dict.fromkeys(paths.values()):
                 run(p)  # loads the chosen kernels (and compiles the Triton path's) now
             out[b] = paths

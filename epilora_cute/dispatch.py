@@ -441,6 +441,34 @@ def default_path(candidates) -> str:
     return sorted(candidates)[0]
 
 
+# The largest batch this process captures CUDA graphs for (the vLLM plugin sets vLLM's
+# max_cudagraph_capture_size; 0: none, e.g. enforce_eager; None: unknown, every mode is settled).
+# A token bucket above it is never replayed from a graph, so settling it outside capture times its
+# eager mode only (v1.01: an engine's start timed every bucket up to 8192 tokens as graph replays
+# too, ~35 s of run48's 43 s profiling run on an H100, against stock's 5 s).
+_graph_max_tokens: int | None = None
+
+
+def set_graph_max_tokens(n: int | None) -> int | None:
+    """Set the largest batch CUDA graphs are captured for (None: unknown); returns the previous."""
+    global _graph_max_tokens
+    if n is not None and (not isinstance(n, int) or n < 0):
+        raise ValueError(f"the graph capture limit must be an int >= 0 or None, got {n!r}")
+    before, _graph_max_tokens = _graph_max_tokens, n
+    return before
+
+
+def graph_mode_used(bucket: int) -> bool:
+    """Whether a batch of this token bucket can run as a CUDA-graph replay in this process."""
+    n = _graph_max_tokens
+    return n is None or (n > 0 and bucket <= token_bucket(n))
+
+
+def modes_to_settle(bucket: int) -> tuple[str, ...]:
+    """The modes a bucket is settled in outside capture: both, or eager alone above the graphs."""
+    return MODES if graph_mode_used(bucket) else tuple(m for m in MODES if m != "graph")
+
+
 def key_for(call: Call, mode: str) -> DispatchKey:
     return DispatchKey(call.device, call.k, tuple(call.slices), call.rank, token_bucket(call.tokens),
                        adapter_key(call.host_adapters, call.max_loras), mode)
@@ -542,12 +570,14 @@ class Dispatcher:
         candidates = {p: functools.partial(run, p) for p in names}
         if capturing:
             return self._settle(key, candidates, may_time=False)
-        # Outside capture: settle this bucket in every mode now — a graph key cannot be timed
-        # later, under capture.
+        # Outside capture: settle this bucket in every mode it can run in now — a graph key cannot
+        # be timed later, under capture (a bucket above the graph limit: eager alone).
         timed_before = len(self._timed)
         try:
             for m in (key.mode,) + tuple(m for m in MODES if m != key.mode):
                 k = key._replace(mode=m)
+                if m != key.mode and m not in modes_to_settle(key.tokens) and k not in self._provisional:
+                    continue  # never run in this mode here (a graph above the capture sizes: unless one was met)
                 if k not in self._decided or k in self._provisional:
                     self._settle(k, candidates, may_time=True)
         finally:

@@ -69,6 +69,56 @@ def test_settles_every_bucket_in_both_modes_and_runs_each_choice(tmp_path):
         assert (paths["graph"] == "hybrid") == (b >= 64)
 
 
+@pytest.fixture
+def graph_limit():
+    """dispatch.set_graph_max_tokens for one test, put back after it."""
+    from epilora_cute import dispatch
+
+    before = dispatch.set_graph_max_tokens(None)
+    yield dispatch.set_graph_max_tokens
+    dispatch.set_graph_max_tokens(before)
+
+
+def test_buckets_above_the_graph_sizes_are_settled_eager_only(tmp_path, graph_limit):
+    """v1.01: with the engine's largest CUDA-graph batch known (128 tokens), the buckets above it
+    are timed and decided in eager mode only, nothing is timed as a graph replay there; up to it
+    both modes as before. Without graphs at all (0, enforce_eager) every bucket is eager only."""
+    timed, last = [], []
+    d = _dispatcher(tmp_path, lambda fn, mode: (fn(), timed.append((mode, last[-1])), 1.0)[2])
+    graph_limit(100)  # bucket 128 holds it
+    settled = W.settle_buckets(_call(), 512, d, _case(lambda b: (lambda path: last.append(b))))
+    assert sorted(settled) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    for b, paths in settled.items():
+        assert set(paths) == (set(MODES) if b <= 128 else {"eager"}), (b, paths)
+        assert (key_for(_call(tokens=b), "graph") in d.decisions()) == (b <= 128)
+        assert (key_for(_call(tokens=b), "graph").text() in d.table.entries()) == (b <= 128)
+    graph_timed = {b for m, b in timed if m == "graph"}
+    assert graph_timed == {1, 2, 4, 8, 16, 32, 64, 128} and {b for m, b in timed if m == "eager"} == set(settled)
+    graph_limit(0)
+    W.reset()
+    d0 = _dispatcher(tmp_path / "none", lambda fn, mode: (fn(), timed.append((mode, last[-1])), 1.0)[2])
+    timed.clear()
+    settled = W.settle_buckets(_call(), 64, d0, _case(lambda b: (lambda path: last.append(b))))
+    assert settled and all(set(p) == {"eager"} for p in settled.values())
+    assert timed and all(m == "eager" for m, _ in timed)
+
+
+def test_a_graph_met_above_the_limit_is_still_settled(tmp_path, graph_limit):
+    """A capture the limit did not foresee (a graph key above it) takes the default, provisional,
+    and the next call outside capture times it as before: the limit only skips what never runs."""
+    timed = []
+    d = _dispatcher(tmp_path, lambda fn, mode: (fn(), timed.append(mode), 1.0)[2])
+    graph_limit(128)
+    call = _call(tokens=2048)
+    run = lambda path: None  # noqa: E731
+    d.path_for(call, run, mode="eager", capturing=False)
+    assert "graph" not in timed and key_for(call, "graph") not in d.decisions()
+    d.path_for(call, run, mode="graph", capturing=True)  # met under capture: a provisional default
+    assert key_for(call, "graph") in d.decisions() and "graph" not in timed
+    d.path_for(call, run, mode="eager", capturing=False)  # outside capture again: now timed
+    assert "graph" in timed and d.table.get(key_for(call, "graph")) is not None
+
+
 def test_known_buckets_are_not_timed_again_but_still_run(tmp_path):
     runs = []
     d = _dispatcher(tmp_path)

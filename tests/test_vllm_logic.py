@@ -15,7 +15,7 @@ import torch
 
 from epilora_cute.metadata import LoRABatchMeta, build_meta
 from epilora_cute.reference import lora_linear, quantize_fp8_per_tensor
-from vllm_adapter import custom_op, eligibility, fused, meta_bridge, plugin, versions
+from vllm_adapter import custom_op, eligibility, engine_config, fused, meta_bridge, plugin, versions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -577,3 +577,43 @@ def test_layer_finds_vllms_no_lora_flag():
     assert layers._vllm_no_lora_flag(FakePunica()) is None  # no token metadata: unknown
     assert layers._vllm_no_lora_flag(SimpleNamespace(token_mapping_meta=SimpleNamespace(
         no_lora_flag_cpu=torch.tensor([True, False])))) is None  # not vLLM's one-element flag
+
+
+# ----------------------------------------------------------------------------- engine configuration
+
+def _vcfg(**cc):
+    return types.SimpleNamespace(compilation_config=types.SimpleNamespace(**cc))
+
+
+def test_graph_max_tokens_of_vllm_config():
+    """v1.01: the largest batch vLLM captures CUDA graphs for, from its compilation config: the
+    capture sizes' maximum; 0 without graphs (mode NONE, as enforce_eager sets it, or no sizes);
+    None where the configuration does not say (every bucket then settles in both modes)."""
+    none, full = types.SimpleNamespace(name="NONE"), types.SimpleNamespace(name="FULL_AND_PIECEWISE")
+    f = engine_config.graph_max_tokens_of
+    assert f(_vcfg(cudagraph_mode=full, cudagraph_capture_sizes=[1, 2, 4, 128, 64], max_cudagraph_capture_size=128)) == 128
+    assert f(_vcfg(cudagraph_mode=none, cudagraph_capture_sizes=[1, 2], max_cudagraph_capture_size=2)) == 0
+    assert f(_vcfg(cudagraph_mode=full, cudagraph_capture_sizes=[])) == 0
+    assert f(_vcfg(cudagraph_mode=full, cudagraph_capture_sizes=None, max_cudagraph_capture_size=512)) == 512
+    assert f(_vcfg(cudagraph_mode=full, cudagraph_capture_sizes=None, max_cudagraph_capture_size=None)) is None
+    assert f(_vcfg()) is None and f(None) is None and f(types.SimpleNamespace()) is None
+
+
+def test_note_graph_limit_sets_the_dispatch_limit():
+    from epilora_cute import dispatch
+
+    before = dispatch.set_graph_max_tokens(None)
+    try:
+        full = types.SimpleNamespace(name="PIECEWISE")
+        assert engine_config.note_graph_limit(_vcfg(cudagraph_mode=full, cudagraph_capture_sizes=[8, 96])) == 96
+        assert dispatch.graph_mode_used(128) and not dispatch.graph_mode_used(256)
+        assert dispatch.modes_to_settle(256) == ("eager",) and dispatch.modes_to_settle(64) == dispatch.MODES
+        assert engine_config.note_graph_limit(types.SimpleNamespace()) is None  # unknown: left as it was
+        assert dispatch.graph_mode_used(128) and not dispatch.graph_mode_used(256)
+        assert engine_config.note_graph_limit(_vcfg(cudagraph_mode=types.SimpleNamespace(name="NONE"))) == 0
+        assert not dispatch.graph_mode_used(1)
+        with pytest.raises(ValueError, match="int >= 0 or None"):
+            dispatch.set_graph_max_tokens(-1)
+    finally:
+        dispatch.set_graph_max_tokens(before)
+        assert dispatch.graph_mode_used(8192) == (before is None or before >= 8192)

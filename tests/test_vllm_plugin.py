@@ -326,6 +326,23 @@ def _punica(lora_layer, lora_ids):
     return pw
 
 
+def test_layer_creation_tells_the_dispatch_vllms_graph_sizes(vcfg, plugin_on):
+    """v1.01: building a LoRA layer (inside vLLM's current configuration, as the worker does) hands
+    the dispatch the largest batch vLLM captures CUDA graphs for, read from vLLM's own config."""
+    from epilora_cute import dispatch
+    from vllm_adapter import engine_config
+
+    want = engine_config.graph_max_tokens_of(vcfg)
+    assert want is not None, vars(vcfg.compilation_config)  # vLLM's config states its capture sizes
+    before = dispatch.set_graph_max_tokens(None)
+    try:
+        _from_layer(vcfg, _fp8_layer(vcfg, "qkv"), "qkv")
+        assert dispatch._graph_max_tokens == want
+        assert engine_config.current_vllm_config() is None  # outside vLLM's context: nothing to read
+    finally:
+        dispatch.set_graph_max_tokens(before)
+
+
 @pytest.mark.parametrize("kind", ["column", "merged_single", "gate_up", "variable", "qkv_packed", "qkv",
                                   "row", "replicated"])
 def test_fp8_layers_taken_over_and_compute_the_reference(vcfg, plugin_on, log, kind):

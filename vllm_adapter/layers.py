@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import custom_op, eligibility, fused, meta_bridge, prefetch_plan, shadow
+from . import custom_op, eligibility, engine_config, fused, meta_bridge, prefetch_plan, shadow
 
 logger = logging.getLogger("vllm.epilora")
 
@@ -163,6 +163,7 @@ class EpiLoRALinearMixin:
 
     def create_lora_weights(self, max_loras, lora_config, model_config=None) -> None:
         super().create_lora_weights(max_loras, lora_config, model_config)
+        engine_config.note_graph_limit()  # (the warm-up's modes per token bucket; vLLM's config is current here)
         v = check_buffers(self)
         if v:
             try:  # the kernels' device tables, before vLLM captures CUDA graphs (fused.prepare_layer)
