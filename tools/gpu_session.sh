@@ -22,7 +22,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, ab, priority, race, race-tests, race-rest, stream, grouped, tt, tt-diag, layer-parts, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
+mode=${1:?record, tests, ab, warmup-time, ttft, priority, race, race-tests, race-rest, stream, grouped, tt, tt-diag, layer-parts, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -48,6 +48,21 @@ unpack_vllm() {
   fi
 }
 case $mode in
+  warmup-time)
+    # v1.01: the dispatch's bucket warm-up per Qwen3-8B projection, rounds on fresh tables with and
+    # without the CUDA-graph limit (round 0 pays the first-use compiles: compare rounds 1 and 2);
+    # the slim cache is enough, no vLLM (~2-3 min on an H100).
+    timeout -s KILL 400 python3 tools/warmup_time.py --capacity "${WARMUP_CAPACITY:-4096}" \
+      --order "${WARMUP_ORDER:-limit,none,limit}" --out "$OUT" 2>&1 | grep -v -i warning | tail -20
+    ;;
+  ttft)
+    # Ours' TTFT scatter (session 48's plan): stock, then ours, one engine at a time, the TPOT/TTFT
+    # runs with the engine's GC passes and the profile phase's prefill runs with their idle gaps
+    # (carry .devvllm/2 and the slim cache after a call that carried .devvllm/1; ~6-8 min).
+    unpack_vllm
+    timeout -s KILL 515 python3 tools/e2e_vllm.py --out "$OUT" --sequential --phases tpot,profile --reps 8 \
+      --time-budget 480 --engine-arg "$E2E_CC" "${@:3}" 2>&1 | tail -60
+    ;;
   hybrid-identity)
     # perf.md v0.19 (the hybrid rows under the read flush, K1 / expand-add at every group split)
     # and v0.17's experiment (greedy identity with Inductor's numerics-changing autotuning off in
