@@ -459,14 +459,14 @@ def profile_markdown(runs: dict, top: int = 12) -> list[str]:
                       for row in r[key][:top]]
             first = r.get("first_run")
             if first and first.get("top"):  # the 1-token run: the prefill (the batch's, or the TTFT's)
-                L += ["", f"{c}, {case}: its 1-token run (the prefill and one step), whole run: "
-                      f"wall {first['wall_ms']:.1f} ms, busy {first['busy_us']:.0f} µs, span {first['span_us']:.0f} µs, "
-                      f"{first['kernels']} kernels", "", "| kernel | count | µs | idle before, µs |", "|---|---|---|---|"]
-                L += [f"| `{row[0][:90]}` | {row[1]} | {row[2]:.1f} | {row[3]:.1f} |" for row in first["top"][:top]]
-                if first.get("top_gaps"):  # where the GPU waited for the host in that run
-                    L += ["", f"{c}, {case}: its 1-token run, kernels the GPU idles before", "",
-                          "| kernel | count | µs | idle before, µs |", "|---|---|---|---|"]
-                    L += [f"| `{row[0][:90]}` | {row[1]} | {row[2]:.1f} | {row[3]:.1f} |" for row in first["top_gaps"][:top]]
+                whole = (f"its 1-token run (the prefill and one step), whole run: wall {first['wall_ms']:.1f} ms, "
+                         f"busy {first['busy_us']:.0f} µs, span {first['span_us']:.0f} µs, {first['kernels']} kernels")
+                # and where the GPU waited for the host in that run
+                for key, title in (("top", whole), ("top_gaps", "its 1-token run, kernels the GPU idles before")):
+                    if not first.get(key):
+                        continue
+                    L += ["", f"{c}, {case}: {title}", "", "| kernel | count | µs | idle before, µs |", "|---|---|---|---|"]
+                    L += [f"| `{row[0][:90]}` | {row[1]} | {row[2]:.1f} | {row[3]:.1f} |" for row in first[key][:top]]
     return L
 
 

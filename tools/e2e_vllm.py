@@ -387,8 +387,12 @@ def _profile_per_token(one: tuple, many: tuple, n: int) -> dict:
     return {"wall_ms_per_token": 1e3 * per(w1, wn), "busy_us_per_token": per(s1["busy_us"], sn["busy_us"]),
             "span_us_per_token": per(s1["span_us"], sn["span_us"]),
             "kernels_per_token": per(s1["n_kernels"], sn["n_kernels"]),
-            "top": sorted((r for r in rows if r[2] > 0), key=lambda r: -r[2])[:40],
-            "top_gaps": sorted((r for r in rows if r[3] > 0), key=lambda r: -r[3])[:20]}
+            "top": sorted((r for r in rows if r[2] > 0), key=lambda r: -r[2])[:40], "top_gaps": _top_gaps(rows)}
+
+
+def _top_gaps(rows: list) -> list:
+    """[kernel, count, µs, idle µs before it] rows the GPU idled before, the longest idle first."""
+    return sorted((r for r in rows if r[3] > 0), key=lambda r: -r[3])[:20]
 
 
 # The profile phase's batched case: decode steps of the throughput workload (its batch, 8 adapters),
@@ -439,8 +443,7 @@ def _run_kernels(wall: float, summary: dict) -> dict:
     """One profiled run as it is: wall ms, busy / span µs, kernels, the top kernel names by time."""
     rows = [[k, v["count"], v["total_us"], v["gap_before_us"]] for k, v in summary["kernels"].items()]
     return {"wall_ms": 1e3 * wall, "busy_us": summary["busy_us"], "span_us": summary["span_us"],
-            "kernels": summary["n_kernels"], "top": sorted(rows, key=lambda r: -r[2])[:40],
-            "top_gaps": sorted((r for r in rows if r[3] > 0), key=lambda r: -r[3])[:20]}
+            "kernels": summary["n_kernels"], "top": sorted(rows, key=lambda r: -r[2])[:40], "top_gaps": _top_gaps(rows)}
 
 
 PHASE_FNS = {"greedy": phase_greedy, "logprobs": phase_logprobs, "tpot": phase_tpot, "throughput": phase_throughput,
