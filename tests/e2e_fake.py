@@ -78,7 +78,10 @@ class FakeLLM:
         name = "EpiLoRAFakeWithLoRA" if self.ours else "FakeWithLoRA"
         cls = type(name, (torch.nn.Linear,), {"_epilora_active": self.ours})
         model = torch.nn.ModuleList(cls(2, 2) for _ in range(4 * self.layers))
-        return type("FakeWorker", (WorkerProbe,), {"get_model": lambda w: model, "model_runner": object()})()
+        # one engine step: the forward (execute_model) and the sampling call, as vLLM 0.26's worker
+        # has them (the host probe times both)
+        step = {"execute_model": lambda w, so: time.sleep(STEP_S), "sample_tokens": lambda w, g: None}
+        return type("FakeWorker", (WorkerProbe,), {"get_model": lambda w: model, "model_runner": object(), **step})()
 
     def collective_rpc(self, method):
         if self._fails("EPILORA_E2E_FAKE_RPC_SILENT"):
@@ -111,7 +114,10 @@ class FakeLLM:
                   "(EngineCore pid=1) RuntimeError: CUDA error: an illegal memory access was encountered", flush=True)
             self._hang()
         arrival = time.monotonic()
-        time.sleep(STEP_S * sp.max_tokens)
+        worker = self._worker()
+        for _ in range(sp.max_tokens):  # every request of the call advances together, one step a token
+            worker.execute_model(None)
+            worker.sample_tokens(None)
         outs = []
         for k, p in enumerate(prompts):
             ids = list(p["prompt_token_ids"])

@@ -434,10 +434,16 @@ def test_pipeline_with_stand_in_engine(tmp_path, mode):
         g = tp["gc_1_token_runs"]
         assert len(g["ms_per_run"]) == len(tp["t_1_token_s"]) and len(g["passes"]) == 3
         assert g["ms_total"] == pytest.approx(sum(g["ms_per_run"]), abs=1e-3) and g["max_ms"] >= 0
+        # and the host's time in each: one forward step and one sampling call per 1-token run
+        h = tp["host_1_token_runs"]
+        assert h["step_calls"] == [1] * len(tp["t_1_token_s"]) == h["sample_calls"]
+        assert all(x >= 0.4 for x in h["step_ms"]) and h["op_calls"] == [0] * len(tp["t_1_token_s"])
+        assert len(tp["ttft_1_token_runs_ms"]) == len(tp["t_1_token_s"])
     md = (tmp_path / "out" / "e2e.md").read_text()
     assert "| greedy 32 tokens, no adapter: identical | 16/16 | 16/16 |" in md
     assert "TPOT rows: (stock engine timestamps, ours engine timestamps)" in md
     assert "≥ 5300" in md and "layers taken over: 8" in md
+    assert "## Host time of the TTFT runs" in md and "stock, one_adapter:" in md
     assert rep["entry_point"].startswith("vllm_adapter.plugin:register from epilora-cute 0.0.0; module at " + str(ROOT))
     assert _leftover_processes(tmp_path) == []
 
@@ -760,6 +766,9 @@ model = torch.nn.ModuleDict({"o": type("EpiLoRARowParallelLinearWithLoRA", (torc
 worker = type("W", (e2e_model.WorkerProbe,), {"get_model": lambda self: model, "model_runner": object()})()
 reply = worker.e2e_lora_layers()
 MsgpackEncoder().encode([reply])
+# the host probe's timers wrap methods vLLM's worker has; its reply encodes too
+out["worker_step_methods"] = [callable(getattr(Worker, n, None)) for n in e2e_model.HostProbe.WORKER_METHODS]
+MsgpackEncoder().encode([e2e_model.HostProbe().read()])
 try:
     MsgpackEncoder().encode([{"torch": torch.__version__}])
     out["torch_version_encodes"] = True
@@ -813,6 +822,7 @@ def test_files_load_with_vllm_qwen3_and_lora_loaders(tmp_path):
     out = json.loads(lines[-1][len("XCHECK "):])
     assert out["architecture"] == ["Qwen3ForCausalLM"]
     assert out["engine"] == ["fp8", 8, 64, 16 << 30, "tools.e2e_model.WorkerProbe"] and out["probe_conflicts"] == []
+    assert out["worker_step_methods"] == [True, True]
     assert out["smoke_engine"] == [256, 16, 2048, 4 << 30]
     # vLLM refuses torch.__version__ (the first H200 run's stock failure); the probe's reply encodes
     assert out["torch_version_encodes"] is False and out["probe_torch"]
@@ -904,6 +914,76 @@ def test_gc_probe_reads_and_resets():
     finally:
         gc.enable()
         gc.callbacks.remove(probe._callback)
+
+
+def test_host_probe_times_steps_sampling_and_the_op():
+    """HostProbe (e2e_host_read): the worker's forward and sampling calls and the plugin's op (the
+    outermost of nested entries only) each counted with wall and CPU time; each read starts
+    afresh; uninstall puts back the worker's methods and vllm_adapter.fused's entries."""
+    import time
+
+    from vllm_adapter import fused
+
+    class Worker:
+        def execute_model(self, so):
+            t = time.thread_time()
+            while time.thread_time() - t < 0.004:  # 4 ms of CPU: wall and CPU both grow
+                pass
+            fused.base_linear_fp8("x")  # the op inside the forward, as the model's layers call it
+            return "out"
+
+        def sample_tokens(self, g):
+            time.sleep(0.003)  # waiting, as for the GPU: wall without CPU
+            return "tokens"
+
+    real_lora, real_base = fused.lora_linear_fp8, fused.base_linear_fp8
+    calls = []
+
+    def fake_base(*a, **kw):
+        calls.append("base")
+        return fused.lora_linear_fp8(*a)  # nested entry: counted once, as the outermost call
+
+    def fake_lora(*a, **kw):
+        calls.append("lora")
+        return "y"
+
+    fused.lora_linear_fp8, fused.base_linear_fp8 = fake_lora, fake_base
+    w, probe = Worker(), m.HostProbe()
+    try:
+        first = probe.read(w)
+        assert probe.installed and first["step"]["calls"] == 0 and first["op"]["ms"] == 0.0
+        assert w.execute_model(None) == "out" and w.sample_tokens(None) == "tokens"
+        r = probe.read(w)
+        assert calls == ["base", "lora"]
+        assert r["step"]["calls"] == 1 and r["step"]["cpu_ms"] >= 3.5 and r["step"]["ms"] >= r["step"]["cpu_ms"] - 0.5
+        assert r["sample"]["calls"] == 1 and r["sample"]["ms"] >= 2.5 and r["sample"]["cpu_ms"] < 1.5
+        assert r["op"]["calls"] == 1 and r["op"]["ms"] <= r["step"]["ms"]
+        assert r["step"]["max_ms"] == pytest.approx(r["step"]["ms"], abs=1e-3)
+        assert probe.read(w)["step"]["calls"] == 0  # each read starts afresh
+        probe.install(w)  # a second install wraps nothing twice
+        w.execute_model(None)
+        assert probe.read(w)["step"]["calls"] == 1
+        s = e.host_summary([r, None])
+        assert s["step_calls"] == [1, None] and s["op_ms"] == [r["op"]["ms"], None] and e.host_summary([None]) is None
+    finally:
+        probe.uninstall()
+        assert "execute_model" not in vars(w) and fused.base_linear_fp8 is fake_base
+        fused.lora_linear_fp8, fused.base_linear_fp8 = real_lora, real_base
+
+
+def test_host_markdown_lines_up_the_runs():
+    """The report's per-run table of the TTFT runs: wall, TTFT, the host's parts and GC per run."""
+    tp = {"t_1_token_s": [0.0712, 0.0405], "ttft_1_token_runs_ms": [70.1, None],
+          "gc_1_token_runs": {"ms_per_run": [0.3, 0.0]},
+          "host_1_token_runs": {"step_calls": [1, 1], "step_ms": [60.0, 30.5], "step_cpu_ms": [31.0, 29.9],
+                                "step_max_ms": [60.0, 30.5], "sample_calls": [1, 1], "sample_ms": [8.0, 7.5],
+                                "sample_cpu_ms": [0.2, 0.2], "sample_max_ms": [8.0, 7.5], "op_calls": [144, 144],
+                                "op_ms": [40.0, 12.0], "op_cpu_ms": [11.0, 11.5], "op_max_ms": [1.0, 0.2]}}
+    md = "\n".join(rpt.host_markdown({"ours": {"phases": {"tpot": {"none": tp}}}}))
+    assert "## Host time of the TTFT runs" in md and "ours, none:" in md and "stock" not in md
+    assert "| 0 | 71.2 | 70.1 | 1 | 60.0 / 31.0 | 8.0 / 0.2 | 144 | 40.0 / 11.0 | 0.3 |" in md
+    assert "| 1 | 40.5 | — | 1 | 30.5 / 29.9 | 7.5 / 0.2 | 144 | 12.0 / 11.5 | 0.0 |" in md
+    assert rpt.host_markdown({"ours": {"phases": {"tpot": {"none": {}}}}}) == []
 
 
 def test_margin_simulation_runs_and_reports(capsys):

@@ -385,6 +385,111 @@ class GcProbe:
 _GC_PROBE = GcProbe()
 
 
+class HostProbe:
+    """Where the engine process's host time goes, read and reset per run (run48: ours' TTFT
+    samples sit at one level for ~1 s at a time, 39-71 ms without adapter, stock's at 40-47; is
+    the level in the forward's host code, in the plugin's op, in the wait for the GPU, or outside
+    the model?). Per run, wall and this thread's CPU time (``time.thread_time``: a thread waiting
+    for the GIL, the GPU or the OS scheduler spends wall time but no CPU time) of:
+
+    * ``step``: the worker's ``execute_model`` (the forward: a prefill outside CUDA graphs is
+      launched from Python here, so a host-bound prefill is long here);
+    * ``sample``: the worker's ``sample_tokens`` (vLLM 0.26 samples in a second call; it waits
+      for the forward's kernels the host ran ahead of);
+    * ``op``: the plugin's computation inside the registered op (``vllm_adapter.fused``'s two
+      entries that ``custom_op._impl`` calls by module attribute; the outermost call counts).
+
+    Installed on the first read (``install``): the worker instance's methods are shadowed by timed
+    wrappers (vLLM's wrapper calls ``self.worker.execute_model``; ``sample_tokens`` is found
+    through its ``__getattr__``), the module's functions replaced. Two timer reads per call."""
+
+    WORKER_METHODS = ("execute_model", "sample_tokens")
+    OP_ENTRIES = ("lora_linear_fp8", "base_linear_fp8")
+    _PARTS = ("step", "sample", "op")
+
+    def __init__(self):
+        self.installed = False
+        self._op_depth = 0
+        self._restore: list = []
+        self._reset()
+
+    def _reset(self):
+        self.calls = dict.fromkeys(self._PARTS, 0)
+        self.ms = dict.fromkeys(self._PARTS, 0.0)
+        self.cpu_ms = dict.fromkeys(self._PARTS, 0.0)
+        self.max_ms = dict.fromkeys(self._PARTS, 0.0)
+
+    def _add(self, part: str, wall_s: float, cpu_s: float) -> None:
+        self.calls[part] += 1
+        self.ms[part] += 1e3 * wall_s
+        self.cpu_ms[part] += 1e3 * cpu_s
+        self.max_ms[part] = max(self.max_ms[part], 1e3 * wall_s)
+
+    def _timed(self, part: str, fn):
+        import functools
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            outer = part != "op" or self._op_depth == 0
+            if part == "op":
+                self._op_depth += 1
+            w0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if part == "op":
+                    self._op_depth -= 1
+                if outer:
+                    self._add(part, time.perf_counter() - w0, time.thread_time() - c0)
+
+        timed.__wrapped_by_host_probe__ = True
+        return timed
+
+    def install(self, worker) -> None:
+        """Wrap ``worker``'s step methods and the plugin's op entries (once; what is missing — a
+        vLLM without ``sample_tokens``, an engine without the plugin — is left out)."""
+        if self.installed:
+            return
+        self.installed = True
+        for name in self.WORKER_METHODS:
+            fn = getattr(worker, name, None)
+            if callable(fn) and not getattr(fn, "__wrapped_by_host_probe__", False):
+                part = "step" if name == "execute_model" else "sample"
+                had = name in getattr(worker, "__dict__", {})
+                setattr(worker, name, self._timed(part, fn))
+                self._restore.append((worker, name, fn if had else None))
+        try:
+            from vllm_adapter import fused
+        except Exception:  # noqa: BLE001 - no plugin in this engine's environment: no op rows
+            fused = None
+        for name in self.OP_ENTRIES if fused is not None else ():
+            fn = getattr(fused, name, None)
+            if callable(fn) and not getattr(fn, "__wrapped_by_host_probe__", False):
+                setattr(fused, name, self._timed("op", fn))
+                self._restore.append((fused, name, fn))
+
+    def uninstall(self) -> None:
+        """Put back what ``install`` replaced (tests; an engine keeps the probe until it exits)."""
+        for obj, name, fn in reversed(self._restore):
+            if fn is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, fn)
+        self._restore.clear()
+        self.installed = False
+
+    def read(self, worker=None) -> dict:
+        if not self.installed and worker is not None:
+            self.install(worker)
+        out = {p: {"calls": self.calls[p], "ms": round(self.ms[p], 3), "cpu_ms": round(self.cpu_ms[p], 3),
+                   "max_ms": round(self.max_ms[p], 3)} for p in self._PARTS}
+        self._reset()
+        return out
+
+
+_HOST_PROBE = HostProbe()
+
+
 class WorkerProbe:
     """Mixed into vLLM's GPU worker (``LLM(worker_extension_cls="tools.e2e_model.WorkerProbe")``);
     ``llm.collective_rpc("e2e_lora_layers")`` returns, from inside the engine, which class each
@@ -397,6 +502,12 @@ class WorkerProbe:
         """The garbage collector's passes in the engine process (where the model and the plugin
         run) since the previous call (``GcProbe``; the first call installs the hook)."""
         return plain(_GC_PROBE.read())
+
+    def e2e_host_read(self) -> dict:
+        """The engine process's host time since the previous call: the worker's steps, its
+        sampling calls and the plugin's op, wall and CPU (``HostProbe``; the first call installs
+        the timers on this worker)."""
+        return plain(_HOST_PROBE.read(self))
 
     def e2e_profile_start(self) -> bool:
         """Start recording the GPU's kernels in this worker (torch.profiler, CUDA activity only:

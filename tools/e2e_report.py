@@ -429,6 +429,43 @@ def machine_line(runs: dict) -> str:
     return "; ".join(f"{t} ({', '.join(cs)})" for t, cs in seen.items())
 
 
+def host_markdown(runs: dict) -> list[str]:
+    """The TTFT runs one by one (``tpot`` phase, the 1-token requests in their order): wall time,
+    vLLM's TTFT, and the engine process's host time in that run (``host_1_token_runs``: the worker's
+    forward steps, its sampling calls and the plugin's op, wall / CPU ms) beside its GC time. A
+    slow run whose forward is long in CPU too ran more host code; long in wall only, it waited
+    (the GPU, the GIL, the scheduler); a slow run with a short forward lost its time elsewhere."""
+    L = []
+    for c in CONFIGS:
+        for case in ("none", "one_adapter"):
+            tp = _get(runs.get(c, {}), "phases", "tpot", case) or {}
+            host = tp.get("host_1_token_runs")
+            if not host:
+                continue
+            if not L:
+                L = ["", "## Host time of the TTFT runs (the 1-token requests in their order; ms, wall / CPU of "
+                     "the engine thread)"]
+            walls = tp.get("t_1_token_s") or []
+            ttft = tp.get("ttft_1_token_runs_ms") or []
+            gc_ms = (tp.get("gc_1_token_runs") or {}).get("ms_per_run") or []
+            L += ["", f"{c}, {case}:", "",
+                  "| run | wall | TTFT | forward steps | forward wall / CPU | sampling wall / CPU | op calls | "
+                  "op wall / CPU | GC |", "|---|---|---|---|---|---|---|---|---|"]
+
+            def at(xs, i):
+                return xs[i] if i < len(xs) else None
+
+            for i in range(len(host.get("step_ms") or [])):
+                wall = at(walls, i)
+                L.append(f"| {i} | {_f(None if wall is None else 1e3 * wall, '{:.1f}')} | {_f(at(ttft, i), '{:.1f}')} | "
+                         f"{_f(at(host['step_calls'], i), '{}')} | {_f(at(host['step_ms'], i), '{:.1f}')} / "
+                         f"{_f(at(host['step_cpu_ms'], i), '{:.1f}')} | {_f(at(host['sample_ms'], i), '{:.1f}')} / "
+                         f"{_f(at(host['sample_cpu_ms'], i), '{:.1f}')} | {_f(at(host['op_calls'], i), '{}')} | "
+                         f"{_f(at(host['op_ms'], i), '{:.1f}')} / {_f(at(host['op_cpu_ms'], i), '{:.1f}')} | "
+                         f"{_f(at(gc_ms, i), '{:.1f}')} |")
+    return L
+
+
 def profile_markdown(runs: dict, top: int = 12) -> list[str]:
     """The ``profile`` phase (tools/e2e_vllm.py): per engine and case, a generated token's kernels
     (busy time, span, count) beside its wall time, and the kernels that take the most time."""
@@ -594,6 +631,7 @@ def write_markdown(rep: dict, path: Path) -> None:
             L.append(f"| {r['metric']} | {_f(r['stock'], fmt)} | {_f(r['ours'], fmt)} | {_f(r['ratio'], '{:.3f}')} | "
                      f"{tgt} | {_f(r['anchor'], fmt)} |")
         L += tpot_note(runs)
+    L += host_markdown(runs)
     L += profile_markdown(runs)
     tails = [(c, runs[c]["log_tail"]) for c in CONFIGS if (runs.get(c) or {}).get("log_tail")]
     if tails:

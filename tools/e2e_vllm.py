@@ -279,8 +279,8 @@ def phase_tpot(c: Ctx) -> dict:
     out = {}
     for case, lo in (("none", None), ("one_adapter", [c.lora(0)])):
         c.greedy(p, 1, lo), c.greedy(p, n, lo)  # warm-up (adapter load, kernel JIT)
-        t1, tn, timings, gc_runs = [], [], [], []
-        gc_read(c)  # (the collector's passes from here on, per run)
+        t1, tn, timings, gc_runs, host_runs = [], [], [], [], []
+        gc_read(c), host_read(c)  # (the collector's passes and the host's time from here on, per run)
 
         def run(max_tokens: int) -> float:
             start = time.perf_counter()
@@ -288,6 +288,7 @@ def phase_tpot(c: Ctx) -> dict:
             wall = time.perf_counter() - start
             timings.append((max_tokens, request_timing(outs[0])))
             gc_runs.append((max_tokens, gc_read(c)))
+            host_runs.append((max_tokens, host_read(c)))
             return wall
 
         # The 1-token time (prefill + one step) scatters far more than the n-token one (run11:
@@ -312,6 +313,9 @@ def phase_tpot(c: Ctx) -> dict:
                "ttft_min_ms": min((tm["ttft_ms"] for _, tm in timings if tm and tm["ttft_ms"]), default=None),
                "prefill_ms": _median(tm["prefill_ms"] for _, tm in timings if tm)}
         res["gc_1_token_runs"] = gc_summary([g for k, g in gc_runs if k == 1])
+        # per 1-token run, beside its wall time: the TTFT vLLM timed and where the host spent it
+        res["ttft_1_token_runs_ms"] = [tm["ttft_ms"] if tm else None for k, tm in timings if k == 1]
+        res["host_1_token_runs"] = host_summary([h for k, h in host_runs if k == 1])
         if len(decode) == len(tn):
             res.update(tpot_ms=statistics.median(decode), tpot_source="engine timestamps")
         else:
@@ -320,17 +324,44 @@ def phase_tpot(c: Ctx) -> dict:
     return out
 
 
-def gc_read(c: Ctx) -> dict | None:
-    """The engine process's garbage-collector passes since the previous read (the worker probe's
-    ``e2e_gc_read``); None when the probe does not answer (the measurement goes on without it)."""
+def _probe_read(c: Ctx, method: str) -> dict | None:
+    """One worker probe's reading (``method``); None when the probe does not answer (the
+    measurement goes on without it)."""
     try:
-        r = rpc(c.llm, "e2e_gc_read", _rpc_timeout())
+        r = rpc(c.llm, method, _rpc_timeout())
     except TimeoutError:  # the engine no longer answers: the phase fails as any RPC's would
         raise
-    except Exception as e:  # noqa: BLE001 - e.g. a probe without the method: no GC numbers
-        print(f"[e2e] e2e_gc_read: {type(e).__name__}: {e}", flush=True)
+    except Exception as e:  # noqa: BLE001 - e.g. a probe without the method: no numbers
+        print(f"[e2e] {method}: {type(e).__name__}: {e}", flush=True)
         return None
     return r[0] if isinstance(r, list) else r
+
+
+def gc_read(c: Ctx) -> dict | None:
+    """The engine process's garbage-collector passes since the previous read (``e2e_gc_read``)."""
+    return _probe_read(c, "e2e_gc_read")
+
+
+def host_read(c: Ctx) -> dict | None:
+    """The engine process's host time since the previous read (``e2e_host_read``): the worker's
+    steps, its sampling calls and the plugin's op, wall and CPU."""
+    return _probe_read(c, "e2e_host_read")
+
+
+HOST_PARTS = ("step", "sample", "op")
+
+
+def host_summary(reads: list) -> dict | None:
+    """Per run (``host_read`` each) and part (``HOST_PARTS``): calls, wall ms, CPU ms, the longest
+    call; None entries (a run the probe did not answer for) stay None, so the lists line up with
+    the runs' wall times."""
+    if not any(reads):
+        return None
+    out = {}
+    for part in HOST_PARTS:
+        for f in ("calls", "ms", "cpu_ms", "max_ms"):
+            out[f"{part}_{f}"] = [(r.get(part) or {}).get(f) if r else None for r in reads]
+    return out
 
 
 def gc_summary(reads: list) -> dict | None:
