@@ -49,6 +49,7 @@ from typing import Callable, Iterator, Mapping, NamedTuple
 
 from . import environ
 from .compile_cache import cache_root
+from .identity_memo import IdentityMemo
 
 log = logging.getLogger("epilora_cute.dispatch")
 
@@ -522,6 +523,9 @@ class Dispatcher:
         # auto_path's settled answers by what they depend on (``_settled_signature``): a call that
         # finds its signature here skips the description and the decision.
         self.settled: dict[tuple, str] = {}
+        # the eager calls settled on the hybrid path, replayed from one lookup (eager_memo.py);
+        # dropped with ``settled``
+        self.eager_plans = IdentityMemo()
         self._lock = threading.RLock()
 
     @property
@@ -709,6 +713,7 @@ def auto_path(x, w_q, w_scale, lora_a, lora_b, meta, *, widths, rank, out, slot_
     if sig is not None and not is_capturing:
         if len(d.settled) >= SETTLED_MAX:
             d.settled.clear()
+            d.eager_plans.clear()
         d.settled[sig] = path
     return path
 

@@ -187,18 +187,22 @@ def expand_add(y, h, lora_b_slices, meta, slot_ranks=None):
 
 
 def _expand_key(y, h, lora_b_slices, meta, slot_ranks):
+    return _expand_key_for(y.shape[0], y, lora_b_slices, meta, slot_ranks, h.dtype is torch.bfloat16)
+
+
+def _expand_key_for(M: int, on, lora_b_slices, meta, slot_ranks, h_bf16: bool):
+    """_expand_key for M rows on ``on``'s device (y's, or any tensor on it)."""
     from kernels_dsl.expand_add import select_for_h
 
     key = _objects(lora_b_slices, _expand_meta(meta), slot_ranks)
-    M = y.shape[0]
     if key is None or M == 0 or meta.num_tokens != M:
         return None
-    arch = _arch.arch_of(y)
+    arch = _arch.arch_of(on)
     if arch is None:
         return None
-    cfg = select_for_h(len(lora_b_slices), M, int(lora_b_slices[0].shape[-1]), h.dtype is torch.bfloat16)
+    cfg = select_for_h(len(lora_b_slices), M, int(lora_b_slices[0].shape[-1]), h_bf16)
     objs, extra = key
-    return objs, (*extra, cfg, arch, y.device), cfg, arch
+    return objs, (*extra, cfg, arch, on.device), cfg, arch
 
 
 def _make_expand_plan(lora_b_slices, meta, slot_ranks, cfg, arch) -> _Plan:
@@ -222,3 +226,26 @@ def _expand_planned(plan: _Plan, cfg, y, h, num_slices: int):
     ea.check_h(h, num_slices, M, plan.rank, y.device)
     plan.launch(y, h, grid=_expand_grid(plan.widths, M, cfg, plan.max_loras), smem=cfg.smem_bytes)
     return y
+
+
+# ---------------------------------------------------------------------------------------------
+# Both plans of a hybrid call at once (epilora_cute/eager_memo.py keeps them per settled call).
+
+def hybrid_plans(x, lora_a_slices, lora_b_slices, meta, slot_ranks, h_dtype: torch.dtype, widths) -> dict | None:
+    """The K1 and expand-add plans a hybrid call on x ([M, K]) launches through, with their grids
+    and shared memory, as ``_hybrid_path`` finds them now; None when either plan does not exist
+    (yet) or would not serve the call."""
+    if not enabled():
+        return None
+    h_bf16 = h_dtype is torch.bfloat16
+    k1_key = _k1_key(x, lora_a_slices, meta, slot_ranks, h_bf16)
+    k1 = _k1_plans.lookup(k1_key[0], k1_key[1]) if k1_key is not None else None
+    ea_key = _expand_key_for(x.shape[0], x, lora_b_slices, meta, slot_ranks, h_bf16)
+    ea = _expand_plans.lookup(ea_key[0], ea_key[1]) if ea_key is not None else None
+    if k1 is None or ea is None or ea.n != sum(widths) or ea.widths != tuple(widths):
+        return None
+    M, K = x.shape
+    g, cl = _k1_grid(K, M, k1_key[2], k1.max_loras)
+    return {"k1": k1.launch, "k1_grid": g, "k1_cluster": cl, "k1_smem": k1_key[2].smem_bytes,
+            "expand": ea.launch, "expand_grid": _expand_grid(ea.widths, M, ea_key[2], ea.max_loras),
+            "expand_smem": ea_key[2].smem_bytes}
