@@ -254,6 +254,39 @@ def test_auto_settled_answer_is_the_decided_path(m, tmp_path):
     assert _rel_err(first, _reference(x, wq, ws, a, b, mapping)) < 1e-2
 
 
+@pytest.mark.parametrize("m", [33, 512])
+@pytest.mark.parametrize("proj", ["qkv", "down"])
+def test_eager_memo_replays_the_hybrid_path_bit_for_bit(proj, m, tmp_path, monkeypatch):
+    """v1.02 (epilora_cute/eager_memo.py): an eager "auto" call settled on the hybrid path (forced
+    here) is replayed from the dispatcher's memo: into a poisoned output, bit for bit the explicit
+    hybrid path's y, with new activations too."""
+    from epilora_cute import dispatch
+
+    monkeypatch.setenv(dispatch.FORCE_ENV, "hybrid")
+    asked, real_auto = [], dispatch.auto_path
+    monkeypatch.setattr(dispatch, "auto_path", lambda *a, **kw: asked.append(1) or real_auto(*a, **kw))
+    widths, k = QWEN3_8B[proj]
+    x, wq, ws, a, b, mapping = _case(widths, k, m, seed=m + 9)
+    meta = build_meta(mapping, 4)
+    x2 = torch.randn_like(x)
+    saved = dispatch._default
+    dispatch.set_dispatcher(dispatch.Dispatcher(dispatch.DispatchTable(tmp_path / "dispatch.json")))
+    try:
+        explicit = [ops.lora_linear_fp8(xi, wq, ws, a, b, meta, path="hybrid") for xi in (x, x2)]
+        ops.lora_linear_fp8(x, wq, ws, a, b, meta)  # settles the call and leaves the memo's entry
+        assert len(dispatch.dispatcher().eager_plans) == 1
+        replayed = []
+        for xi in (x, x2):
+            out = torch.full_like(explicit[0], float("nan"))
+            assert ops.lora_linear_fp8(xi, wq, ws, a, b, meta, out=out) is out
+            replayed.append(out)
+        assert len(asked) == 1  # the dispatch was asked once, by the settling call
+    finally:
+        dispatch.set_dispatcher(saved)
+    assert all(torch.equal(r, e) for r, e in zip(replayed, explicit))
+    assert _rel_err(replayed[0], _reference(x, wq, ws, a, b, mapping)) < 1e-2
+
+
 @pytest.mark.parametrize("m", [33, 256, 2048])
 @pytest.mark.parametrize("proj", ["qkv", "down"])
 def test_hybrid_path_matches_reference(proj, m):
