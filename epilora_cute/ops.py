@@ -17,7 +17,7 @@ import torch
 from . import eager_memo, reference
 from .arch import SIMPLE_KERNEL_TARGETS, arch_of
 from .compile_cache import KernelUnavailable
-from .identity_memo import IdentityMemo, tensor_key
+from .identity_memo import IdentityMemo
 from .kernels import get_kernel
 
 log = logging.getLogger("epilora_cute")
@@ -256,16 +256,19 @@ _layout_memo = IdentityMemo()
 
 
 def _layer_key(w_q, w_scale, a, b) -> tuple:
-    """IdentityMemo's (objects, extra) for a layer's buffers. The weight and its scale often come
-    as views made anew on every call (vLLM's layer passes ``weight.t()``; compiled code re-makes
-    views), so those are keyed by base and geometry; the adapter slices are vLLM's own buffers."""
-    objs, extra = [], []
-    for t in (w_q, w_scale):
-        if isinstance(t, torch.Tensor):
-            o, e = tensor_key(t)
-            objs += o
-            extra.append(e)
-    return (*objs, *a, *b), tuple(extra)
+    """IdentityMemo's (objects, extra) for a layer's buffers. The weight and its scale come as
+    tensors made anew on every call — vLLM's layer passes ``weight.t()``, and in a compiled graph
+    Inductor hands the op a new tensor on the weight's storage for it, without a ``_base``, on
+    every call (tests/test_ops.py::test_layer_key_survives_inductors_fresh_weight_tensors) — so
+    those two are keyed by plain values: address, shape, strides, dtype, device (what every fact
+    drawn from them depends on, as the TMA descriptors' cache in launcher.py); the adapter slices
+    are vLLM's own buffers, by identity."""
+    extra = tuple(_plain_key(t) for t in (w_q, w_scale) if isinstance(t, torch.Tensor))
+    return (*a, *b), extra
+
+
+def _plain_key(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device
 
 
 def _layer_facts(w_q, w_scale, a, b) -> _LayerFacts:

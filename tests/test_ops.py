@@ -548,3 +548,44 @@ def test_decode_reason_takes_1_to_64_tokens(monkeypatch):
     from kernels_dsl import k2_gemm
 
     assert ops.DECODE_MAX_TOKENS == k2_gemm.WIDE_MAX_TOKENS
+
+
+def test_layer_key_survives_inductors_fresh_weight_tensors():
+    """In vLLM's compiled graph the plugin's ``weight.t()`` reaches the op as a new tensor on the
+    weight's storage on every call, without a ``_base`` (checked here with Inductor on the CPU): the
+    layer's memos (validation, layout, the eager memo) must key it by plain values, or every engine
+    call misses them (session 49: 125 against 81 µs of host per plugin call)."""
+    from tools.host_cpu import engine_weight
+
+    lib = torch.library.Library("epilora_test_fresh", "DEF")
+    lib.define("op(Tensor x, Tensor w, Tensor s, Tensor[] a) -> Tensor")
+    seen = []
+
+    def impl(x, w, s, a):
+        seen.append((id(w), w._base is None, ops._layer_key(w, s, list(a), [])))
+        return x * 2
+
+    lib.impl("op", impl, "CPU")
+    torch.library.register_fake("epilora_test_fresh::op", lambda x, *args: torch.empty_like(x), lib=lib)
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(16, 8), requires_grad=False)  # vLLM: [K, N]
+            self.scale = torch.ones(1)
+            self.a = [torch.randn(2, 1, 4, 16)]
+
+        def forward(self, x):
+            return torch.relu(torch.ops.epilora_test_fresh.op(torch.relu(x), self.weight.t(), self.scale, self.a))
+
+    layer = Layer()
+    compiled = torch.compile(layer, dynamic=True)
+    for n in (5, 6, 7):
+        compiled(torch.randn(n, 16))
+    # torch 2.11: a new weight tensor every call, not a view (identity or tensor_key would miss);
+    # whatever a torch release does there, the key must be one
+    assert len(seen) == 3 and len({k for _, _, k in seen}) == 1
+    w = layer.weight.t()
+    assert ops._layer_key(engine_weight(w), layer.scale, layer.a, []) == ops._layer_key(w, layer.scale, layer.a, [])
+    other = torch.randn(8, 16)  # another weight: another key
+    assert ops._layer_key(other, layer.scale, layer.a, []) != ops._layer_key(w, layer.scale, layer.a, [])
