@@ -554,7 +554,7 @@ def test_layer_key_survives_inductors_fresh_weight_tensors():
     """In vLLM's compiled graph the plugin's ``weight.t()`` reaches the op as a new tensor on the
     weight's storage on every call, without a ``_base`` (checked here with Inductor on the CPU): the
     layer's memos (validation, layout, the eager memo) must key it by plain values, or every engine
-    call misses them (session 49: 125 against 81 µs of host per plugin call)."""
+    call misses them (session 49: 109 against 81 µs of host per plugin call)."""
     from tools.host_cpu import engine_weight
 
     lib = torch.library.Library("epilora_test_fresh", "DEF")
