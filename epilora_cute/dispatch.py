@@ -732,12 +732,19 @@ def _settled_signature(x, w_q, widths, rank, lora_a, lora_b, meta, mode: str) ->
     holds every count above 8192, the prefill K2 stops at 16384 —, the shape, the adapter
     knowledge, whether x and the buffers have the layout the CuTe kernels need), the mode, the
     switches (environment, the allowed set, the bucket warm-up: one turned on later still runs)."""
-    from . import bucket_warmup, ops
+    from . import ops
 
     layout_ok = ops._buffer_layout_reason(x, w_q, lora_a, lora_b) is None
     return (x.device, x.shape[0], x.shape[1], tuple(widths), rank, meta.max_loras,
-            getattr(meta, "host_num_adapters", None), mode, layout_ok, environ.values(DECISION_ENV_KEYS),
-            VERIFIED_PATHS, bucket_warmup.enabled(), bucket_warmup.generation)
+            getattr(meta, "host_num_adapters", None), mode, layout_ok, *decision_switches())
+
+
+def decision_switches() -> tuple:
+    """The switches a settled decision depends on besides the call: the environment
+    (DECISION_ENV), the allowed set, the bucket warm-up (on, and its generation)."""
+    from . import bucket_warmup
+
+    return environ.values(DECISION_ENV_KEYS), VERIFIED_PATHS, bucket_warmup.enabled(), bucket_warmup.generation
 
 
 # Read per settled call (environ: ~1 µs per unset name through os.environ, a third of a settled

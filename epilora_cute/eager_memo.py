@@ -13,7 +13,8 @@ checks x and out, allocates K1's outputs, launches K1, the vendor GEMM and the e
 The key is everything the skipped steps depend on: the layer's weight, scale and adapter buffers
 (``ops._layer_key``), the metadata's device tensors the kernels read and the slot ranks (by
 identity), the token count, K, the device, x's layout, the metadata's token count, slot count and
-host adapter knowledge, the dispatch mode and switches (``dispatch._settled_signature``'s parts),
+host adapter knowledge, the dispatch mode and switches (``dispatch.decision_switches``, as the
+settled signature has them),
 h's dtype and whether launch plans are on. Entries live on the process's dispatcher (a new one
 starts empty) and are dropped with its settled answers. A call the memo does not serve takes the
 normal path, so bad input gets the normal path's error. ``EPILORA_EAGER_MEMO=0`` turns it off.
@@ -51,8 +52,8 @@ def key(x, w_q, w_scale, lora_a, lora_b, meta, slot_ranks):
     """(dispatcher memo, objects, plain part) of an eager "auto" call on a GPU, or None where the
     memo cannot serve it (not an eager call, not a 2-D bf16 x, the process's dispatcher without a
     memo)."""
-    from . import bucket_warmup, environ, launch_plans, ops
-    from .dispatch import DECISION_ENV_KEYS, VERIFIED_PATHS, capturing, current_mode, dispatcher
+    from . import launch_plans, ops
+    from .dispatch import capturing, current_mode, decision_switches, dispatcher
 
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype is not torch.bfloat16 or not ops._on_gpu(x):
         return None
@@ -70,8 +71,7 @@ def key(x, w_q, w_scale, lora_a, lora_b, meta, slot_ranks):
         objs += (slot_ranks,)
     m, k = x.shape
     plain = (m, k, x.device, x.is_contiguous() and x.data_ptr() % 16 == 0, meta.num_tokens, meta.max_loras,
-             getattr(meta, "host_num_adapters", None), slot_ranks is None, layer_extra,
-             environ.values(DECISION_ENV_KEYS), VERIFIED_PATHS, bucket_warmup.enabled(), bucket_warmup.generation,
+             getattr(meta, "host_num_adapters", None), slot_ranks is None, layer_extra, decision_switches(),
              ops.hybrid_h_dtype(), launch_plans.enabled())
     return memo, objs, plain
 

@@ -405,7 +405,8 @@ class HostProbe:
 
     WORKER_METHODS = ("execute_model", "sample_tokens")
     OP_ENTRIES = ("lora_linear_fp8", "base_linear_fp8")
-    _PARTS = ("step", "sample", "op")
+    PARTS = ("step", "sample", "op")
+    FIELDS = ("calls", "ms", "cpu_ms", "max_ms")  # per part in each reading
 
     def __init__(self):
         self.installed = False
@@ -414,10 +415,10 @@ class HostProbe:
         self._reset()
 
     def _reset(self):
-        self.calls = dict.fromkeys(self._PARTS, 0)
-        self.ms = dict.fromkeys(self._PARTS, 0.0)
-        self.cpu_ms = dict.fromkeys(self._PARTS, 0.0)
-        self.max_ms = dict.fromkeys(self._PARTS, 0.0)
+        self.calls = dict.fromkeys(self.PARTS, 0)
+        self.ms = dict.fromkeys(self.PARTS, 0.0)
+        self.cpu_ms = dict.fromkeys(self.PARTS, 0.0)
+        self.max_ms = dict.fromkeys(self.PARTS, 0.0)
 
     def _add(self, part: str, wall_s: float, cpu_s: float) -> None:
         self.calls[part] += 1
@@ -482,7 +483,7 @@ class HostProbe:
         if not self.installed and worker is not None:
             self.install(worker)
         out = {p: {"calls": self.calls[p], "ms": round(self.ms[p], 3), "cpu_ms": round(self.cpu_ms[p], 3),
-                   "max_ms": round(self.max_ms[p], 3)} for p in self._PARTS}
+                   "max_ms": round(self.max_ms[p], 3)} for p in self.PARTS}
         self._reset()
         return out
 

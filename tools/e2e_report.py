@@ -429,6 +429,11 @@ def machine_line(runs: dict) -> str:
     return "; ".join(f"{t} ({', '.join(cs)})" for t, cs in seen.items())
 
 
+def _at(xs: list, i: int):
+    """xs[i], or None past its end (a run a list has no entry for)."""
+    return xs[i] if i < len(xs) else None
+
+
 def host_markdown(runs: dict) -> list[str]:
     """The TTFT runs one by one (``tpot`` phase, the 1-token requests in their order): wall time,
     vLLM's TTFT, and the engine process's host time in that run (``host_1_token_runs``: the worker's
@@ -451,18 +456,14 @@ def host_markdown(runs: dict) -> list[str]:
             L += ["", f"{c}, {case}:", "",
                   "| run | wall | TTFT | forward steps | forward wall / CPU | sampling wall / CPU | op calls | "
                   "op wall / CPU | GC |", "|---|---|---|---|---|---|---|---|---|"]
-
-            def at(xs, i):
-                return xs[i] if i < len(xs) else None
-
             for i in range(len(host.get("step_ms") or [])):
-                wall = at(walls, i)
-                L.append(f"| {i} | {_f(None if wall is None else 1e3 * wall, '{:.1f}')} | {_f(at(ttft, i), '{:.1f}')} | "
-                         f"{_f(at(host['step_calls'], i), '{}')} | {_f(at(host['step_ms'], i), '{:.1f}')} / "
-                         f"{_f(at(host['step_cpu_ms'], i), '{:.1f}')} | {_f(at(host['sample_ms'], i), '{:.1f}')} / "
-                         f"{_f(at(host['sample_cpu_ms'], i), '{:.1f}')} | {_f(at(host['op_calls'], i), '{}')} | "
-                         f"{_f(at(host['op_ms'], i), '{:.1f}')} / {_f(at(host['op_cpu_ms'], i), '{:.1f}')} | "
-                         f"{_f(at(gc_ms, i), '{:.1f}')} |")
+                wall = _at(walls, i)
+                L.append(f"| {i} | {_f(None if wall is None else 1e3 * wall, '{:.1f}')} | {_f(_at(ttft, i), '{:.1f}')} | "
+                         f"{_f(_at(host['step_calls'], i), '{}')} | {_f(_at(host['step_ms'], i), '{:.1f}')} / "
+                         f"{_f(_at(host['step_cpu_ms'], i), '{:.1f}')} | {_f(_at(host['sample_ms'], i), '{:.1f}')} / "
+                         f"{_f(_at(host['sample_cpu_ms'], i), '{:.1f}')} | {_f(_at(host['op_calls'], i), '{}')} | "
+                         f"{_f(_at(host['op_ms'], i), '{:.1f}')} / {_f(_at(host['op_cpu_ms'], i), '{:.1f}')} | "
+                         f"{_f(_at(gc_ms, i), '{:.1f}')} |")
     return L
 
 

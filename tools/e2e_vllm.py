@@ -348,20 +348,15 @@ def host_read(c: Ctx) -> dict | None:
     return _probe_read(c, "e2e_host_read")
 
 
-HOST_PARTS = ("step", "sample", "op")
-
-
 def host_summary(reads: list) -> dict | None:
-    """Per run (``host_read`` each) and part (``HOST_PARTS``): calls, wall ms, CPU ms, the longest
-    call; None entries (a run the probe did not answer for) stay None, so the lists line up with
-    the runs' wall times."""
+    """Per run (``host_read`` each), part and field (``e2e_model.HostProbe``'s: calls, wall ms, CPU
+    ms, the longest call); None entries (a run the probe did not answer for) stay None, so the
+    lists line up with the runs' wall times."""
     if not any(reads):
         return None
-    out = {}
-    for part in HOST_PARTS:
-        for f in ("calls", "ms", "cpu_ms", "max_ms"):
-            out[f"{part}_{f}"] = [(r.get(part) or {}).get(f) if r else None for r in reads]
-    return out
+    probe = e2e_model.HostProbe
+    return {f"{part}_{f}": [(r.get(part) or {}).get(f) if r else None for r in reads]
+            for part in probe.PARTS for f in probe.FIELDS}
 
 
 def gc_summary(reads: list) -> dict | None:
