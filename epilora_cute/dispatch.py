@@ -57,7 +57,7 @@ log = logging.getLogger("epilora_cute.dispatch")
 # fingerprint a stored decision must match. (Opt-ins that change the candidate set need not be:
 # an entry is reused only if it covered every current candidate.)
 FINGERPRINT_ENV = ("EPILORA_HYBRID_H", "EPILORA_K2_PUSH", "EPILORA_K2_SQ_WIDE", "EPILORA_META_KERNEL",
-                   "EPILORA_L2_FLUSH", "EPILORA_STREAM_PRIORITY", "EPILORA_BASE_QUANT")
+                   "EPILORA_L2_FLUSH", "EPILORA_STREAM_PRIORITY", "EPILORA_BASE_QUANT", "EPILORA_K2_XGATE")
 
 FORCE_ENV = "EPILORA_FORCE_PATH"
 TOKEN_BUCKETS = tuple(2 ** i for i in range(14))  # 1 .. 8192
@@ -187,7 +187,8 @@ def effective_switches() -> dict[str, str]:
                "EPILORA_META_KERNEL": lambda: str(metadata.meta_kernel_enabled()),
                "EPILORA_L2_FLUSH": timing.flush_mode,
                "EPILORA_STREAM_PRIORITY": lambda: str(ops.stream_priority_enabled()),
-               "EPILORA_BASE_QUANT": ops.base_quant}
+               "EPILORA_BASE_QUANT": ops.base_quant,
+               "EPILORA_K2_XGATE": lambda: str(k2_gemm.xgate_enabled())}
     out = {}
     for name in FINGERPRINT_ENV:
         try:

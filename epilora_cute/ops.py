@@ -211,6 +211,27 @@ def _sync_buffer(device: torch.device, protocol: str = "sync") -> torch.Tensor:
                            shared=(protocol, device.index))
 
 
+def _xgate_buffer(device: torch.device) -> torch.Tensor:
+    # The x gate's counters (v1.03, k2_gemm.Config.xgate): int32 [4], two halves of [2] that the
+    # x-gated pairs on one stream take in turn (_xgate_half). An xgate K2 is launched under the
+    # kernel before its shrink and spins on its half while the previous xgate K2 (the only other
+    # one that can be in flight: k2_gemm's module docstring) may still count on and re-arm its own.
+    stream = torch.cuda.current_stream(device).cuda_stream
+    return _persistent.get(("xgate", device.index, stream), lambda: torch.zeros(4, dtype=torch.int32, device=device),
+                           shared=("xgate", device.index))
+
+
+_xgate_turns: dict[int, int] = {}  # an xgate buffer's address -> the half its next call takes
+
+
+def _xgate_half(buf: torch.Tensor) -> torch.Tensor:
+    """The half of an xgate buffer this call takes: the other one than the last call's (a graph
+    records the halves its calls took; graphs and eager calls on one stream never overlap)."""
+    turn = _xgate_turns.get(buf.data_ptr(), 0)
+    _xgate_turns[buf.data_ptr()] = turn ^ 1
+    return buf[2 * turn:2 * turn + 2]
+
+
 def _slice_start(widths: tuple[int, ...], device: torch.device) -> torch.Tensor:
     def make():
         starts = [0]
@@ -929,6 +950,7 @@ def _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl
     split_s = lora_shrink.choose_split(k, len(widths), rank, min(m, max_loras + 1))
     common = dict(token_lora=token_lora, active_lora_ids=meta.active_lora_ids, num_active=meta.num_active,
                   slot_ranks=slot_ranks)
+    gate = None
     if self_quant:
         # The shrink is the down-projection alone; K2 quantizes x itself.
         s_cfg = lora_shrink.select(len(widths), m, rank, quant=False)
@@ -936,6 +958,13 @@ def _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl
         # (k: the wide builds where EPILORA_K2_SQ_WIDE asks for them and they lower the split)
         k_cfg, _ = k2_gemm.select(widths, m, rank, self_quant=True, k=k)
         xs = dict(x=x)
+        # Chained, the x-gated pair where asked for and built (v1.03): K2 launched under the
+        # kernel before the shrink. Its buffer is got now, so that a first call (which fills it)
+        # does not chain below.
+        if chain and k2_gemm.xgate_enabled():
+            gated = (lora_shrink.xgate_variant(s_cfg), k2_gemm.xgate_variant(k_cfg))
+            if None not in gated:
+                gate = _xgate_buffer(dev)
     else:
         x_q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev)
         x_scale = torch.empty(m, dtype=torch.float32, device=dev)
@@ -944,15 +973,22 @@ def _decode_path(x, w_q, w_scale, a, b, meta, widths, rank, out, slot_ranks, pdl
         s_args = dict(x=x, lora_a=a, h=h, x_q=x_q, x_scale=x_scale, sync=sync, split=split_s, **common)
         k_cfg, _ = k2_gemm.select(widths, m, rank)
         xs = dict(x_q=x_q, x_scale=x_scale, sync=sync)
+    slice_start = _slice_start(widths, dev)
+    # Chained, the shrink reads slot_ranks before its griddepcontrol.wait (and an xgate K2 reads
+    # B, token_lora and slot_ranks before its gate): not right after the fill that made it (nor
+    # any other of our tensors, to keep it simple).
+    chain = chain and _persistent.made == made
+    if gate is not None and chain:
+        s_cfg, k_cfg = gated
+        half = _xgate_half(gate)
+        s_args["sync"] = half
+        xs.update(sync=half, n_quant=lora_shrink.XGATE_COUNT)
     k_split = k2_gemm.split_for(k_cfg, n, k, m)
     s_spec = lora_shrink.launch(s_cfg, **s_args)
     if not self_quant:
         xs["n_quant"] = s_spec["n_quant"]
     k_spec = k2_gemm.launch(k_cfg, w_q=w_q, w_scale=w_scale, y=out, split=k_split, h=h,
-                            slice_start=_slice_start(widths, dev), lora_b=b, **xs, **common)
-    # Chained, the shrink reads slot_ranks before its griddepcontrol.wait: not right after the
-    # fill that made it (nor any other of our tensors, to keep it simple).
-    chain = chain and _persistent.made == made
+                            slice_start=slice_start, lora_b=b, **xs, **common)
     _launch_spec(get_kernel(lora_shrink, s_cfg, "sm_90a"), s_spec, pdl=chain)
     _launch_spec(get_kernel(k2_gemm, k_cfg, "sm_90a"), k_spec, pdl=pdl)
     return out

@@ -40,6 +40,19 @@ waits (griddepcontrol.wait) for its completion before it reads x or writes anyth
 stays safe: that kernel increments sync only after the wait, and the next K2 is launched only
 after it passed the wait, so this K2's re-arm is complete and visible by then.
 
+The x gate (Config.xgate, v1.03, opt-in): the self_quant pair's shrink normally triggers this
+K2 only after its own griddepcontrol.wait (x is read at K2's start), so at every projection
+boundary K2 is launched only once the kernel before the shrink has completed. An xgate shrink
+triggers at its start and its first CTA, past its wait, release-increments sync[0]; the xgate K2,
+launched under the previous kernel, streams its first weight stages and the adapter's B chunks,
+and its consumer acquires sync[0] before it loads x (re-arm as above, over two sync buffers that
+ops alternates). The K2 triggers its dependents only past that gate, every thread (the producer
+warps wait for the consumer's arrival on sx_ready, otherwise unused in self_quant builds), so a
+dependent is launched only once the kernel before this K2's shrink has completed: two xgate K2s
+in flight at once are consecutive ones, on different buffers. (Every kernel the ops chain
+completes only after its predecessor: each executes griddepcontrol.wait or is launched without
+PDL. So "this K2's gate passed" implies "every earlier kernel completed".)
+
 Adapter epilogue (Config.lora): the adapter groups come from the tile's own tokens (token_lora,
 one lane per token, first token of each slot; slot_ranks gives its effective rank), built into
 smem by producer warp 1 at the start, so the epilogue reads no metadata from global memory.
@@ -188,6 +201,14 @@ class Config:
     # the T CTAs of one block are dispatched back to back and all but the first read its weights
     # from L2; each CTA computes tokens t * bn .. t * bn + bn - 1 as a one-tile build computes 0..bn-1.
     token_tiles: bool = False
+    # The x gate (v1.03, opt-in: EPILORA_K2_XGATE; self_quant adapter builds of XGATE_RANKS beside a
+    # lora_shrink xgate build): the shrink triggers this K2 at its start, before its own
+    # griddepcontrol.wait, so this K2 is launched under the previous kernel and streams its first
+    # weight stages there; it reads x only once the shrink has published (one release-increment of
+    # sync[0] by the shrink's first CTA after its wait) that the kernel before the shrink, the
+    # writer of x, has completed. This K2 triggers its own dependents only after that gate (every
+    # thread), which keeps at most two such K2s in flight: see the module docstring.
+    xgate: bool = False
 
     def __post_init__(self):
         if (self.bm + RED_PAD) * self.bn * 4 > self.bm * self.bk * self.stages:
@@ -218,6 +239,9 @@ class Config:
                                     and 128 // self.bn < self.sq_xblocks <= SQ_WIDE_KBLOCKS):
             raise ValueError(f"sq_xblocks is a variant of the self_quant builds (not sq_rowmax / fused_h), "
                              f"{128 // self.bn + 1}..{SQ_WIDE_KBLOCKS}")
+        if self.xgate and not (self.self_quant and self.lora and not self.fused_h and not self.sq_rowmax
+                               and not self.trace):
+            raise ValueError("xgate is a variant of the self_quant adapter builds (not fused_h / sq_rowmax / trace)")
         if self.token_tiles and (self.bn != 32 or self.self_quant or self.trace or self.early):
             raise ValueError("token_tiles is a variant of the bn 32 builds that take x_q (no trace / early)")
         if self.lora:
@@ -254,7 +278,7 @@ class Config:
                 + ("_fh" if self.fused_h else "")
                 + ("_pm" if self.push_maxima else "") + ("_pp" if self.push_partials else "")
                 + (f"_x{self.sq_xblocks}" if self.sq_xblocks else "") + ("_tt" if self.token_tiles else "")
-                + ("_trace" if self.trace else ""))
+                + ("_xg" if self.xgate else "") + ("_trace" if self.trace else ""))
 
     @property
     def consumer_regs(self) -> int:
@@ -545,8 +569,10 @@ if cute is not None:
             # when chained) be scheduled now: it prepares under our main loop and executes
             # griddepcontrol.wait, i.e. waits for our completion, before it reads x (maybe our y)
             # or writes anything (sync included), and triggers its own dependent only after that.
-            # A kernel launched without PDL behind us is not affected.
-            cute.arch.griddepcontrol_launch_dependents()
+            # A kernel launched without PDL behind us is not affected. (xgate builds: every thread
+            # triggers only past the x gate, _gate_then_trigger.)
+            if cutlass.const_expr(not cfg.xgate):
+                cute.arch.griddepcontrol_launch_dependents()
 
             # TMA views: (tile, k-block) of W, (0, k-block) of x_q.
             gW = cute.local_tile(mW, (BM, BK), (tile, None))
@@ -579,7 +605,7 @@ if cute is not None:
                     cute.arch.cluster_arrive()
                 if warp_idx == 0:
                     if cutlass.const_expr(cfg.self_quant):
-                        self._weight_producer(tma_w, tWg, tWs, full, empty, stage_bytes, kb_lo, nloc)
+                        self._weight_producer(tma_w, tWg, tWs, full, empty, stage_bytes, kb_lo, nloc, sx_ready)
                     else:
                         # The whole warp runs the producer: a TMA copy picks its issuing lane with
                         # elect.sync over the full warp, so all 32 lanes must reach it (one lane alone
@@ -654,6 +680,9 @@ if cute is not None:
                         # depend on nothing the shrink kernel writes).
                         self._adapter_producer(tma_bs, mBs, st, sB_layout, bfull, bempty, mTok, mSlotRanks,
                                                sl, row_in_slice, n_s, split, nsplit, M)
+                if cutlass.const_expr(cfg.xgate):
+                    if warp_idx >= 2:  # (warps 0 and 1 trigger inside their loops, before they block)
+                        self._gate_then_trigger(sx_ready)
                 # The producer warpgroup's side of the consumer's two cluster barriers (all
                 # threads of the cluster take part in each; the last one relaxed, as there).
                 if cutlass.const_expr(cfg.self_quant):
@@ -694,6 +723,9 @@ if cute is not None:
                     n_prod, total = self._quantize_x(ctid, mX, st, sSx, kb_lo, nloc, M, nsplit, trace_row, rowmax,
                                                      (cta, nsplit * cute.arch.grid_dim()[1], mAs, r_a))
                     self._h_units(ctid, mX, mAs, mH, mSync, st, M, K, cta, n_prod, total, r_a, trace_row)
+                elif cutlass.const_expr(cfg.xgate):
+                    self._quantize_x(ctid, mX, st, sSx, kb_lo, nloc, M, nsplit, trace_row, rowmax,
+                                     gate=(mSync.iterator.toint(), n_quant, sx_ready))
                 elif cutlass.const_expr(cfg.self_quant):
                     self._quantize_x(ctid, mX, st, sSx, kb_lo, nloc, M, nsplit, trace_row, rowmax)
 
@@ -852,7 +884,7 @@ if cute is not None:
                     D.stamp_globaltimer(trace_row + 8 * slot)
 
         @cute.jit
-        def _weight_producer(self, tma_w, tWg, tWs, full, empty, stage_bytes, kb_lo, nloc):
+        def _weight_producer(self, tma_w, tWg, tWs, full, empty, stage_bytes, kb_lo, nloc, sx_ready):
             """Producer warp 0 of self_quant builds (all 32 lanes): the weights only, every stage as
             soon as it is free. Adapter builds first let the consumer issue its loads of x
             (_quantize_x): queued behind this CTA's first weight stages they returned ~1.5 us after
@@ -860,18 +892,34 @@ if cute is not None:
             once (chained, they stream under the previous kernel while the consumer waits for x)."""
             STAGES = self.stages
             cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
-            if cutlass.const_expr(self.cfg.lora):
+            if cutlass.const_expr(self.cfg.lora and not self.cfg.xgate):
                 cute.arch.barrier(barrier_id=2, number_of_threads=160)
             for i in cutlass.range(nloc, unroll=1):
                 s = i % STAGES
+                if cutlass.const_expr(self.cfg.xgate):
+                    if i == STAGES:  # every stage holds weights: trigger once the gate is passed
+                        self._gate_then_trigger(sx_ready)
                 if i >= STAGES:
                     cute.arch.mbarrier_wait(empty + s, ((i // STAGES) + 1) % 2)
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(full + s, stage_bytes)
                 cute.copy(tma_w, tWg[(None, kb_lo + i)], tWs[(None, s)], tma_bar_ptr=full + s)
+            if cutlass.const_expr(self.cfg.xgate):
+                if nloc <= STAGES:
+                    self._gate_then_trigger(sx_ready)
 
         @cute.jit
-        def _quantize_x(self, ctid, mX, st, sSx, kb_lo, nloc, M, nsplit, trace_row, rowmax, fh=None):
+        def _gate_then_trigger(self, sx_ready):
+            """xgate builds, every thread once: wait until the consumer has passed the x gate (it
+            arrives on sx_ready, unused otherwise by self_quant builds), then trigger the dependents.
+            No thread of the CTA triggers before the gate, whichever way the hardware counts a CTA's
+            trigger (its first thread, or all of them): a dependent of this K2 is launched only once
+            the kernel before this K2's shrink has completed."""
+            cute.arch.mbarrier_wait(sx_ready, 0)
+            cute.arch.griddepcontrol_launch_dependents()
+
+        @cute.jit
+        def _quantize_x(self, ctid, mX, st, sSx, kb_lo, nloc, M, nsplit, trace_row, rowmax, fh=None, gate=None):
             """Consumer (128 threads) of self_quant builds: x_q of this CTA's k-blocks into smem, s_x
             of the batch's tokens into sSx, bit for bit as vLLM (the codes of the shrink's
             quantization planes, epilora_cute.reference.quantize_fp8_per_token).
@@ -895,11 +943,16 @@ if cute is not None:
 
             fh (fused_h builds: cta, CTAs, A buffers, the first unit's A registers): after x's loads,
             the plan of h's units and this CTA's first unit's loads go out before the weights may
-            (barrier 2); returns (n_prod, units) for _h_units."""
+            (barrier 2); returns (n_prod, units) for _h_units.
+
+            gate (xgate builds: sync's address, the count to wait for, sx_ready): x is read only
+            once the shrink has published that x's writer has completed (_pass_x_gate)."""
             cfg = self.cfg
             BN, BK = self.bn, self.bk
             IT = SQ_UNITS  # units per thread at most (the launch checks M x k-blocks)
-            if cutlass.const_expr(not cfg.lora or cfg.fused_h):
+            if cutlass.const_expr(gate is not None):
+                self._pass_x_gate(ctid, gate[0], gate[1], gate[2])
+            elif cutlass.const_expr(not cfg.lora or cfg.fused_h):
                 # Launched with PDL behind the kernel that writes x (chained no-adapter or fused_h
                 # calls): wait for it here, after the weight stages were requested. (The other
                 # adapter builds are the shrink's dependent, launched only after the shrink passed
@@ -940,7 +993,7 @@ if cute is not None:
                 if cta < n_prod:
                     self._h_unit(cta, ctid, mX, mAs, None, st, M, cute.size(mX, mode=[1]), r_a, True, False)
                 plan = (n_prod, total)
-            if cutlass.const_expr(cfg.lora):
+            if cutlass.const_expr(cfg.lora and not cfg.xgate):
                 cute.arch.barrier_arrive(barrier_id=2, number_of_threads=160)  # the weights may go now
             cute.arch.barrier(barrier_id=1, number_of_threads=128)  # the maxima are zeroed
             if cutlass.const_expr(cfg.sq_rowmax):
@@ -1016,6 +1069,29 @@ if cute is not None:
             cute.arch.barrier(barrier_id=1, number_of_threads=128)
             self._stamp(trace_row, 1, ctid)
             return plan
+
+        @cute.jit
+        def _pass_x_gate(self, ctid, sync_addr, n_gate, sx_ready):
+            """xgate builds, the consumer warpgroup (128 threads): one thread acquires sync[0] >=
+            n_gate (the shrink's release after its griddepcontrol.wait: the kernel that wrote x has
+            completed), counts this CTA past the gate in sync[1] and, as the grid's last CTA past
+            it, re-arms both counters for the next call on this sync buffer (ops alternates two
+            buffers: the next xgate K2 on the stream may already spin on the other one); then the
+            warpgroup's barrier orders every thread's x loads after that acquire, warp 0 releases
+            the producer warps (sx_ready) and every thread triggers the dependents."""
+            if ctid == 0:
+                while D.ld_acquire_gpu_s32(sync_addr) < n_gate:
+                    D.nanosleep(32)
+                gdim = cute.arch.grid_dim()
+                total = gdim[0] * gdim[1] * gdim[2]
+                old = D.atom_add_acqrel_gpu_s32(sync_addr + 4, 1)
+                if old == total - 1:
+                    D.st_relaxed_gpu_s32(sync_addr, 0)
+                    D.st_relaxed_gpu_s32(sync_addr + 4, 0)
+            cute.arch.barrier(barrier_id=1, number_of_threads=128)
+            if ctid < 32:
+                cute.arch.mbarrier_arrive(sx_ready)  # every lane of warp 0 (sx_ready counts 32)
+            cute.arch.griddepcontrol_launch_dependents()
 
         @cute.jit
         def _h_plan(self, st, M, K, ncta):
@@ -1340,6 +1416,9 @@ if cute is not None:
                     for c in cutlass.range((rg + RC - 1) // RC, unroll=1):
                         if t % nsplit == split:
                             b = q % NB
+                            if cutlass.const_expr(cfg.xgate):
+                                if q == NB:  # the ring is full: trigger once the gate is passed
+                                    self._gate_then_trigger(st.sx_ready.data_ptr())
                             if q >= NB:
                                 cute.arch.mbarrier_wait(bempty + b, ((q // NB) + 1) % 2)
                             with cute.arch.elect_one():
@@ -1355,6 +1434,9 @@ if cute is not None:
                                               tma_bar_ptr=bfull + b)
                             q = q + 1
                         t = t + 1
+            if cutlass.const_expr(cfg.xgate):
+                if q <= NB:  # (more items triggered at item NB, above)
+                    self._gate_then_trigger(st.sx_ready.data_ptr())
 
         @cute.jit
         def _h_from_partials(self, hv, ctid, mP, sTok, sl, lid, rg, c, M):
@@ -1470,7 +1552,7 @@ def _fake_args(cfg: Config):
     y = D.fake_rowmajor(bf16, (D.sym(1), D.sym(8)))
     if cfg.self_quant:  # bf16 x in the x_q position; no s_x, no sync (fused_h: its counters)
         xq, sx, sync = D.fake_rowmajor(bf16, (D.sym(1), D.sym(128))), None, None
-        if cfg.fused_h:
+        if cfg.fused_h or cfg.xgate:
             sync = D.fake_rowmajor(i32, (2,), align=8)
     else:
         xq = D.fake_rowmajor(f8, (D.sym(1), D.sym(16)))
@@ -1525,7 +1607,9 @@ def params(config: Config) -> list:
         ]
         if config.fused_h:
             p.append(TensorParam("sync", i32, 1, align=8))  # [2]: h's partials published / CTAs done
-        p.append(ScalarParam("n_quant", "i"))  # unused (always 0)
+        if config.xgate:
+            p.append(TensorParam("sync", i32, 1, align=8))  # [2]: the shrink's gate / CTAs past it
+        p.append(ScalarParam("n_quant", "i"))  # xgate: the gate's count (1); otherwise unused (0)
     else:
         p += [
             TmaParam("tma_xq", TmaSpec(f8, (bk, bn)), "x_q [M, K] e4m3 (M <= bn; rows >= M are never stored)"),
@@ -1566,7 +1650,8 @@ def launch(config: Config, *, w_q, w_scale, y, split: int, x_q=None, x_scale=Non
     """Arguments (in params() order) and launch geometry for one K2 call.
 
     x_q, x_scale, sync, n_quant: the activations quantized by another kernel (see the module
-    docstring); x instead (bf16 [M, K], K a multiple of 128) for self_quant builds, which need
+    docstring); xgate builds take sync (the shrink's gate buffer) and as n_quant the gate's count;
+    x instead (bf16 [M, K], K a multiple of 128) for self_quant builds, which need
     split >= min_split(config, K, M) so that no CTA owns more k-blocks than the build holds.
     fused_h builds also take lora_a (vLLM's A buffers, one per slice), sync (int32 [2], zero before
     the first call; the kernel re-arms it) and as h the partials' workspace
@@ -1598,6 +1683,12 @@ def launch(config: Config, *, w_q, w_scale, y, split: int, x_q=None, x_scale=Non
             raise ValueError(f"split {split} leaves a CTA more k-blocks of K = {K} than {M} tokens of this "
                              f"build may have (at most {config.sq_kblocks}, and {M} x k-blocks <= 128)")
         args = [w_q, (N, K), x, w_scale.reshape(-1), y, 0]
+        if config.xgate:
+            if sync is None or sync.dtype != torch.int32 or sync.numel() < 2 or not sync.is_contiguous():
+                raise ValueError("an xgate build takes sync, int32 [2] (the shrink's gate), contiguous")
+            if n_quant < 1:
+                raise ValueError("an xgate build takes n_quant >= 1: the gate's count (lora_shrink.launch's n_gate)")
+            args = [w_q, (N, K), x, w_scale.reshape(-1), y, sync, int(n_quant)]
         if config.fused_h:
             if sync is None or sync.dtype != torch.int32 or sync.numel() < 2:
                 raise ValueError("a fused_h build takes sync, int32 [2]")
@@ -1850,6 +1941,44 @@ def _wide_or(cfg: Config | None, n_out: int, m: int, k: int) -> Config | None:
     return None if cfg is None else (sq_wide_applies(cfg, n_out, k, m) or cfg)
 
 
+XGATE_ENV = "EPILORA_K2_XGATE"
+# Off by default: an experiment (docs/perf.md v1.03) until a GPU record measures and verifies it.
+XGATE_DEFAULT = "0"
+XGATE_RANKS = (64,)
+
+
+def xgate_enabled(value: str | None = None) -> bool:
+    """Whether chained decode_sq calls take the x-gated pair (Config.xgate): `value`, or
+    EPILORA_K2_XGATE when None (1 / on: yes; 0 / off / empty: no; unset: XGATE_DEFAULT)."""
+    return _parse_flag(os.environ.get(XGATE_ENV, XGATE_DEFAULT) if value is None else value, XGATE_ENV)
+
+
+def xgate_variant(cfg: Config | None) -> Config | None:
+    """The x-gated twin of a self_quant adapter build (default or wide, any pushes) of
+    XGATE_RANKS, or None where none is built (other ranks, fused_h, sq_rowmax, trace builds)."""
+    if cfg is None or not (cfg.self_quant and cfg.lora) or cfg.rank not in XGATE_RANKS or cfg.xgate:
+        return None
+    if cfg.fused_h or cfg.sq_rowmax or cfg.trace:
+        return None
+    return dataclasses.replace(cfg, xgate=True)
+
+
+def xgate_configs() -> list[Config]:
+    """The prebuilt x-gated K2s: the twin of every self_quant adapter build of XGATE_RANKS that
+    select() may return (each push combination, wide builds included)."""
+    out = set()
+    for _, _, _, widths, _ in projection_shapes():
+        for bn in SELF_QUANT_TILES:
+            for r in XGATE_RANKS:
+                for names in ((), ("maxima",), ("partials",), ("maxima", "partials")):
+                    c, _ = _select(tuple(widths), bn, r, None, None, True, False, names)
+                    for v in (c, wide_config(c)):
+                        x = xgate_variant(v)
+                        if x is not None:
+                            out.add(x)
+    return sorted(out, key=lambda c: (c.num_slices, c.bm, c.sq_xblocks, c.push_maxima, c.push_partials))
+
+
 def wide_configs() -> list[Config]:
     """The prebuilt wide self_quant builds: the twin of every default self_quant build of rank 64
     and without adapter, with each push combination (the builds select() may return with
@@ -2033,8 +2162,10 @@ def prebuild_configs() -> list[Config]:
     cfgs.update(rowmax_configs())
     cfgs.update(push_configs())
     cfgs.update(wide_configs())
+    cfgs.update(xgate_configs())
     return sorted(cfgs, key=lambda c: (c.lora, c.num_slices, c.bm, c.bn, c.rank, c.ctas, c.stages, c.trace,
-                                       c.token_tiles, c.fused_h, c.push_maxima, c.push_partials, c.sq_xblocks))
+                                       c.token_tiles, c.fused_h, c.push_maxima, c.push_partials, c.sq_xblocks,
+                                       c.xgate))
 
 
 def early_configs() -> list[Config]:

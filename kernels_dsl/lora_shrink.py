@@ -30,6 +30,10 @@ tail. Rules (a no-op wait when launched without PDL):
     only once the previous kernel has completed. That keeps the x_q flag safe (the previous K2's
     re-arm of `sync` is done before our increments and before our K2's spin) and keeps the
     overlap one kernel deep (no cascade of launches). CTAs that exit early trigger by exiting.
+    The exception, xgate builds (v1.03, beside an xgate K2; no quantization planes): every CTA
+    triggers first, then waits, and the first CTA publishes past its wait (sync[0]); the K2 reads
+    x only after acquiring that and triggers its own dependents only after it, which bounds the
+    cascade to two K2s in flight (k2_gemm's module docstring).
   * Assumption: the metadata (num_active, active_lora_ids, slot_ranks) and the A buffers are read
     before the wait, so they must not be written by the kernel still running when this one
     starts (the one just before it on the stream; behind one of our K2s, also the shrink or
@@ -91,6 +95,11 @@ class Config:
     stages: int = 4
     quant: bool = True
     trace: bool = False  # timeline stamps (%globaltimer) into an extra int64 [CTAs, 8] argument
+    # The x gate (v1.03, opt-in; beside an xgate K2, k2_gemm.Config.xgate): every CTA triggers the K2
+    # at its start, before its griddepcontrol.wait, and the grid's first CTA, past its wait,
+    # release-increments sync[0] (the K2 reads x only after acquiring it). Builds without the
+    # quantization planes only (the self_quant pair).
+    xgate: bool = False
 
     def __post_init__(self):
         if self.bn not in (8, 16, 32, 64):
@@ -99,6 +108,8 @@ class Config:
             raise ValueError("rank must be 8..256, a power of two")
         if not 1 <= self.num_slices <= 4:
             raise ValueError("num_slices must be 1..4")
+        if self.xgate and (self.quant or self.trace):
+            raise ValueError("xgate is a variant of the builds without quantization planes (no trace)")
 
     @property
     def rows_box(self) -> int:  # A rows a TMA box brings (the WGMMA always reads 64)
@@ -110,7 +121,7 @@ class Config:
 
     def name(self) -> str:
         return (f"bn{self.bn}_r{self.rank}_s{self.num_slices}_bk{self.bk}_st{self.stages}" + ("" if self.quant else "_noq")
-                + ("_trace" if self.trace else ""))
+                + ("_xg" if self.xgate else "") + ("_trace" if self.trace else ""))
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -279,7 +290,18 @@ if cute is not None:
                     self._stamp(trace_row, 2, tidx)
             else:
                 # ================================ down-projection ==================================
-                if cutlass.const_expr(not cfg.quant):
+                if cutlass.const_expr(cfg.xgate):
+                    # The x gate: K2 may be scheduled now, under the kernel before us (it reads x
+                    # only after our first CTA's publication below). Then the wait (a no-op unless
+                    # launched with PDL); past it the kernel that wrote x has completed, and the
+                    # first CTA says so (release: K2 acquires it before its x loads).
+                    cute.arch.griddepcontrol_launch_dependents()
+                    cute.arch.griddepcontrol_wait()
+                    if bx + by + bz == 0:
+                        if tidx == 0:
+                            cute.arch.fence_acq_rel_gpu()
+                            D.red_release_gpu_add_s32(mSync.iterator.toint(), 1)
+                elif cutlass.const_expr(not cfg.quant):
                     # Beside the self-quantizing K2 there is no x_q protocol to keep safe: every CTA
                     # waits (a no-op unless launched with PDL) and triggers first thing, before its
                     # barrier init and A loads (~1.3 us on the H200): K2's launch was the pair's
@@ -512,7 +534,7 @@ def _fake_args(cfg: Config):
     h = D.fake_rowmajor(f32, (cfg.num_slices, D.sym(1), cfg.rank))
     xq16 = D.fake_rowmajor(i16, (D.sym(1), D.sym(8))) if cfg.quant else None
     sx = D.fake_rowmajor(f32, (D.sym(1),), align=4) if cfg.quant else None
-    sync = D.fake_rowmajor(i32, (2,), align=8) if cfg.quant else None
+    sync = D.fake_rowmajor(i32, (2,), align=8) if cfg.quant or cfg.xgate else None
     tok = D.fake_rowmajor(i32, (D.sym(1),), align=4)
     active = D.fake_rowmajor(i32, (D.sym(1),), align=4)
     num_active = D.fake_rowmajor(i32, (1,), align=4)
@@ -549,6 +571,8 @@ def params(config: Config) -> list:
             TensorParam("s_x", f32, 1, dynamic_shape=(0,), align=4),  # [M]
             TensorParam("sync", i32, 1, align=8),  # [2], shared with K2
         ]
+    if config.xgate:
+        p.append(TensorParam("sync", i32, 1, align=8))  # [2]: the gate, shared with the xgate K2
     p += [
         TensorParam("token_lora", i32, 1, dynamic_shape=(0,), align=4),  # [M]
         TensorParam("active_lora_ids", i32, 1, dynamic_shape=(0,), align=4),  # [max_loras+1]
@@ -562,7 +586,7 @@ def params(config: Config) -> list:
 
 def launch(config: Config, *, x, lora_a, h, token_lora, active_lora_ids, num_active, slot_ranks, split: int,
            x_q=None, x_scale=None, sync=None, trace=None) -> dict:
-    """Arguments (params() order) and geometry; n_quant (for K2) is returned. The spec says
+    """Arguments (params() order) and geometry; n_quant and n_gate (for K2) are returned. The spec says
     pdl=False: launch with PDL only when chained behind the previous projection (see the module
     docstring for what that assumes).
 
@@ -591,6 +615,10 @@ def launch(config: Config, *, x, lora_a, h, token_lora, active_lora_ids, num_act
         if x_q is None or x_scale is None or sync is None:
             raise ValueError("a quantizing build takes x_q, x_scale and sync")
         args += [x_q.view(torch.int16), x_scale.reshape(-1), sync]
+    if config.xgate:
+        if sync is None or sync.dtype != torch.int32 or sync.numel() < 2 or not sync.is_contiguous():
+            raise ValueError("an xgate build takes sync, int32 [2] (the gate it shares with the xgate K2)")
+        args.append(sync)
     args += [token_lora, active_lora_ids, num_active, slot_ranks]
     grid = launch_grid(config, M, split, max_loras)
     per_plane = grid[0] * grid[1]
@@ -601,7 +629,8 @@ def launch(config: Config, *, x, lora_a, h, token_lora, active_lora_ids, num_act
             raise ValueError(f"a trace build needs trace = int64 [{n}, {TRACE_SLOTS}]")
         args.append(trace)
     return dict(args=tuple(args), grid=grid, block=config.block, cluster=(split, 1, 1),
-                smem=config.smem_bytes(), pdl=False, n_quant=zq * per_plane if config.quant else 0)
+                smem=config.smem_bytes(), pdl=False, n_quant=zq * per_plane if config.quant else 0,
+                n_gate=XGATE_COUNT if config.xgate else 0)
 
 
 def launch_grid(config: Config, m: int, split: int, max_loras: int) -> tuple[int, int, int]:
@@ -668,14 +697,32 @@ def choose_split(k: int, num_slices: int, rank: int, groups: int, bk: int = 64, 
 SMALL_SPLIT = 4
 
 
+# The xgate shrink's publications per call: its first CTA's one increment (the xgate K2's n_quant).
+XGATE_COUNT = 1
+
+
+def xgate_variant(cfg: Config) -> Config | None:
+    """The x-gated twin of a build without quantization planes, where one is prebuilt
+    (k2_gemm.XGATE_RANKS, the self_quant token tiles), else None."""
+    from .k2_gemm import XGATE_RANKS
+
+    if cfg.quant or cfg.trace or cfg.xgate or cfg.rank not in XGATE_RANKS or cfg.stages != STAGES:
+        return None
+    return Config(bn=cfg.bn, rank=cfg.rank, num_slices=cfg.num_slices, bk=cfg.bk, stages=cfg.stages,
+                  quant=False, xgate=True)
+
+
 def prebuild_configs() -> list[Config]:
-    from .k2_gemm import RANKS, SELF_QUANT_TILES, TOKEN_TILES
+    from .k2_gemm import RANKS, SELF_QUANT_TILES, TOKEN_TILES, XGATE_RANKS
 
     cfgs = [select(ns, m, r) for ns in (1, 2, 3) for m in (1, 9, 17, 33) for r in RANKS]
     assert {c.bn for c in cfgs} == {*TOKEN_TILES, 64}
     # Beside the self-quantizing K2 (its token tiles): the down-projection alone.
     cfgs += [Config(bn=bn, rank=r, num_slices=ns, stages=STAGES, quant=False) for ns in (1, 2, 3)
              for bn in SELF_QUANT_TILES for r in RANKS]
+    # Their x-gated twins (v1.03, opt-in) at the ranks the xgate K2 is built for.
+    cfgs += [Config(bn=bn, rank=r, num_slices=ns, stages=STAGES, quant=False, xgate=True) for ns in (1, 2, 3)
+             for bn in SELF_QUANT_TILES for r in XGATE_RANKS]
     # For tools/bench_stages.py (rank 64, the bench's rank): the down-projection alone, and the
     # former 4-stage build.
     cfgs += [Config(bn=bn, rank=64, num_slices=ns, stages=st, quant=q) for ns in (1, 2, 3)

@@ -332,3 +332,46 @@ def test_wide_self_quant_builds_split_and_abi(monkeypatch):
         k2_gemm.launch(w, w_q=wq, w_scale=torch.ones(1), x=x, y=y, split=1)
     spec = k2_gemm.launch(w, w_q=wq, w_scale=torch.ones(1), x=x[:4], y=y[:4], split=1)
     assert spec["grid"] == (1, 32, 1) and spec["smem"] == w.smem_bytes()
+
+
+def test_xgate_pair_arguments():
+    """v1.03: the x-gated shrink takes the gate (int32 [2]) after h, the x-gated K2 after y, with
+    the gate's count as n_quant; both refuse to launch without it, and only self_quant adapter builds
+    (and the shrink without quantization planes) have an x-gated twin."""
+    M, widths, K, rank, L = 1, (4096, 1024, 1024), 4096, 64, 4
+    N = sum(widths)
+    meta, lora_a, lora_b, h, x, sr = _batch(M, widths, K, rank, L)
+    common = dict(token_lora=meta.token_lora_mapping[:M], active_lora_ids=meta.active_lora_ids,
+                  num_active=meta.num_active, slot_ranks=sr)
+    gate = torch.zeros(4, dtype=torch.int32)[2:]
+    s_cfg = lora_shrink.xgate_variant(lora_shrink.select(len(widths), M, rank, quant=False))
+    sspec = lora_shrink.launch(s_cfg, x=x, lora_a=lora_a, h=h, split=4, sync=gate, **common)
+    names = [p.name for p in lora_shrink.params(s_cfg)]
+    assert len(sspec["args"]) == len(names) and sspec["args"][names.index("sync")] is gate
+    assert names.index("sync") == names.index("h") + 1 and sspec["n_gate"] == lora_shrink.XGATE_COUNT
+    _pack_non_tma(lora_shrink.params(s_cfg), sspec["args"])
+    with pytest.raises(ValueError, match="gate"):
+        lora_shrink.launch(s_cfg, x=x, lora_a=lora_a, h=h, split=4, **common)
+
+    plain, _ = k2_gemm.select(widths, M, rank, self_quant=True)
+    k_cfg = k2_gemm.xgate_variant(plain)
+    assert k_cfg.name() == plain.name() + "_xg" and k_cfg.smem_bytes() == plain.smem_bytes()
+    w = torch.zeros(N, K, dtype=torch.float8_e4m3fn)
+    y = torch.zeros(M, N, dtype=torch.bfloat16)
+    ss = torch.tensor([0] + torch.tensor(widths).cumsum(0).tolist(), dtype=torch.int32)
+    kw = dict(w_q=w, w_scale=torch.ones(1), x=x, y=y, split=k2_gemm.split_for(k_cfg, N, K), h=h, slice_start=ss,
+              lora_b=lora_b, **common)
+    spec = k2_gemm.launch(k_cfg, sync=gate, n_quant=sspec["n_gate"], **kw)
+    names = [p.name for p in k2_gemm.params(k_cfg)]
+    assert len(spec["args"]) == len(names) and spec["args"][names.index("sync")] is gate
+    assert names.index("sync") == names.index("y") + 1 and spec["args"][names.index("n_quant")] == 1
+    assert spec["pdl"] and spec["grid"] == k2_gemm.launch(plain, **kw)["grid"]
+    _pack_non_tma(k2_gemm.params(k_cfg), spec["args"])
+    with pytest.raises(ValueError, match="sync"):
+        k2_gemm.launch(k_cfg, **kw)
+    with pytest.raises(ValueError, match="n_quant"):
+        k2_gemm.launch(k_cfg, sync=gate, n_quant=0, **kw)
+    _, no_adapter = k2_gemm.select(widths, M, rank, self_quant=True)
+    assert k2_gemm.xgate_variant(no_adapter) is None
+    assert k2_gemm.xgate_variant(k2_gemm.select(widths, M, 16, self_quant=True)[0]) is None  # rank 16: not built
+    assert lora_shrink.xgate_variant(lora_shrink.select(len(widths), M, rank)) is None  # quantization planes

@@ -63,6 +63,12 @@ FAST_K2 = [
                            push_partials=True, sq_xblocks=32),
     k2_gemm.default_config(8, 128, lora=True, num_slices=1, rank=64, self_quant=True, sq_xblocks=32),
     k2_gemm.default_config(8, 128, lora=False, self_quant=True, push_partials=True, sq_xblocks=32),
+    # The x-gated pair's K2 (EPILORA_K2_XGATE): one B buffer (qkv), two (bm 64, wide), the shipped
+    # pushes.
+    k2_gemm.default_config(8, 128, lora=True, num_slices=3, rank=64, self_quant=True, xgate=True),
+    k2_gemm.default_config(8, 128, lora=True, num_slices=3, rank=64, self_quant=True, push_maxima=True,
+                           push_partials=True, xgate=True),
+    k2_gemm.default_config(8, 64, lora=True, num_slices=2, rank=64, self_quant=True, sq_xblocks=32, xgate=True),
 ]
 FAST_SHRINK = [
     lora_shrink.select(3, 16, 64),  # the decode path's build (8 stages)
@@ -70,6 +76,7 @@ FAST_SHRINK = [
     lora_shrink.Config(bn=8, rank=8, num_slices=1),
     lora_shrink.Config(bn=32, rank=256, num_slices=2),
     lora_shrink.select(2, 4, 128, quant=False),  # beside the self-quantizing K2
+    lora_shrink.Config(bn=8, rank=64, num_slices=3, quant=False, stages=8, xgate=True),  # beside the x-gated K2
 ]
 
 
@@ -141,7 +148,9 @@ def k2_ptx_problems(cfg: k2_gemm.Config, ptx: str) -> list[str]:
         if not bf:
             bad.append("no bf16 epilogue WGMMA")
         return bad + _trigger_problems(ptx, fp8)
-    if cfg.self_quant:
+    if cfg.xgate:
+        bad += xgate_problems(ptx, fp8)
+    elif cfg.self_quant:
         for ins in ("ld.acquire.gpu", "atom.acq_rel.gpu", "red.release.gpu"):
             if ins in ptx:
                 bad.append(f"{ins} in a self_quant build (it depends on no counter)")
@@ -163,7 +172,7 @@ def k2_ptx_problems(cfg: k2_gemm.Config, ptx: str) -> list[str]:
             bad.append("no bf16 epilogue WGMMA")
         elif wait and not (wait[0] < min(bf)):
             bad.append("griddepcontrol.wait is not before the epilogue WGMMA")
-        return bad + _trigger_problems(ptx, fp8)
+        return bad + (_gated_trigger_problems(ptx, fp8) if cfg.xgate else _trigger_problems(ptx, fp8))
     if not wait or (fp8 and not wait[0] < min(fp8)):
         bad.append("no griddepcontrol.wait before the main loop (the producer's, for n_quant = 0)")
     if cfg.lora:
@@ -224,6 +233,42 @@ def _trigger_problems(ptx: str, fp8: list[int]) -> list[str]:
     return bad
 
 
+def xgate_problems(ptx: str, fp8: list[int]) -> list[str]:
+    """The x gate (k2_gemm.Config.xgate): sync[0] acquired before x is loaded and before the main
+    loop, the CTAs past the gate counted (acq_rel) and the counters re-armed (relaxed stores); the
+    K2 itself publishes nothing with a release."""
+    bad = []
+    for ins in ("ld.acquire.gpu.global.s32", "atom.acq_rel.gpu.global.add.s32", "st.relaxed.gpu.global.s32"):
+        if ins not in ptx:
+            bad.append(f"missing {ins} (the x gate)")
+    if "red.release.gpu" in ptx:
+        bad.append("red.release.gpu in an xgate K2 (only the shrink publishes)")
+    acq = _lines_index(ptx, r"ld\.acquire\.gpu\.global\.s32")
+    ldx = _lines_index(ptx, r"ld\.global\.(nc\.)?v4")
+    if acq and ldx and not min(acq) < min(ldx):
+        bad.append("x is loaded before the gate's acquire")
+    if acq and fp8 and not max(acq) < min(fp8):
+        bad.append("the gate's acquire is not before the main loop")
+    return bad
+
+
+def _gated_trigger_problems(ptx: str, fp8: list[int]) -> list[str]:
+    # xgate builds: each trigger right after a wait on sx_ready (the producer warps: an mbarrier
+    # try_wait loop) or the consumer's arrival on it (past the gate), none in the prologue, so that
+    # no thread of the CTA triggers before the gate.
+    bad = []
+    lines = ptx.splitlines()
+    trig = _lines_index(ptx, r"griddepcontrol\.launch_dependents")
+    if len(trig) < 3:
+        bad.append(f"{len(trig)} griddepcontrol.launch_dependents (expected one per warp role, past the gate)")
+    for t in trig:
+        near = [ln for ln in lines[max(0, t - 8):t] if re.search(r"mbarrier\.(try_wait|arrive)", ln) or "DONE:" in ln]
+        if not near:
+            bad.append(f"launch_dependents at PTX line {t} does not follow a wait on / arrival at sx_ready")
+            break
+    return bad
+
+
 def tma_lines_by_param(ptx: str) -> dict[int, list[int]]:
     """Line numbers of the TMA loads, per descriptor: its parameter index in the .entry list
     (followed through `mov.b64 %rd, <entry>_param_N` and `cvta.param.u64 %rd, %rd`)."""
@@ -258,10 +303,14 @@ def shrink_ptx_problems(cfg: lora_shrink.Config, ptx: str) -> list[str]:
     for ins in need + (quant if cfg.quant else []):
         if ins not in ptx:
             bad.append(f"missing {ins}")
-    if not cfg.quant:  # the down-projection alone never touches the x_q flag
-        for ins in ("cvt.rn.satfinite.e4m3x2.f32", "red.release.gpu.global.add.s32"):
+    if not cfg.quant:  # the down-projection alone never touches the x_q flag (xgate: its gate)
+        for ins in ("cvt.rn.satfinite.e4m3x2.f32",) + (() if cfg.xgate else ("red.release.gpu.global.add.s32",)):
             if ins in ptx:
                 bad.append(f"unexpected {ins} without quantization")
+        if cfg.xgate:
+            for ins in ("red.release.gpu.global.add.s32", "fence.acq_rel.gpu"):
+                if ins not in ptx:
+                    bad.append(f"missing {ins} (the x gate's publication)")
     for ins in ("div.approx", "div.full", ".ftz", "max.NaN", "min.NaN"):
         if ins in ptx:
             bad.append(f"unexpected {ins}")
@@ -283,6 +332,22 @@ def shrink_pdl_problems(cfg: lora_shrink.Config, ptx: str) -> list[str]:
         seq = sorted([(i, "w") for i in wait] + [(i, "t") for i in trig])
         if [k for _, k in seq] != ["w", "t"] * 2:
             bad.append("griddepcontrol.launch_dependents does not follow each griddepcontrol.wait")
+    elif cfg.xgate:
+        # The x gate: every CTA triggers, then waits, first thing; the only global write before
+        # the down-projection's h is the gate's publication, after the wait.
+        if len(wait) != 1 or len(trig) != 1:
+            return [f"{len(wait)} griddepcontrol.wait / {len(trig)} launch_dependents (expected 1 each)"]
+        init = _lines_index(ptx, r"mbarrier\.init")
+        tma = _lines_index(ptx, r"cp\.async\.bulk\.tensor")
+        stores = _lines_index(ptx, r"^\s*(?:@!?%p\d+\s+)?(?:st\.global|red\.|atom\.)")
+        rel = _lines_index(ptx, r"red\.release\.gpu\.global\.add\.s32")
+        if not (trig[0] < wait[0] < min(init + tma + [10**9])):
+            bad.append("the trigger and then the wait are not first (before the barrier init and the TMA loads)")
+        if any(i < wait[0] for i in stores):
+            bad.append("a global store before griddepcontrol.wait")
+        if len(rel) != 1 or not wait[0] < rel[0] < min(init + tma + [10**9]):
+            bad.append("the gate is not published once, right after griddepcontrol.wait")
+        return bad
     else:
         # No quantization planes: every CTA waits and triggers first thing (before its barrier
         # init, A loads and any store): the self-quantizing K2 reads x when it starts.
@@ -523,6 +588,39 @@ def test_shrink_host_capture_matches_declared_abi():
     assert raw["a1_dims"][:16] == ps[6].pack((L * R, K)).hex()
     assert out["smem"] == cfg.smem_bytes()
     assert out["block"] == [128, 1, 1]
+
+
+def test_xgate_host_capture_places_the_gate_as_declared():
+    """v1.03: the DSL's own host code for the x-gated shrink and K2 passes the gate's pointer where
+    params() declares it (after h / after y) and the gate's count as n_quant."""
+    from kernels_dsl.host_capture import capture_in_subprocess
+
+    M, K, L = 1, 4096, 4
+    s_cfg = lora_shrink.Config(bn=8, rank=64, num_slices=2, quant=False, stages=8, xgate=True)
+    R = s_cfg.rank
+    gate = BASE + 0x4000_0000
+    v = dict(x=dict(data=BASE, shapes=[M, K], strides=[K]),
+             h=dict(data=BASE + 0x5000_0000, shapes=[M], strides=[M * R]), sync=dict(data=gate),
+             tok=dict(data=BASE + 0x5100_0000, shapes=[M]), active=dict(data=BASE + 0x5200_0000, shapes=[L + 1]),
+             num_active=dict(data=BASE + 0x5300_0000), slot_ranks=dict(data=BASE + 0x5400_0000, shapes=[L]),
+             a0=dict(data=BASE + 0x6000_0000, shapes=[L * R, K], strides=[K]),
+             a1=dict(data=BASE + 0x6100_0000, shapes=[L * R, K], strides=[K]))
+    out = capture_in_subprocess("kernels_dsl.lora_shrink", s_cfg, v)
+    raw = dict(zip([p.name for p in lora_shrink.params(s_cfg)], out["params"]))
+    assert bytes.fromhex(raw["sync"][:16]) == gate.to_bytes(8, "little")
+    assert bytes.fromhex(raw["token_lora"][:16]) == (BASE + 0x5100_0000).to_bytes(8, "little")
+
+    widths = (4096, 1024, 1024)
+    k_cfg = k2_gemm.default_config(8, 128, lora=True, num_slices=3, rank=64, self_quant=True, xgate=True)
+    kv = _k2_values(k_cfg, sum(widths), K, M, L, widths)
+    kv["xq"] = dict(data=BASE + 0x1000_0000, shapes=[M, K], strides=[K])  # bf16 x
+    kv["sx"] = None
+    out = capture_in_subprocess("kernels_dsl.k2_gemm", k_cfg, kv)
+    ps = k2_gemm.params(k_cfg)
+    raw = dict(zip([p.name for p in ps], out["params"]))
+    assert bytes.fromhex(raw["sync"][:16]) == gate.to_bytes(8, "little")
+    assert raw["n_quant"][:8] == {p.name: p for p in ps}["n_quant"].pack(7).hex()
+    assert out["smem"] == k_cfg.smem_bytes()
 
 
 # ---------------------------------------------------------------------------------------------

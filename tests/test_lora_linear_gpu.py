@@ -219,6 +219,72 @@ def test_chained_projections_in_a_cuda_graph():
         c.assert_replay_equals_plain(g, outs, seed)
 
 
+@pytest.mark.parametrize("m", [1, 4, 8])
+def test_xgate_chain_is_the_unchained_bits(m, monkeypatch):
+    """v1.03 (EPILORA_K2_XGATE=1): the chained decode_sq steps of CHAIN take the x-gated pair (K2
+    launched under the kernel before its shrink, reading x only past the gate), between decode,
+    no-adapter and decode_fh steps and after each other, each reading an earlier step's output:
+    the bits of the unchained run, round after round; both halves of the gate buffer re-armed."""
+    from kernels_dsl import k2_gemm
+
+    monkeypatch.setenv(k2_gemm.XGATE_ENV, "1")
+    c = _Chain(m, rounds=3)
+    c.run(chain=True)  # the cached device tensors, the gate buffer included, are made
+    for _ in range(3):
+        _, outs = c.run(chain=True)
+        _, plain = c.run(chain=False)
+        for r in range(c.rounds):
+            for i in range(len(CHAIN)):
+                assert not torch.isnan(outs[r][i]).any(), (r, i, CHAIN[i])
+                assert torch.equal(outs[r][i], plain[r][i]), (r, i, CHAIN[i])
+    assert not ops._xgate_buffer(torch.device("cuda")).any()
+
+
+def test_xgate_chain_in_a_cuda_graph(monkeypatch):
+    """The x-gated chain captured once (the halves the calls took recorded in the graph), replayed
+    with new inputs: the bits of the eager unchained run; the gate buffer re-armed after each replay."""
+    from kernels_dsl import k2_gemm
+
+    monkeypatch.setenv(k2_gemm.XGATE_ENV, "1")
+    c = _Chain(4, rounds=1)
+    c.run(chain=True)
+    outs = c.outputs()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(len(CHAIN)):
+            c.step(i, outs[0], chain=True)
+    for seed in (31, 32, 33):
+        c.assert_replay_equals_plain(g, outs, seed)
+        assert not ops._xgate_buffer(torch.device("cuda")).any()
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_xgate_same_projection_back_to_back(m, monkeypatch):
+    """One projection (o) chained onto itself 12 times, each call's x the previous call's y: the
+    shortest distance between x-gated K2s on the same stream (the halves alternate), bit for bit
+    the unchained sequence."""
+    from kernels_dsl import k2_gemm
+
+    monkeypatch.setenv(k2_gemm.XGATE_ENV, "1")
+    widths, k = QWEN3_8B["o"]
+    x0, wq, ws, a, b, mapping = _case(widths, k, m, seed=77)
+    meta = build_meta(mapping, 4)
+
+    def seq(chain: bool):
+        ys, x = [], x0
+        for _ in range(12):
+            y = torch.full((m, wq.shape[0]), float("nan"), dtype=torch.bfloat16, device="cuda")
+            x = ops.lora_linear_fp8(x, wq, ws, a, b, meta, out=y, path="decode_sq", chain_pdl=chain)
+            ys.append(x)
+        torch.cuda.synchronize()
+        return ys
+
+    seq(True)
+    gated, plain = seq(True), seq(False)
+    assert all(torch.equal(p, q) for p, q in zip(gated, plain))
+    assert not ops._xgate_buffer(torch.device("cuda")).any()
+
+
 @pytest.mark.parametrize("m", [65, 100, 511])
 def test_auto_above_decode_sizes_takes_the_triton_path(m):
     widths, k = QWEN3_8B["qkv"]

@@ -1,5 +1,7 @@
 """Public ops on the CPU: reference fallback and clear errors for bad input."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -589,3 +591,79 @@ def test_layer_key_survives_inductors_fresh_weight_tensors():
     assert ops._layer_key(engine_weight(w), layer.scale, layer.a, []) == ops._layer_key(w, layer.scale, layer.a, [])
     other = torch.randn(8, 16)  # another weight: another key
     assert ops._layer_key(other, layer.scale, layer.a, []) != ops._layer_key(w, layer.scale, layer.a, [])
+
+
+def test_xgate_pair_on_chained_self_quant_calls(monkeypatch):
+    """v1.03 (EPILORA_K2_XGATE): chained decode_sq calls launch the x-gated shrink and K2 (the
+    shrink with PDL, K2 with PDL), both given the same half of the gate buffer, the halves taken in
+    turn call by call, K2's count the shrink's publications; off by default, never on an unchained
+    call, on a call that has just filled a cached tensor, at a rank without xgate builds or with
+    pdl=False. Kernels faked, CPU tensors."""
+    from kernels_dsl import k2_gemm, lora_shrink
+
+    launches = []
+
+    class FakeKernel:
+        def __init__(self, mod, cfg):
+            self.family, self.cfg = mod.FAMILY, cfg
+
+        def __call__(self, *args, grid, smem, pdl, cluster):
+            gates = [a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32 and a.numel() == 2
+                     and a.data_ptr() in halves]
+            counts = [a for a in args if type(a) is int]
+            launches.append((self.family, self.cfg, pdl, gates[0].data_ptr() if gates else None, counts))
+
+    monkeypatch.setattr(ops, "_persistent", ops._Persistent())
+    monkeypatch.setattr(ops, "_xgate_turns", {})
+    gate = torch.zeros(4, dtype=torch.int32)
+    halves = {gate[0:2].data_ptr(), gate[2:4].data_ptr()}
+    monkeypatch.setattr(ops, "_xgate_buffer", lambda dev: ops._persistent.get(("xgate-test",), lambda: gate))
+    monkeypatch.setattr(ops, "get_kernel", lambda mod, cfg, arch: FakeKernel(mod, cfg))
+    monkeypatch.setattr(ops, "_decode_reason", lambda *a: None)
+
+    def run(rank=64, **kw):
+        x, wq, ws, a, b, meta, _ = _linear_case(m=1, k=256, widths=(128, 128), rank=rank, seed=3)
+        launches.clear()
+        ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="decode_sq", **kw)
+        return list(launches)
+
+    monkeypatch.delenv(k2_gemm.XGATE_ENV, raising=False)
+    run(chain_pdl=True)  # fills slot_ranks / slice_start
+    assert not any(c.xgate for _, c, *_ in run(chain_pdl=True))  # off by default
+    monkeypatch.setenv(k2_gemm.XGATE_ENV, "1")
+    first = run(chain_pdl=True)  # fills the gate buffer: neither chained nor gated
+    assert [(f, c.xgate, p) for f, c, p, *_ in first] == [(lora_shrink.FAMILY, False, False), (k2_gemm.FAMILY, False, True)]
+    seen = []
+    for _ in range(3):
+        (fs, cs, ps, gs, _), (fk, ck, pk, gk, nk) = run(chain_pdl=True)
+        assert (fs, fk, cs.xgate, ck.xgate, ps, pk) == (lora_shrink.FAMILY, k2_gemm.FAMILY, True, True, True, True)
+        assert gs is not None and gs == gk and nk[-1] == lora_shrink.XGATE_COUNT
+        assert ck == k2_gemm.xgate_variant(dataclasses.replace(ck, xgate=False))
+        seen.append(gs)
+    assert seen[0] != seen[1] and seen[0] == seen[2]  # the halves in turn
+    assert not any(c.xgate for _, c, *_ in run())  # unchained
+    assert not any(c.xgate for _, c, *_ in run(chain_pdl=True, pdl=False))
+    assert not any(c.xgate for _, c, *_ in run(rank=16, chain_pdl=True))  # no xgate build of rank 16
+    monkeypatch.setenv(k2_gemm.XGATE_ENV, "maybe")
+    with pytest.raises(ValueError, match=k2_gemm.XGATE_ENV):
+        run(chain_pdl=True)
+
+
+def test_xgate_configs_are_the_twins_of_the_selected_builds():
+    """Every x-gated build differs from a self_quant adapter build select() returns (or its wide
+    twin) by the flag alone, and the shrink's twins cover each slice count of those builds."""
+    from kernels_dsl import k2_gemm, lora_shrink
+
+    xs = k2_gemm.xgate_configs()
+    assert xs and all(c.xgate and c.self_quant and c.lora and c.rank in k2_gemm.XGATE_RANKS for c in xs)
+    plain = {dataclasses.replace(c, xgate=False) for c in xs}
+    assert plain <= set(k2_gemm.prebuild_configs())
+    assert set(xs) <= set(k2_gemm.prebuild_configs())
+    shrinks = {c for c in lora_shrink.prebuild_configs() if c.xgate}
+    assert {c.num_slices for c in xs} <= {c.num_slices for c in shrinks}
+    for c in shrinks:
+        assert lora_shrink.xgate_variant(dataclasses.replace(c, xgate=False)) == c
+    with pytest.raises(ValueError, match="xgate"):
+        k2_gemm.Config(bn=8, lora=False, self_quant=True, xgate=True)
+    with pytest.raises(ValueError, match="xgate"):
+        lora_shrink.Config(bn=8, rank=64, quant=True, xgate=True)

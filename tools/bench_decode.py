@@ -116,7 +116,9 @@ OUR_PATH_ARGS = {"no_adapter": ("no_adapter", True, False), "decode": ("decode",
                  "decode_fh": ("decode_fh", True, False), "decode_fh_chain": ("decode_fh", True, True),
                  # decode_sq with the wide self-quantizing builds (perf.md v0.54), whatever the
                  # process's EPILORA_K2_SQ_WIDE says
-                 "decode_sq_wide_chain": ("decode_sq", True, True, {"EPILORA_K2_SQ_WIDE": "1"})}
+                 "decode_sq_wide_chain": ("decode_sq", True, True, {"EPILORA_K2_SQ_WIDE": "1"}),
+                 # decode_sq with the x-gated pair (perf.md v1.03; chained calls only)
+                 "decode_sq_xg_chain": ("decode_sq", True, True, {"EPILORA_K2_XGATE": "1"})}
 
 
 def _under_env(env: dict, fn):

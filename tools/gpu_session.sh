@@ -22,7 +22,7 @@
 # Each call stays under the device's 10-minute limit; B, C and D each write one report.
 # Everything goes to $OUT (the device returns at most 8 files from it).
 set -uo pipefail
-mode=${1:?record, tests, ab, warmup-time, ttft, priority, race, race-tests, race-rest, stream, grouped, tt, tt-diag, layer-parts, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
+mode=${1:?xgate, record, tests, ab, warmup-time, ttft, priority, race, race-tests, race-rest, stream, grouped, tt, tt-diag, layer-parts, tests-rest, e2e, e2e-smoke, e2e-rescore, check, verify, hybrid-identity, e2e-perf, out-variant, profile, profile-decode, k1, h-bf16, retune, prefetch, decode, push-tests, push-bench, wide-tests, wide-bench, fh, prefill-k2 or prefill-path}
 export EPILORA_GIT_COMMIT=${2:-unknown}
 # The carried cache: .gpu_carry/.epilora_cache (cubins + meta only, `make carry-cache`) when present.
 cache=$PWD/.epilora_cache; [[ -d .gpu_carry/.epilora_cache ]] && cache=$PWD/.gpu_carry/.epilora_cache
@@ -48,6 +48,23 @@ unpack_vllm() {
   fi
 }
 case $mode in
+  xgate)
+    # v1.03 (the x-gated decode_sq pair, EPILORA_K2_XGATE; carry the slim cache, and .devvllm/2 after
+    # call A for vLLM's layer anchors; ~5 min): its GPU tests (chained sequences bit for bit the
+    # unchained ones, eager and in a CUDA graph, one projection back to back) beside the chain and
+    # decode tests, then the layer at 1 / 2 / 4 / 8 tokens with decode_sq_chain and
+    # decode_sq_xg_chain side by side, then at 1 / 4 tokens in the engine's order (a foreign kernel
+    # before every projection, EPILORA_BENCH_FOREIGN=1). Then the e2e with
+    # `--ours-env EPILORA_K2_XGATE=1` in a call of its own.
+    unpack_vllm
+    timeout -s KILL 240 python3 -m pytest -q -m gpu tests/test_lora_linear_gpu.py \
+      -k "xgate or chained or decode_path_matches or bitwise" 2>&1 | tail -5 | tee "$OUT/tests.log"
+    EPILORA_BENCH_TOKENS=1,2,4,8 EPILORA_BENCH_OURS=no_adapter_chain,decode_sq_chain,decode_sq_xg_chain \
+      timeout -s KILL 150 python3 tools/bench.py --quick --sections layer --out "$OUT/ly" 2>&1 | tail -8
+    EPILORA_BENCH_FOREIGN=1 EPILORA_BENCH_TOKENS=1,4 EPILORA_BENCH_OURS=no_adapter_chain,decode_sq_chain,decode_sq_xg_chain \
+      timeout -s KILL 120 python3 tools/bench.py --quick --sections layer --out "$OUT/lyf" 2>&1 | tail -8
+    (cd "$OUT" && tar czf xgate.tgz ly lyf 2> /dev/null && rm -rf ly lyf)
+    ;;
   warmup-time)
     # v1.01: the dispatch's bucket warm-up per Qwen3-8B projection, rounds on fresh tables with and
     # without the CUDA-graph limit (round 0 pays the first-use compiles: compare rounds 1 and 2);
