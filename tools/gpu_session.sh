@@ -57,8 +57,12 @@ case $mode in
     # before every projection, EPILORA_BENCH_FOREIGN=1). Then the e2e with
     # `--ours-env EPILORA_K2_XGATE=1` in a call of its own.
     unpack_vllm
+    # One small chain first (a hang here costs 30 s, not the test file's limit), then racecheck.
+    timeout -s KILL 30 python3 tools/kernel_diag.py decode_xgate 1 2>&1 | tail -2 | tee "$OUT/tests.log"
+    timeout -s KILL 90 compute-sanitizer --tool racecheck --report-api-errors no \
+      python3 tools/kernel_diag.py decode_xgate 1 2>&1 | tail -4 | tee -a "$OUT/tests.log"
     timeout -s KILL 240 python3 -m pytest -q -m gpu tests/test_lora_linear_gpu.py \
-      -k "xgate or chained or decode_path_matches or bitwise" 2>&1 | tail -5 | tee "$OUT/tests.log"
+      -k "xgate or chained or decode_path_matches or bitwise" 2>&1 | tail -5 | tee -a "$OUT/tests.log"
     EPILORA_BENCH_TOKENS=1,2,4,8 EPILORA_BENCH_OURS=no_adapter_chain,decode_sq_chain,decode_sq_xg_chain \
       timeout -s KILL 150 python3 tools/bench.py --quick --sections layer --out "$OUT/ly" 2>&1 | tail -8
     EPILORA_BENCH_FOREIGN=1 EPILORA_BENCH_TOKENS=1,4 EPILORA_BENCH_OURS=no_adapter_chain,decode_sq_chain,decode_sq_xg_chain \

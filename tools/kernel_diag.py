@@ -4,7 +4,8 @@ or cuda-gdb (a hang or a fault then costs one small process, not a test file).
     python tools/kernel_diag.py CASE [SPLIT]
 
 CASE: k2_nolora (K2 alone, x_q given, no adapter, n_quant 0), shrink (the shrink+quant kernel
-alone), decode (shrink then the self-quantizing K2 with PDL, 3 tokens), decode_xq (shrink+quant
+alone), decode (shrink then the self-quantizing K2 with PDL, 3 tokens), decode_xgate (the x-gated
+pair chained through the op, bit for bit the unchained calls), decode_xq (shrink+quant
 then the x_q K2), decode_split2 (decode with the shrink split as K2), decode_tt (the pair at 40
 tokens: K2's token tiles), decode_wide (decode with the wide self-quantizing K2, K = 2176),
 expand (expand_add), expand_hb / expand_ct (its bf16-h and column-sweeping builds against the
@@ -88,6 +89,39 @@ def decode(split: int, self_quant: bool = True, split_shrink: int = 1, M: int = 
     print("k2 build", dp.k_cfg.name(), flush=True)
     torch.cuda.synchronize()
     dp.check(x, tok, y)
+    return 0.0
+
+
+def decode_xgate(split: int, M: int = 3, K: int = 1024) -> float:
+    """The x-gated decode_sq pair (v1.03, EPILORA_K2_XGATE=1) through the op: one K x K projection
+    chained onto itself four times (the gate buffer's halves in turn), each call's x the previous
+    call's y, bit for bit the unchained calls (SPLIT unused: the op's own splits)."""
+    import os
+
+    from epilora_cute import ops, reference
+    from epilora_cute.metadata import build_meta
+
+    os.environ["EPILORA_K2_XGATE"] = "1"
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x0 = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    wq, ws = reference.quantize_fp8_per_tensor(torch.randn(K, K, device="cuda", generator=g) * 0.02)
+    a = [(torch.randn(4, 1, 64, K, device="cuda", generator=g) * 0.02).bfloat16()]
+    b = [(torch.randn(4, 1, K, 64, device="cuda", generator=g) * 0.02).bfloat16()]
+    mapping = torch.tensor(([0, -1, 2] * M)[:M], dtype=torch.int32, device="cuda")
+    meta = build_meta(mapping, 4)
+
+    def seq(chain: bool):
+        ys, x = [], x0
+        for _ in range(4):
+            x = ops.lora_linear_fp8(x, wq, ws, a, b, meta, path="decode_sq", chain_pdl=chain)
+            ys.append(x)
+        torch.cuda.synchronize()
+        return ys
+
+    seq(True)  # the cached tensors and the gate buffer are made
+    gated, plain = seq(True), seq(False)
+    assert all(torch.equal(p, q) for p, q in zip(gated, plain)), "the x-gated chain differs from the unchained calls"
+    assert not ops._xgate_buffer(torch.device("cuda")).any(), "the gate buffer is not re-armed"
     return 0.0
 
 
@@ -196,7 +230,7 @@ def stream(_split: int) -> float:
     return 0.0
 
 
-CASES = {f.__name__: f for f in (k2_nolora, shrink, decode, decode_xq, decode_split2, decode_tt, decode_wide, expand,
+CASES = {f.__name__: f for f in (k2_nolora, shrink, decode, decode_xgate, decode_xq, decode_split2, decode_tt, decode_wide, expand,
                                  k1, expand_hb, expand_ct, k1_hb, k1_wg, prefill_pers, stream)}
 
 if __name__ == "__main__":
