@@ -657,13 +657,7 @@ if cute is not None:
                         cute.arch.mbarrier_arrive(sx_ready)  # every lane (sx_ready counts 32)
                         if lane == 0:
                             if n_quant > 0:
-                                gdim = cute.arch.grid_dim()
-                                total = gdim[0] * gdim[1] * gdim[2]
-                                old = D.atom_add_acqrel_gpu_s32(sync_addr + 4, 1)
-                                if old == total - 1:
-                                    # Every CTA of this grid is past the spin: re-arm for the next call.
-                                    D.st_relaxed_gpu_s32(sync_addr, 0)
-                                    D.st_relaxed_gpu_s32(sync_addr + 4, 0)
+                                self._count_past_spin(sync_addr)
                         cute.arch.sync_warp()
                         # 5. the steady state: weights and x_q of each freed stage.
                         for i in cutlass.range(npre, nloc, unroll=1):
@@ -909,6 +903,18 @@ if cute is not None:
                     self._gate_then_trigger(sx_ready)
 
         @cute.jit
+        def _count_past_spin(self, sync_addr):
+            """One thread per CTA, past its spin on sync[0] (the x_q flag, or the x gate): counts the
+            CTA in sync[1]; the grid's last CTA past the spin re-arms both counters for the next
+            call (every CTA has read sync[0] by then)."""
+            gdim = cute.arch.grid_dim()
+            total = gdim[0] * gdim[1] * gdim[2]
+            old = D.atom_add_acqrel_gpu_s32(sync_addr + 4, 1)
+            if old == total - 1:
+                D.st_relaxed_gpu_s32(sync_addr, 0)
+                D.st_relaxed_gpu_s32(sync_addr + 4, 0)
+
+        @cute.jit
         def _gate_then_trigger(self, sx_ready):
             """xgate builds, every thread once: wait until the consumer has passed the x gate (it
             arrives on sx_ready, unused otherwise by self_quant builds), then trigger the dependents.
@@ -1082,12 +1088,7 @@ if cute is not None:
             if ctid == 0:
                 while D.ld_acquire_gpu_s32(sync_addr) < n_gate:
                     D.nanosleep(32)
-                gdim = cute.arch.grid_dim()
-                total = gdim[0] * gdim[1] * gdim[2]
-                old = D.atom_add_acqrel_gpu_s32(sync_addr + 4, 1)
-                if old == total - 1:
-                    D.st_relaxed_gpu_s32(sync_addr, 0)
-                    D.st_relaxed_gpu_s32(sync_addr + 4, 0)
+                self._count_past_spin(sync_addr)
             cute.arch.barrier(barrier_id=1, number_of_threads=128)
             if ctid < 32:
                 cute.arch.mbarrier_arrive(sx_ready)  # every lane of warp 0 (sx_ready counts 32)
