@@ -263,7 +263,7 @@ def test_gpu_session_script_parses_and_keeps_calls_under_the_device_limit():
     modes = ("hybrid-identity)", "e2e-perf)", "out-variant)", "record)", "tests)", "tt)", "tt-diag)", "layer-parts)", "tests-rest)", "e2e)", "e2e-smoke)", "e2e-rescore)", "verify)", "check)", "k1)", "h-bf16)", "retune)", "prefetch)", "profile)", "fh)",
              "profile-decode)", "decode)", "push-tests)", "push-bench)", "wide-tests)", "wide-bench)", "prefill-k2)",
              "prefill-path)", "race)", "race-tests)", "race-rest)", "stream)", "grouped)", "priority)", "ab)",
-             "warmup-time)", "ttft)")
+             "warmup-time)", "ttft)", "xgate)")
     for mode in modes:
         assert mode in text
     # Each mode's time limits must add up to less than one device call (600 s).

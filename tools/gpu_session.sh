@@ -59,14 +59,14 @@ case $mode in
     unpack_vllm
     # One small chain first (a hang here costs 30 s, not the test file's limit), then racecheck.
     timeout -s KILL 30 python3 tools/kernel_diag.py decode_xgate 1 2>&1 | tail -2 | tee "$OUT/tests.log"
-    timeout -s KILL 90 compute-sanitizer --tool racecheck --report-api-errors no \
+    timeout -s KILL 60 compute-sanitizer --tool racecheck --report-api-errors no \
       python3 tools/kernel_diag.py decode_xgate 1 2>&1 | tail -4 | tee -a "$OUT/tests.log"
-    timeout -s KILL 240 python3 -m pytest -q -m gpu tests/test_lora_linear_gpu.py \
+    timeout -s KILL 180 python3 -m pytest -q -m gpu tests/test_lora_linear_gpu.py \
       -k "xgate or chained or decode_path_matches or bitwise" 2>&1 | tail -5 | tee -a "$OUT/tests.log"
     EPILORA_BENCH_TOKENS=1,2,4,8 EPILORA_BENCH_OURS=no_adapter_chain,decode_sq_chain,decode_sq_xg_chain \
-      timeout -s KILL 150 python3 tools/bench.py --quick --sections layer --out "$OUT/ly" 2>&1 | tail -8
+      timeout -s KILL 110 python3 tools/bench.py --quick --sections layer --out "$OUT/ly" 2>&1 | tail -8
     EPILORA_BENCH_FOREIGN=1 EPILORA_BENCH_TOKENS=1,4 EPILORA_BENCH_OURS=no_adapter_chain,decode_sq_chain,decode_sq_xg_chain \
-      timeout -s KILL 120 python3 tools/bench.py --quick --sections layer --out "$OUT/lyf" 2>&1 | tail -8
+      timeout -s KILL 80 python3 tools/bench.py --quick --sections layer --out "$OUT/lyf" 2>&1 | tail -8
     (cd "$OUT" && tar czf xgate.tgz ly lyf 2> /dev/null && rm -rf ly lyf)
     ;;
   warmup-time)
