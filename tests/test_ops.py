@@ -643,7 +643,9 @@ def test_xgate_pair_on_chained_self_quant_calls(monkeypatch):
     assert seen[0] != seen[1] and seen[0] == seen[2]  # the halves in turn
     assert not any(c.xgate for _, c, *_ in run())  # unchained
     assert not any(c.xgate for _, c, *_ in run(chain_pdl=True, pdl=False))
-    assert not any(c.xgate for _, c, *_ in run(rank=16, chain_pdl=True))  # no xgate build of rank 16
+    run(rank=16, chain_pdl=True)  # (fills rank 16's slot ranks: not chained)
+    rank16 = run(rank=16, chain_pdl=True)
+    assert [(c.xgate, p) for _, c, p, *_ in rank16] == [(False, True), (False, True)]  # chained, no xgate build
     monkeypatch.setenv(k2_gemm.XGATE_ENV, "maybe")
     with pytest.raises(ValueError, match=k2_gemm.XGATE_ENV):
         run(chain_pdl=True)
