@@ -639,6 +639,7 @@ def test_xgate_pair_on_chained_self_quant_calls(monkeypatch):
         assert (fs, fk, cs.xgate, ck.xgate, ps, pk) == (lora_shrink.FAMILY, k2_gemm.FAMILY, True, True, True, True)
         assert gs is not None and gs == gk and nk[-1] == lora_shrink.XGATE_COUNT
         assert ck == k2_gemm.xgate_variant(dataclasses.replace(ck, xgate=False))
+        assert ck in k2_gemm.prebuild_configs() and cs in lora_shrink.prebuild_configs()  # prebuilt, carried
         seen.append(gs)
     assert seen[0] != seen[1] and seen[0] == seen[2]  # the halves in turn
     assert not any(c.xgate for _, c, *_ in run())  # unchained
