@@ -1606,10 +1606,9 @@ def params(config: Config) -> list:
             TensorParam("s_w", f32, 1, align=4),  # [1]
             TensorParam("y", bf16, 2, dynamic_shape=(0, 1), dynamic_stride=(0,), align=16),  # [M, N]
         ]
-        if config.fused_h:
-            p.append(TensorParam("sync", i32, 1, align=8))  # [2]: h's partials published / CTAs done
-        if config.xgate:
-            p.append(TensorParam("sync", i32, 1, align=8))  # [2]: the shrink's gate / CTAs past it
+        if config.fused_h or config.xgate:
+            # [2]: fused_h, h's partials published / CTAs done; xgate, the shrink's gate / CTAs past it
+            p.append(TensorParam("sync", i32, 1, align=8))
         p.append(ScalarParam("n_quant", "i"))  # xgate: the gate's count (1); otherwise unused (0)
     else:
         p += [
